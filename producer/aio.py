@@ -1,0 +1,114 @@
+"""The asyncio client, for async web backends: the same methods, awaitable."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from producer.protocol import (
+    EventCursor,
+    build_request,
+    check_deadline,
+    cancel_args,
+    cancelled,
+    is_end,
+    parse_state,
+    submission,
+    submitted_id,
+    time_slice,
+)
+from shared.keys import Keys
+from shared.redis_conn import connect_async
+from shared.schemas import GenerationRequest, JobState, TokenEvent
+from shared.scripts import Scripts
+from shared.settings import Settings, get_settings
+
+
+class AsyncFleetClient:
+    """``async with AsyncFleetClient(url) as client: ...``; see ``FleetClient``."""
+
+    def __init__(
+        self,
+        url: str | None = None,
+        *,
+        namespace: str | None = None,
+        settings: Settings | None = None,
+    ) -> None:
+        self.settings = settings or get_settings()
+        self.redis = connect_async(url or self.settings.redis_url)
+        self.keys = Keys(namespace or self.settings.namespace)
+        self._scripts = Scripts(self.redis)
+
+    async def __aenter__(self) -> AsyncFleetClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        await self.redis.aclose()
+
+    async def submit(self, prompt: str | GenerationRequest | None = None, /, **kwargs: Any) -> str:
+        request = build_request(prompt, kwargs, self.settings)
+        sub = submission(request, self.keys, self.settings)
+        result = await self._scripts.submit(keys=sub.keys, args=sub.args)
+        return submitted_id(result, request.model, self.settings)
+
+    async def status(self, job_id: str) -> JobState:
+        return parse_state(job_id, await self.redis.hgetall(self.keys.job(job_id)))
+
+    async def cancel(self, job_id: str) -> bool:
+        keys, args = cancel_args(job_id, self.keys, self.settings)
+        return cancelled(await self._scripts.cancel(keys=keys, args=args), job_id)
+
+    async def wait(self, job_id: str, timeout: float | None = None) -> JobState:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        async with self.redis.pubsub() as pubsub:
+            await _subscribe(pubsub, self.keys.events(job_id))
+            while True:
+                state = await self.status(job_id)
+                if state.status.is_terminal:
+                    return state
+                while True:
+                    message = await pubsub.get_message(timeout=time_slice(deadline))
+                    if message is None or is_end(message):
+                        break
+                check_deadline(deadline, job_id)
+
+    async def stream(self, job_id: str, timeout: float | None = None) -> AsyncIterator[TokenEvent]:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        cursor = EventCursor()
+        async with self.redis.pubsub() as pubsub:
+            await _subscribe(pubsub, self.keys.events(job_id))
+            await self._catch_up(job_id, cursor)
+            for event in cursor.take():
+                yield event
+            while not cursor.ended:
+                message = await pubsub.get_message(timeout=time_slice(deadline))
+                if not cursor.feed_message(message):
+                    await self._catch_up(job_id, cursor)
+                for event in cursor.take():
+                    yield event
+                if not cursor.ended:
+                    check_deadline(deadline, job_id)
+
+    async def _catch_up(self, job_id: str, cursor: EventCursor) -> None:
+        log = self.keys.out(job_id)
+        cursor.feed_log(await self.redis.xrange(log, cursor.log_after(), "+"))
+        if cursor.ended:
+            return
+        state = await self.status(job_id)
+        if state.status.is_terminal:
+            cursor.feed_log(await self.redis.xrange(log, cursor.log_after(), "+"))
+            cursor.ended = True
+
+
+async def _subscribe(pubsub: Any, channel: str) -> None:
+    await pubsub.subscribe(channel)
+    while True:
+        message = await pubsub.get_message(ignore_subscribe_messages=False, timeout=5.0)
+        if message is not None and message["type"] == "subscribe":
+            return
+        if message is None:
+            raise TimeoutError(f"no confirmation of the subscription to {channel}")

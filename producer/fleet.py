@@ -1,0 +1,83 @@
+"""The fleet at a glance: queues and workers, as ``tokenfleet status`` shows them."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from redis.exceptions import ResponseError
+
+from shared.keys import GROUP
+from shared.serialization import loads
+
+
+def fleet_status(client: Any) -> dict[str, Any]:
+    """Read every queue's depth and group state and every live worker's heartbeat."""
+    r, keys = client.redis, client.keys
+    now = time.time()
+    queues = []
+    prefix = keys.queue("")
+    for raw in sorted(r.scan_iter(match=keys.queues_pattern(), count=500)):
+        stream = raw.decode()
+        name = stream[len(prefix):]
+        depth = r.xlen(stream)
+        info: dict[str, Any] = {"queue": name, "depth": depth, "pending": 0, "lag": depth,
+                                "oldest_wait_s": None}
+        try:
+            for group in r.xinfo_groups(stream):
+                if group["name"] == GROUP.encode():
+                    info["pending"] = group["pending"]
+                    info["lag"] = group.get("lag")
+        except ResponseError:
+            pass
+        first = r.xrange(stream, "-", "+", count=1)
+        if first:
+            info["oldest_wait_s"] = round(now - int(first[0][0].split(b"-")[0]) / 1000, 3)
+        queues.append(info)
+    workers = []
+    for raw in sorted(r.scan_iter(match=keys.workers_pattern(), count=500)):
+        fields = {k.decode(): v.decode() for k, v in r.hgetall(raw).items()}
+        if not fields:
+            continue
+        stats = loads(fields.pop("stats", "{}"))
+        workers.append({**fields, "stats": stats,
+                        "age_s": round(now - float(fields.get("last_seen", now)), 2)})
+    served = {w.get("queue") for w in workers}
+    for q in queues:
+        q["workers"] = sum(1 for w in workers if w.get("queue") == q["queue"])
+        q["unserved"] = q["queue"] not in served
+    return {
+        "queues": queues,
+        "workers": workers,
+        "tokens_per_s": round(sum(float(w["stats"].get("tokens_per_s", 0)) for w in workers), 2),
+        "at": now,
+    }
+
+
+def render(report: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    queues = Table(title="queues")
+    for col in ("queue", "depth", "lag", "pending", "oldest wait", "workers"):
+        queues.add_column(col)
+    for q in report["queues"]:
+        wait = "-" if q["oldest_wait_s"] is None else f"{q['oldest_wait_s']:.1f}s"
+        workers = str(q["workers"]) if q["workers"] else "[red]none[/red]"
+        queues.add_row(q["queue"], str(q["depth"]), str(q["lag"]), str(q["pending"]), wait,
+                       workers)
+    console.print(queues)
+    workers = Table(title="workers")
+    for col in ("node", "device", "model", "queue", "batch", "peak", "tokens/s", "jobs",
+                "heartbeat"):
+        workers.add_column(col)
+    for w in report["workers"]:
+        stats = w["stats"]
+        jobs = ", ".join(f"{k} {v}" for k, v in sorted(stats.get("jobs", {}).items())) or "-"
+        workers.add_row(w.get("name", "?"), w.get("device", "?"), w.get("model", "?"),
+                        w.get("queue", "?"), f"{w.get('running', 0)}/{w.get('max_batch', '?')}",
+                        str(stats.get("peak_batch", 0)), f"{stats.get('tokens_per_s', 0):.1f}",
+                        jobs, f"{w['age_s']:.1f}s ago")
+    console.print(workers)
+    console.print(f"fleet throughput: {report['tokens_per_s']:.1f} tokens/s")

@@ -1,0 +1,186 @@
+"""What the sync and asyncio clients share: how a request becomes Redis writes,
+and how a job's token log and live channel become one ordered event sequence.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from shared.errors import JobNotFound, QueueFull
+from shared.keys import Keys
+from shared.schemas import (
+    EndEvent,
+    FinishReason,
+    GenerationRequest,
+    JobState,
+    JobStatus,
+    QueueEntry,
+    SamplingParams,
+    TokenEvent,
+)
+from shared.serialization import dumps, end_event, parse_event
+from shared.settings import Settings
+
+SAMPLING_FIELDS = frozenset(SamplingParams.model_fields)
+REQUEST_FIELDS = frozenset(GenerationRequest.model_fields) - {"prompt", "sampling"}
+
+# A subscriber that hears nothing for this long re-reads the token log and the
+# record, so a lost pub/sub message (a dropped connection, a Redis restart)
+# delays it by at most this much and never loses a token.
+RECHECK_S = 1.0
+
+
+def build_request(
+    prompt: str | GenerationRequest | None, kwargs: dict[str, Any], settings: Settings
+) -> GenerationRequest:
+    """Validate what the caller gave (``pydantic.ValidationError`` if it is wrong)."""
+    if isinstance(prompt, GenerationRequest):
+        if kwargs:
+            raise TypeError("pass either a GenerationRequest or keyword arguments, not both")
+        # Re-validate: the object may have been built without this fleet's limits.
+        return GenerationRequest.model_validate(
+            prompt.model_dump(), context={"settings": settings}
+        )
+    unknown = set(kwargs) - SAMPLING_FIELDS - REQUEST_FIELDS
+    if unknown:
+        raise TypeError(f"unknown argument(s) to submit: {', '.join(sorted(unknown))}")
+    data: dict[str, Any] = {k: v for k, v in kwargs.items() if k in REQUEST_FIELDS}
+    data["sampling"] = {k: v for k, v in kwargs.items() if k in SAMPLING_FIELDS}
+    if prompt is not None:
+        data["prompt"] = prompt
+    return GenerationRequest.model_validate(data, context={"settings": settings})
+
+
+@dataclass(frozen=True)
+class Submission:
+    job_id: str
+    keys: list[str]
+    args: list[Any]
+
+
+def submission(request: GenerationRequest, keys: Keys, settings: Settings) -> Submission:
+    job_id = uuid.uuid4().hex
+    now = time.time()
+    deadline_at = now + request.deadline_s if request.deadline_s else None
+    entry = QueueEntry(job_id=job_id, request=request, created_at=now, deadline_at=deadline_at)
+    record: dict[str, Any] = {
+        "id": job_id,
+        "status": JobStatus.QUEUED.value,
+        "model": request.model,
+        "priority": request.priority,
+        "created_at": repr(now),
+        "attempts": 0,
+        "metadata": dumps(request.metadata),
+        "request": request.model_dump_json(),
+    }
+    if deadline_at is not None:
+        record["deadline_at"] = repr(deadline_at)
+    idem = request.idempotency_key
+    flat = [x for pair in record.items() for x in pair]
+    return Submission(
+        job_id=job_id,
+        keys=[keys.queue(request.model), keys.job(job_id), keys.idempotency(idem or "-")],
+        args=[
+            job_id,
+            entry.model_dump_json(),
+            settings.max_queue,
+            settings.idempotency_ttl_s,
+            "1" if idem else "0",
+            *flat,
+        ],
+    )
+
+
+def submitted_id(result: list[bytes], queue: str, settings: Settings) -> str:
+    verdict, value = result[0].decode(), result[1].decode()
+    if verdict == "full":
+        raise QueueFull(queue, int(value), settings.max_queue)
+    return value  # 'ok' or 'dup': the id of the job that runs
+
+
+def cancel_args(job_id: str, keys: Keys, settings: Settings) -> tuple[list[str], list[Any]]:
+    return (
+        [keys.job(job_id), keys.out(job_id), keys.events(job_id)],
+        [
+            repr(time.time()),
+            settings.result_ttl_s,
+            end_event(JobStatus.CANCELLED, FinishReason.CANCELLED, None),
+            keys.cancels,
+            job_id,
+        ],
+    )
+
+
+def cancelled(result: bytes | str, job_id: str) -> bool:
+    verdict = result.decode() if isinstance(result, bytes) else result
+    if verdict == "missing":
+        raise JobNotFound(job_id)
+    return verdict in ("cancelled", "requested")
+
+
+def parse_state(job_id: str, fields: dict[bytes, bytes]) -> JobState:
+    if not fields:
+        raise JobNotFound(job_id)
+    return JobState.from_redis({k.decode(): v.decode() for k, v in fields.items()})
+
+
+@dataclass
+class EventCursor:
+    """Merges the replay log and live messages into one gap-free, duplicate-free
+    sequence of token events, ending at the job's end event."""
+
+    next_index: int = 0
+    ended: bool = False
+    pending: list[TokenEvent] = field(default_factory=list)
+
+    def log_after(self) -> str:
+        """Exclusive XRANGE start for what this cursor has not yet seen."""
+        return f"(0-{self.next_index}"
+
+    def feed(self, payload: bytes | str) -> bool:
+        """Take one event; return False when it leaves a gap (re-read the log)."""
+        event = parse_event(payload)
+        if isinstance(event, EndEvent):
+            self.ended = True
+            return True
+        if event.index + len(event.token_ids) <= self.next_index:
+            return True  # seen already, from the log or a redelivery
+        if event.index > self.next_index:
+            return False  # a message was lost in between: the log has it
+        self.pending.append(event)
+        self.next_index = event.index + len(event.token_ids)
+        return True
+
+    def feed_log(self, entries: list[tuple[bytes, dict[bytes, bytes]]]) -> None:
+        for _id, fields in entries:
+            self.feed(fields[b"e"])
+
+    def feed_message(self, message: dict[str, Any] | None) -> bool:
+        """Take a pub/sub message (None on a quiet interval); False asks for a re-read."""
+        if message is None or message.get("type") != "message":
+            return message is not None
+        return self.feed(message["data"])
+
+    def take(self) -> list[TokenEvent]:
+        out, self.pending = self.pending, []
+        return out
+
+
+def is_end(message: dict[str, Any]) -> bool:
+    """Cheap test on the hot path of ``wait``: does this message end the job?"""
+    return message.get("type") == "message" and b'"k":"end"' in message["data"]
+
+
+def time_slice(deadline: float | None) -> float:
+    """How long one wait for a message may block: until the next recheck or the deadline."""
+    if deadline is None:
+        return RECHECK_S
+    return max(0.0, min(RECHECK_S, deadline - time.monotonic()))
+
+
+def check_deadline(deadline: float | None, job_id: str) -> None:
+    if deadline is not None and time.monotonic() >= deadline:
+        raise TimeoutError(f"job {job_id} did not end in time")

@@ -1,0 +1,1 @@
+"""Pieces both sides of the fleet share: wire types, settings, Redis keys and scripts, models."""

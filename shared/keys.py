@@ -1,0 +1,57 @@
+"""Every Redis key and channel name the fleet uses, in one place."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# The consumer group every worker of a queue joins.
+GROUP = "workers"
+
+
+@dataclass(frozen=True)
+class Keys:
+    namespace: str = "tokenfleet"
+
+    def queue(self, model: str) -> str:
+        """Stream of queued jobs for one model (queue name)."""
+        return f"{self.namespace}:q:{model}"
+
+    def queues_pattern(self) -> str:
+        return f"{self.namespace}:q:*"
+
+    def job(self, job_id: str) -> str:
+        """Hash: the job record."""
+        return f"{self.namespace}:job:{job_id}"
+
+    def out(self, job_id: str) -> str:
+        """Stream: the job's token log, for replay by late subscribers."""
+        return f"{self.namespace}:out:{job_id}"
+
+    def events(self, job_id: str) -> str:
+        """Pub/sub channel: live events of one job."""
+        return f"{self.namespace}:ev:{job_id}"
+
+    @property
+    def dlq(self) -> str:
+        """Stream: jobs that failed past their retries or could not be parsed."""
+        return f"{self.namespace}:dlq"
+
+    def worker(self, name: str) -> str:
+        """Hash with a TTL: heartbeat and stats of one worker process."""
+        return f"{self.namespace}:workers:{name}"
+
+    def workers_pattern(self) -> str:
+        return f"{self.namespace}:workers:*"
+
+    def idempotency(self, key: str) -> str:
+        return f"{self.namespace}:idem:{key}"
+
+    @property
+    def cancels(self) -> str:
+        """Pub/sub channel: ids of running jobs whose cancel was asked for."""
+        return f"{self.namespace}:cancels"
+
+    @property
+    def celery_prefix(self) -> str:
+        """Prefix of Celery's own keys (its broker queues, pidbox)."""
+        return f"{self.namespace}:celery:"

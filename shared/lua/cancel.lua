@@ -1,0 +1,22 @@
+-- Cancel a job. A queued one ends here and now; a running one is flagged and its
+-- worker told on the cancels channel (it leaves the batch within one step).
+-- KEYS: 1 job hash, 2 token log, 3 event channel
+-- ARGV: 1 now, 2 result TTL, 3 end event JSON, 4 cancels channel, 5 job id
+local status = redis.call('HGET', KEYS[1], 'status')
+if not status then return 'missing' end
+if status == 'queued' then
+  redis.call('HSET', KEYS[1], 'status', 'cancelled', 'finish_reason', 'cancelled',
+             'finished_at', ARGV[1])
+  redis.call('EXPIRE', KEYS[1], ARGV[2])
+  -- '1-0' sorts after every token entry ('0-<index+1>'): the end is always last.
+  redis.pcall('XADD', KEYS[2], '1-0', 'e', ARGV[3])
+  redis.call('EXPIRE', KEYS[2], ARGV[2])
+  redis.call('PUBLISH', KEYS[3], ARGV[3])
+  return 'cancelled'
+end
+if status == 'running' then
+  redis.call('HSET', KEYS[1], 'cancel', '1')
+  redis.call('PUBLISH', ARGV[4], ARGV[5])
+  return 'requested'
+end
+return status

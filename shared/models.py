@@ -1,0 +1,72 @@
+"""Model loading: any Hugging Face causal LM directory, or one of the built-in names.
+
+Everything goes through ``from_pretrained``, the built-in models included, so
+the tests exercise the same loading code a user's model takes. Nothing is
+downloaded unless the name is a hub id and the environment allows it.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+from shared import tiny
+
+BUILTIN = ("tiny", *tiny.VARIANTS)
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(root) / "tokenfleet"
+
+
+def resolve(name: str) -> str:
+    """The directory (or hub id) that ``from_pretrained`` gets for a model name."""
+    if name == "tiny":
+        if not (tiny.SHIPPED / "config.json").exists():
+            return resolve("tiny-random")  # a checkout without the trained weights
+        return str(tiny.SHIPPED)
+    if name in tiny.VARIANTS:
+        path = cache_dir() / name
+        if not (path / "model.safetensors").exists():
+            tmp = path.with_name(f"{name}.tmp{os.getpid()}")
+            tiny.write_random(tmp, width=tiny.VARIANTS[name])
+            shutil.rmtree(path, ignore_errors=True)
+            os.replace(tmp, path)  # atomic: concurrent workers never see half a model
+        return str(path)
+    return name
+
+
+def export(name: str, out: Path) -> Path:
+    """Write a built-in model as a standard Hugging Face directory."""
+    if name not in BUILTIN:
+        raise ValueError(f"unknown built-in model {name!r}; built-in: {', '.join(BUILTIN)}")
+    shutil.copytree(resolve(name), out, dirs_exist_ok=True)
+    return out
+
+
+def torch_dtype(name: str, device: str) -> Any:
+    import torch
+
+    if name == "auto":
+        # Half precision only where it is fast; the CPU computes in float32.
+        return torch.bfloat16 if device.startswith("cuda") else torch.float32
+    return getattr(torch, name)
+
+
+def load(name: str, device: str = "cpu", dtype: str = "auto") -> tuple[Any, Any]:
+    """Load (model, tokenizer) for serving: eval mode, on ``device``."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # a worker's log is not a terminal
+    path = resolve(name)
+    offline = not Path(path).exists()  # a hub id: only if the user allows downloads
+    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=not offline)
+    model = AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch_dtype(dtype, device), local_files_only=not offline
+    )
+    model.to(device).eval()
+    return model, tokenizer

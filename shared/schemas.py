@@ -1,0 +1,225 @@
+"""Wire types: everything that crosses Redis is one of these, as JSON.
+
+Limits that depend on deployment (prompt size, max_new_tokens, payload size)
+come from :class:`shared.settings.Settings`; pass ``context={"settings": s}`` to
+``model_validate`` to check against other limits than the process-wide ones.
+"""
+
+from __future__ import annotations
+
+import enum
+import re
+from typing import Any, Literal
+
+import orjson
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
+
+from shared.settings import Settings, get_settings
+
+QUEUE_NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
+
+
+def _limits(info: ValidationInfo) -> Settings:
+    context = info.context if isinstance(info.context, dict) else {}
+    settings = context.get("settings")
+    return settings if isinstance(settings, Settings) else get_settings()
+
+
+class _Wire(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=False)
+
+
+class SamplingParams(_Wire):
+    """How one job samples; every job in a batch keeps its own."""
+
+    max_new_tokens: int = Field(default=64, ge=1)
+    temperature: float = Field(default=1.0, ge=0.0, le=100.0, description="0 is greedy")
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    top_k: int = Field(default=0, ge=0, description="0 keeps every token")
+    seed: int | None = Field(default=None, ge=0, lt=2**63)
+    stop: list[str] = Field(default_factory=list)
+    repetition_penalty: float = Field(default=1.0, gt=0.0, le=10.0)
+
+    @field_validator("max_new_tokens")
+    @classmethod
+    def _max_new_tokens_within_limit(cls, value: int, info: ValidationInfo) -> int:
+        limit = _limits(info).max_new_tokens_limit
+        if value > limit:
+            raise ValueError(
+                f"max_new_tokens is {value}, above this fleet's limit of {limit} "
+                "(TOKENFLEET_MAX_NEW_TOKENS_LIMIT)"
+            )
+        return value
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_strings_bounded(cls, value: list[str], info: ValidationInfo) -> list[str]:
+        limit = _limits(info).max_stop_strings
+        if len(value) > limit:
+            raise ValueError(f"{len(value)} stop strings given, at most {limit} are allowed")
+        for s in value:
+            if not s or len(s) > 128:
+                raise ValueError("each stop string must be 1 to 128 characters long")
+        return value
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+class ChatMessage(_Wire):
+    role: Literal["system", "user", "assistant", "tool"]
+    content: str
+
+
+Priority = Literal["high", "normal", "low"]
+
+
+class GenerationRequest(_Wire):
+    """One text-generation job as a producer asks for it."""
+
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    sampling: SamplingParams = Field(default_factory=SamplingParams)
+    model: str = "default"
+    priority: Priority = "normal"
+    deadline_s: float | None = Field(default=None, gt=0.0, description="seconds from submit")
+    idempotency_key: str | None = Field(default=None, min_length=1, max_length=128)
+    metadata: dict[str, Any] = Field(default_factory=dict)
+
+    @field_validator("model")
+    @classmethod
+    def _queue_name(cls, value: str) -> str:
+        if not QUEUE_NAME.match(value):
+            raise ValueError(
+                "model (the queue name) must be 1 to 64 letters, digits, '_', '.' or '-'"
+            )
+        return value
+
+    @model_validator(mode="after")
+    def _one_input_within_limits(self, info: ValidationInfo) -> GenerationRequest:
+        limits = _limits(info)
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of prompt or messages")
+        if self.prompt is not None and not self.prompt:
+            raise ValueError("prompt is empty")
+        if self.messages is not None and not self.messages:
+            raise ValueError("messages is empty")
+        chars = len(self.prompt or "") + sum(len(m.content) for m in self.messages or [])
+        if chars > limits.max_prompt_chars:
+            raise ValueError(
+                f"prompt is {chars} characters, above this fleet's limit of "
+                f"{limits.max_prompt_chars} (TOKENFLEET_MAX_PROMPT_CHARS)"
+            )
+        meta_bytes = len(orjson.dumps(self.metadata))
+        if meta_bytes > limits.max_metadata_bytes:
+            raise ValueError(
+                f"metadata is {meta_bytes} bytes as JSON, above the limit of "
+                f"{limits.max_metadata_bytes} (TOKENFLEET_MAX_METADATA_BYTES)"
+            )
+        payload = len(self.model_dump_json())
+        if payload > limits.max_payload_bytes:
+            raise ValueError(
+                f"request is {payload} bytes as JSON, above the limit of "
+                f"{limits.max_payload_bytes} (TOKENFLEET_MAX_PAYLOAD_BYTES)"
+            )
+        return self
+
+
+class JobStatus(str, enum.Enum):
+    """Ordered like a job's life: everything after RUNNING is final."""
+
+    QUEUED = "queued"
+    RUNNING = "running"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+    EXPIRED = "expired"
+
+    @property
+    def is_terminal(self) -> bool:
+        return self not in (JobStatus.QUEUED, JobStatus.RUNNING)
+
+
+class FinishReason(str, enum.Enum):
+    LENGTH = "length"
+    STOP = "stop"
+    EOS = "eos"
+    CANCELLED = "cancelled"
+    ERROR = "error"
+    DEADLINE = "deadline"
+
+
+# Hash fields of the job record that hold JSON rather than a plain string.
+JSON_FIELDS = ("token_ids", "metadata", "request")
+
+
+class JobState(BaseModel):
+    """The stored record of one job, as ``status`` returns it."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    id: str
+    status: JobStatus
+    model: str = "default"
+    priority: Priority = "normal"
+    text: str = ""
+    token_ids: list[int] = Field(default_factory=list)
+    finish_reason: FinishReason | None = None
+    error: str | None = None
+    attempts: int = 0
+    worker: str | None = None
+    num_prompt_tokens: int | None = None
+    metadata: dict[str, Any] = Field(default_factory=dict)
+    created_at: float | None = None
+    started_at: float | None = None
+    first_token_at: float | None = None
+    finished_at: float | None = None
+    deadline_at: float | None = None
+
+    @classmethod
+    def from_redis(cls, fields: dict[str, str]) -> JobState:
+        """Parse a job hash as HGETALL returns it (decoded strings)."""
+        data: dict[str, Any] = {k: v for k, v in fields.items() if v != ""}
+        for name in JSON_FIELDS:
+            if name in data:
+                data[name] = orjson.loads(data[name])
+        return cls.model_validate(data)
+
+
+class TokenEvent(BaseModel):
+    """Tokens a job produced, in order: ``index`` is the position of the first one.
+
+    ``text`` is what these tokens add to the job's text; it may be empty while a
+    token ends inside a UTF-8 sequence (held back until it decodes cleanly).
+    """
+
+    index: int
+    token_ids: list[int]
+    text: str
+
+
+class EndEvent(BaseModel):
+    """The last event of a job: its final status."""
+
+    status: JobStatus
+    finish_reason: FinishReason | None = None
+    error: str | None = None
+
+
+class QueueEntry(BaseModel):
+    """What a stream entry carries: the job id and the request it runs."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    job_id: str = Field(min_length=1, max_length=64)
+    request: GenerationRequest
+    created_at: float
+    deadline_at: float | None = None

@@ -1,0 +1,46 @@
+"""JSON in and out of Redis: the only encoding the fleet puts on the wire.
+
+Events on a job's token log and channel are small JSON objects with a kind
+``k``: ``tok`` for a :class:`TokenEvent`, ``end`` for an :class:`EndEvent`.
+They are built as plain dicts on the worker (the hot path), parsed into the
+pydantic types on the client.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+
+from shared.schemas import EndEvent, FinishReason, JobStatus, TokenEvent
+
+dumps = orjson.dumps
+
+
+def loads(data: bytes | str) -> Any:
+    return orjson.loads(data)
+
+
+def token_event(index: int, token_ids: list[int], text: str) -> bytes:
+    return orjson.dumps({"k": "tok", "index": index, "token_ids": token_ids, "text": text})
+
+
+def end_event(status: JobStatus, finish_reason: FinishReason | None, error: str | None) -> bytes:
+    return orjson.dumps(
+        {
+            "k": "end",
+            "status": status.value,
+            "finish_reason": finish_reason.value if finish_reason else None,
+            "error": error,
+        }
+    )
+
+
+def parse_event(data: bytes | str) -> TokenEvent | EndEvent:
+    obj = orjson.loads(data)
+    kind = obj.pop("k", None)
+    if kind == "tok":
+        return TokenEvent.model_validate(obj)
+    if kind == "end":
+        return EndEvent.model_validate(obj)
+    raise ValueError(f"unknown event kind {kind!r}")

@@ -1,0 +1,59 @@
+"""One settings object for the whole fleet, read from the environment once.
+
+Every knob lives here so that a producer, a worker and the CLI agree on names,
+defaults and limits. Environment variables are ``TOKENFLEET_<FIELD>``.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="TOKENFLEET_", extra="ignore")
+
+    # Where and under which key prefix the fleet lives.
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    namespace: str = "tokenfleet"
+
+    # What a worker serves and on what.
+    model: str = "tiny"
+    queue: str = "default"
+    device: str = "cpu"
+    dtype: str = "auto"
+    torch_threads: int = Field(default=0, ge=0, description="0 keeps torch's own choice")
+
+    # Engine shape: how many sequences decode together, how many extra jobs a
+    # worker may hold beyond its free slots (prefetch), and how long the feeder
+    # blocks on an empty stream before it looks again.
+    max_batch: int = Field(default=32, ge=1, le=4096)
+    prefetch: int = Field(default=4, ge=0, le=4096)
+    block_ms: int = Field(default=200, ge=1)
+
+    # Admission limits, enforced by the producer and again by the worker.
+    max_queue: int = Field(default=10_000, ge=1)
+    max_prompt_chars: int = Field(default=32_000, ge=1)
+    max_prompt_tokens: int = Field(default=2048, ge=1)
+    max_new_tokens_limit: int = Field(default=1024, ge=1)
+    max_payload_bytes: int = Field(default=256_000, ge=1)
+    max_stop_strings: int = Field(default=8, ge=0)
+    max_metadata_bytes: int = Field(default=4096, ge=0)
+
+    # Reliability.
+    max_attempts: int = Field(default=3, ge=1)
+    claim_idle_s: float = Field(default=30.0, gt=0)
+    heartbeat_s: float = Field(default=2.0, gt=0)
+    drain_grace_s: float = Field(default=30.0, ge=0)
+
+    # How long finished records, token logs and idempotency keys stay readable.
+    result_ttl_s: int = Field(default=24 * 3600, ge=1)
+    idempotency_ttl_s: int = Field(default=24 * 3600, ge=1)
+
+
+@lru_cache(maxsize=1)
+def get_settings() -> Settings:
+    """The process-wide settings, read from the environment on first use."""
+    return Settings()

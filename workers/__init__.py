@@ -1,0 +1,1 @@
+"""The worker side: Celery app, engine, scheduler, model runners, GPU pinning."""

@@ -1,0 +1,62 @@
+"""Turning a queue entry into a sequence the engine can run: tokenize and check.
+
+Requests were validated by the producer, but the worker checks again what only
+it can know (the prompt's length in this model's tokens, the chat template) and
+what it must not trust (a producer with other limits, a hand-written entry).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from shared.schemas import GenerationRequest, QueueEntry
+from shared.settings import Settings
+from workers.detokenizer import TextStream
+from workers.sequence import Sequence
+
+
+class Rejected(Exception):
+    """The request cannot run on this worker; the message says why."""
+
+
+class Admission:
+    def __init__(self, tokenizer: Any, settings: Settings, max_model_len: int) -> None:
+        self.tokenizer = tokenizer
+        self.settings = settings
+        self.max_model_len = max_model_len
+
+    def prompt_ids(self, request: GenerationRequest) -> list[int]:
+        if request.messages is not None:
+            if not getattr(self.tokenizer, "chat_template", None):
+                raise Rejected("this model has no chat template: send a prompt, not messages")
+            messages = [m.model_dump() for m in request.messages]
+            ids = self.tokenizer.apply_chat_template(
+                messages, add_generation_prompt=True, tokenize=True, return_dict=False
+            )
+        else:
+            ids = self.tokenizer(request.prompt)["input_ids"]
+        ids = list(ids)
+        limit = min(self.settings.max_prompt_tokens, self.max_model_len - 1)
+        if len(ids) > limit:
+            raise Rejected(
+                f"prompt is {len(ids)} tokens, above this worker's limit of {limit} "
+                f"(TOKENFLEET_MAX_PROMPT_TOKENS, model length {self.max_model_len})"
+            )
+        return ids
+
+    def sequence(self, entry: QueueEntry, entry_id: str, attempt: int) -> Sequence:
+        request = entry.request
+        # Re-check the producer's limits against this worker's settings.
+        request = GenerationRequest.model_validate(
+            request.model_dump(), context={"settings": self.settings}
+        )
+        return Sequence(
+            job_id=entry.job_id,
+            prompt_ids=self.prompt_ids(request),
+            sampling=request.sampling,
+            text=TextStream(self.tokenizer, request.sampling.stop),
+            attempt=attempt,
+            entry_id=entry_id,
+            queue=request.model,
+            deadline_at=entry.deadline_at,
+        )

@@ -1,0 +1,33 @@
+"""The Celery app: ``celery -A workers.app worker -P solo -c 1 -n gpu0@%h``.
+
+Celery gives the fleet its process model, node names, remote control and
+monitoring events; the jobs themselves flow through the engine's own stream
+(see ``workers.feeder``), not through Celery tasks. Only JSON is accepted.
+"""
+
+from __future__ import annotations
+
+from celery import Celery
+
+from shared.keys import Keys
+from shared.settings import get_settings
+from workers.bootstep import EngineStep
+
+_settings = get_settings()
+
+app = Celery("tokenfleet")
+app.conf.update(
+    broker_url=_settings.redis_url,
+    broker_connection_retry_on_startup=True,
+    broker_transport_options={"global_keyprefix": Keys(_settings.namespace).celery_prefix},
+    task_serializer="json",
+    result_serializer="json",
+    event_serializer="json",
+    accept_content=["json"],
+    result_accept_content=["json"],
+    worker_prefetch_multiplier=1,
+    worker_send_task_events=False,
+)
+app.steps["worker"].add(EngineStep)
+
+import workers.control  # noqa: E402,F401  (registers the inspect/control commands)

@@ -1,0 +1,46 @@
+"""The Celery bootstep that runs the engine inside each worker process."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from celery import bootsteps
+
+from shared.settings import get_settings
+
+log = logging.getLogger(__name__)
+
+
+class EngineStep(bootsteps.StartStopStep):
+    """Loads the model at worker start, drains on warm shutdown.
+
+    The consumer name in the stream's group is the Celery node name
+    (``gpu0@host``): stable per host and GPU, so a restarted process first
+    re-reads the entries its predecessor held.
+    """
+
+    label = "tokenfleet engine"
+
+    def __init__(self, parent: Any, **kwargs: Any) -> None:
+        super().__init__(parent, **kwargs)
+        self.worker: Any = None
+
+    def start(self, parent: Any) -> None:
+        from workers.build import build_worker
+
+        self.worker = build_worker(get_settings(), name=parent.hostname)
+        parent.tokenfleet = self.worker  # for the remote-control commands
+        self.worker.start()
+
+    def stop(self, parent: Any) -> None:
+        if self.worker is not None:
+            log.info("draining: finishing jobs in flight (grace %.0fs)",
+                     self.worker.settings.drain_grace_s)
+            self.worker.stop()
+            self.worker = None
+
+    def terminate(self, parent: Any) -> None:
+        if self.worker is not None:
+            self.worker.stop(grace_s=0)
+            self.worker = None

@@ -1,0 +1,40 @@
+"""Remote control: ``celery -A workers.app inspect engine_stats``, ``... control drain``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from celery.worker.control import control_command, inspect_command
+
+
+def _engine(state: Any) -> Any:
+    return getattr(state.consumer.controller, "tokenfleet", None)
+
+
+@inspect_command()
+def engine_stats(state: Any) -> dict[str, Any]:
+    """The engine's figures: batch in use, peak batch, tokens, jobs by status."""
+    worker = _engine(state)
+    if worker is None:
+        return {"error": "engine not started"}
+    return worker.describe()
+
+
+@control_command()
+def drain(state: Any) -> dict[str, Any]:
+    """Stop taking new jobs; the running ones finish."""
+    worker = _engine(state)
+    if worker is None:
+        return {"error": "engine not started"}
+    worker.feeder.paused.set()
+    return {"ok": "draining"}
+
+
+@control_command()
+def resume(state: Any) -> dict[str, Any]:
+    """Take new jobs again after a drain."""
+    worker = _engine(state)
+    if worker is None:
+        return {"error": "engine not started"}
+    worker.feeder.paused.clear()
+    return {"ok": "resumed"}

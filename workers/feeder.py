@@ -1,0 +1,221 @@
+"""The intake: reads a queue's stream through the consumer group, with credits.
+
+A worker asks for at most ``credits`` entries: its free batch slots plus
+``prefetch``. So it never hoards jobs another worker could start now, and the
+engine never waits on Redis for its next prefill. On start it first re-reads
+its own pending entries (a restarted process resumes what it had), and now and
+then it reclaims entries that a dead consumer left idle for ``claim_idle_s``.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from pydantic import ValidationError
+from redis.exceptions import ConnectionError, ResponseError, TimeoutError
+
+from shared.keys import GROUP, Keys
+from shared.schemas import FinishReason, JobStatus, QueueEntry
+from shared.scripts import Scripts
+from shared.serialization import loads
+from shared.settings import Settings
+from workers.admission import Admission, Rejected
+from workers.publisher import Ending, Publisher
+from workers.sequence import Sequence
+
+log = logging.getLogger(__name__)
+
+Entry = tuple[bytes, dict[bytes, bytes] | None]
+
+
+class Feeder:
+    def __init__(
+        self,
+        redis: Any,
+        keys: Keys,
+        settings: Settings,
+        consumer: str,
+        queue: str,
+        admission: Admission,
+        publisher: Publisher,
+        sink: Callable[[list[Sequence]], None],
+        credits: Callable[[], int],
+    ) -> None:
+        self.redis = redis
+        self.keys = keys
+        self.settings = settings
+        self.consumer = consumer
+        self.queue = queue
+        self.stream = keys.queue(queue)
+        self.admission = admission
+        self.publisher = publisher
+        self.sink = sink
+        self.credits = credits
+        self.scripts = Scripts(redis)
+        self.slots_freed = threading.Event()
+        self.paused = threading.Event()  # set: read nothing new (drain)
+        self._last_reclaim = 0.0
+
+    def ensure_group(self) -> None:
+        try:
+            # From the beginning: finished entries are deleted, so whatever is
+            # still in the stream is waiting for a worker.
+            self.redis.xgroup_create(self.stream, GROUP, id="0", mkstream=True)
+        except ResponseError as exc:
+            if "BUSYGROUP" not in str(exc):
+                raise
+
+    def run(self, stop: threading.Event) -> None:
+        backoff = 0.05
+        own_pending = True
+        while not stop.is_set():
+            try:
+                if own_pending:
+                    self.ensure_group()
+                    self._take_own_pending()
+                    own_pending = False
+                self._feed_once()
+                backoff = 0.05
+            except (ConnectionError, TimeoutError, OSError) as exc:
+                log.warning("redis unavailable for the feeder (%s); retrying in %.2fs", exc, backoff)
+                stop.wait(backoff)
+                backoff = min(backoff * 2, 2.0)
+                own_pending = True  # the group may be gone with a restarted Redis
+            except Exception:  # never let one bad batch stop the intake
+                log.exception("feeder error")
+                stop.wait(0.5)
+
+    def _feed_once(self) -> None:
+        credits = self.credits()
+        if credits <= 0 or self.paused.is_set():
+            self.slots_freed.wait(0.05)
+            self.slots_freed.clear()
+            return
+        now = time.monotonic()
+        if now - self._last_reclaim >= self.settings.claim_idle_s / 2:
+            self._last_reclaim = now
+            if self._reclaim(credits):
+                return
+        reply = self.redis.xreadgroup(
+            GROUP, self.consumer, {self.stream: ">"}, count=credits, block=self.settings.block_ms
+        )
+        for _stream, entries in reply or []:
+            self.take(entries)
+
+    def _take_own_pending(self) -> None:
+        """Entries this consumer name held when its process died: run them again."""
+        start = "0"
+        while True:
+            reply = self.redis.xreadgroup(GROUP, self.consumer, {self.stream: start}, count=100)
+            entries = reply[0][1] if reply else []
+            if not entries:
+                return
+            self.take(entries)
+            start = entries[-1][0]
+
+    def _reclaim(self, credits: int) -> bool:
+        """Take over entries a dead consumer left idle; True if any came."""
+        idle_ms = int(self.settings.claim_idle_s * 1000)
+        reply = self.redis.xautoclaim(self.stream, GROUP, self.consumer, idle_ms,
+                                      start_id="0-0", count=credits)
+        entries = reply[1] if reply else []
+        if entries:
+            log.info("reclaimed %d idle entries of %s", len(entries), self.stream)
+            self.take(entries)
+        return bool(entries)
+
+    def take(self, entries: list[Entry]) -> None:
+        """Own, check and hand over entries read from the stream."""
+        parsed: list[tuple[str, QueueEntry]] = []
+        for raw_id, fields in entries:
+            entry_id = raw_id.decode()
+            if fields is None:  # deleted while pending: nothing left to run
+                self.redis.xack(self.stream, GROUP, entry_id)
+                continue
+            try:
+                parsed.append((entry_id, QueueEntry.model_validate_json(fields[b"data"])))
+            except (KeyError, ValueError, ValidationError) as exc:
+                self.publisher.dead_letter(self.queue, entry_id, fields, _reason(exc))
+        if not parsed:
+            return
+        verdicts = self.scripts.start(
+            keys=[self.keys.job(e.job_id) for _, e in parsed],
+            args=[self.consumer, repr(time.time())],
+        )
+        ready: list[Sequence] = []
+        endings: list[Ending] = []
+        for (entry_id, entry), verdict in zip(parsed, verdicts):
+            outcome = self._admit(entry_id, entry, verdict)
+            if isinstance(outcome, Sequence):
+                ready.append(outcome)
+            elif outcome is not None:
+                endings.append(outcome)
+        if endings:
+            self.publisher.end(endings)
+        if ready:
+            self.sink(ready)
+
+    def _admit(self, entry_id: str, entry: QueueEntry, verdict: list[Any]) -> Sequence | Ending | None:
+        status = verdict[0].decode()
+        end = _EndingFor(entry, entry_id)
+        if status == "missing":
+            self.publisher.dead_letter(self.queue, entry_id, {"data": entry.model_dump_json()},
+                                       "no job record: it expired or was never written")
+            return None
+        if status != "run":
+            return end(None, JobStatus(status))  # ended while queued: just acknowledge
+        attempt, cancel = int(verdict[1]), verdict[2] == b"1"
+        if cancel:
+            return end(attempt, JobStatus.CANCELLED, FinishReason.CANCELLED)
+        if attempt > self.settings.max_attempts:
+            error = f"gave up after {attempt - 1} attempts (its worker stopped each time)"
+            return end(attempt, JobStatus.FAILED, FinishReason.ERROR, error, dead=error)
+        if entry.deadline_at is not None and entry.deadline_at <= time.time():
+            return end(attempt, JobStatus.EXPIRED, FinishReason.DEADLINE,
+                       "deadline passed before the job started")
+        try:
+            seq = self.admission.sequence(entry, entry_id, attempt)
+        except (Rejected, ValidationError) as exc:
+            return end(attempt, JobStatus.FAILED, FinishReason.ERROR, _reason(exc),
+                       dead=_reason(exc))
+        if attempt > 1:
+            seq.restore(self._streamed_tokens(entry.job_id))
+        return seq
+
+    def _streamed_tokens(self, job_id: str) -> list[int]:
+        """Tokens an earlier attempt already put in the job's log."""
+        ids: list[int] = []
+        for _id, fields in self.redis.xrange(self.keys.out(job_id), "0-1", "0-18446744073709551615"):
+            ids.extend(loads(fields[b"e"])["token_ids"])
+        return ids
+
+
+class _EndingFor:
+    def __init__(self, entry: QueueEntry, entry_id: str) -> None:
+        self.entry, self.entry_id = entry, entry_id
+
+    def __call__(
+        self,
+        attempt: int | None,
+        status: JobStatus,
+        reason: FinishReason | None = None,
+        error: str | None = None,
+        dead: str | None = None,
+    ) -> Ending:
+        return Ending(job_id=self.entry.job_id, queue=self.entry.request.model,
+                      entry_id=self.entry_id, attempt=attempt, status=status,
+                      finish_reason=reason, error=error, dead_letter=dead)
+
+
+def _reason(exc: Exception) -> str:
+    if isinstance(exc, ValidationError):
+        first = exc.errors()[0]
+        where = ".".join(str(x) for x in first["loc"]) or "entry"
+        return f"invalid request: {where}: {first['msg']} ({exc.error_count()} error(s))"
+    if isinstance(exc, KeyError):
+        return f"malformed entry: missing field {exc.args[0]!r}"
+    return f"{type(exc).__name__}: {exc}"

@@ -1,0 +1,82 @@
+"""One worker process per GPU, each pinned before torch can see any other.
+
+``CUDA_VISIBLE_DEVICES`` must be set in the child's environment before torch
+initialises CUDA, so the parent never imports torch: it counts GPUs with
+``nvidia-smi`` (or reads ``CUDA_VISIBLE_DEVICES``) and starts one Celery worker
+process per GPU with its own variable, device and node name.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from dataclasses import dataclass, field
+
+
+class GpuSpecError(ValueError):
+    pass
+
+
+def visible_gpus(environ: dict[str, str] | None = None) -> list[str]:
+    """The GPU ids this host offers: ``CUDA_VISIBLE_DEVICES`` if set, else nvidia-smi's."""
+    env = os.environ if environ is None else environ
+    preset = env.get("CUDA_VISIBLE_DEVICES")
+    if preset is not None:
+        return [g.strip() for g in preset.split(",") if g.strip() and g.strip() != "-1"]
+    if shutil.which("nvidia-smi") is None:
+        return []
+    try:
+        listing = subprocess.run(["nvidia-smi", "--list-gpus"], capture_output=True, text=True,
+                                 timeout=10, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return []
+    return [str(i) for i, line in enumerate(listing.splitlines()) if line.startswith("GPU ")]
+
+
+def parse_gpus(spec: str | None, available: list[str]) -> list[str]:
+    """``0,1`` / ``all`` / ``none`` (or None: all if any GPU is seen) -> GPU ids; [] = CPU."""
+    if spec is None:
+        spec = "all" if available else "none"
+    spec = spec.strip().lower()
+    if spec in ("none", "cpu", ""):
+        return []
+    if spec == "all":
+        if not available:
+            raise GpuSpecError("--gpus all: no GPU is visible here (use --gpus none for the CPU)")
+        return list(available)
+    wanted = [g.strip() for g in spec.split(",") if g.strip()]
+    if len(set(wanted)) != len(wanted):
+        raise GpuSpecError(f"--gpus {spec}: a GPU is listed twice")
+    unknown = [g for g in wanted if available and g not in available]
+    if unknown:
+        raise GpuSpecError(
+            f"--gpus {spec}: GPU {', '.join(unknown)} not visible here "
+            f"(visible: {', '.join(available) or 'none'})"
+        )
+    return wanted
+
+
+@dataclass(frozen=True)
+class WorkerProcess:
+    """What one child process gets: its Celery node name and its environment."""
+
+    node: str
+    env: dict[str, str] = field(default_factory=dict)
+
+
+def plan(gpus: list[str], host: str = "%h") -> list[WorkerProcess]:
+    if not gpus:
+        return [WorkerProcess(f"cpu@{host}", {"CUDA_VISIBLE_DEVICES": "",
+                                               "TOKENFLEET_DEVICE": "cpu"})]
+    # Inside each child the pinned GPU is cuda:0, whatever its host id.
+    return [
+        WorkerProcess(f"gpu{g}@{host}", {"CUDA_VISIBLE_DEVICES": g, "TOKENFLEET_DEVICE": "cuda"})
+        for g in gpus
+    ]
+
+
+def celery_command(node: str, loglevel: str = "INFO") -> list[str]:
+    """The Celery worker one process runs (``-P solo``: the engine owns its threads)."""
+    return ["celery", "-A", "workers.app", "worker", "-P", "solo", "-c", "1", "-n", node,
+            "--without-mingle", "--without-gossip", "-l", loglevel]

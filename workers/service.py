@@ -1,0 +1,223 @@
+"""One worker process's moving parts, wired together and run on threads.
+
+- the engine loop (this is where the model runs): admit, step, publish;
+- the feeder: reads the stream with credits and hands sequences to the engine;
+- the heartbeat: the worker's stats hash, and the idle-time renewal of the
+  entries it is still generating (so a long job is never reclaimed from a live
+  worker);
+- the cancel listener: cancels of running jobs, applied between steps.
+
+Torch releases the GIL in its kernels, so Redis I/O overlaps the forward pass.
+Celery (``workers.bootstep``) and the embedded demo both run this class.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+from collections import deque
+from typing import Any
+
+from redis.exceptions import ConnectionError, TimeoutError
+
+from shared.keys import GROUP, Keys
+from shared.redis_conn import connect
+from shared.schemas import FinishReason
+from shared.serialization import dumps
+from shared.settings import Settings
+from workers.admission import Admission
+from workers.engine import Engine, Runner
+from workers.feeder import Feeder
+from workers.publisher import Publisher
+from workers.scheduler import Scheduler, SeqOutput
+from workers.sequence import Sequence
+
+log = logging.getLogger(__name__)
+
+
+class Worker:
+    def __init__(
+        self,
+        settings: Settings,
+        runner: Runner,
+        tokenizer: Any,
+        *,
+        name: str,
+        eos_token_ids: set[int],
+        max_model_len: int,
+        model_name: str | None = None,
+        redis: Any = None,
+    ) -> None:
+        self.settings = settings
+        self.name = name
+        self.queue = settings.queue
+        self.model_name = model_name or settings.model
+        self.keys = Keys(settings.namespace)
+        self.redis = redis or connect(settings.redis_url)
+        self.scheduler = Scheduler(settings.max_batch, eos_token_ids, max_model_len,
+                                   max_failures=settings.max_attempts)
+        self.engine = Engine(self.scheduler, runner)
+        self.publisher = Publisher(self.redis, self.keys, settings, name)
+        self.feeder = Feeder(
+            self.redis, self.keys, settings, name, self.queue,
+            Admission(tokenizer, settings, max_model_len), self.publisher,
+            sink=self._receive, credits=self.credits,
+        )
+        self._inbox: deque[Sequence] = deque()
+        self._aborts: deque[tuple[str, FinishReason]] = deque()
+        # Cancels that came before their job reached the engine (the feeder was
+        # between taking the entry and handing it over): applied on arrival.
+        self._early_cancels: dict[str, float] = {}
+        self._wake = threading.Event()
+        self._stop_intake = threading.Event()
+        self._stop_engine = threading.Event()
+        self._threads: list[threading.Thread] = []
+
+    # -- life cycle -------------------------------------------------------------
+
+    def start(self) -> None:
+        self.feeder.ensure_group()
+        for target, name in (
+            (self._engine_loop, "engine"),
+            (lambda: self.feeder.run(self._stop_intake), "feeder"),
+            (self._heartbeat_loop, "heartbeat"),
+            (self._cancel_loop, "cancels"),
+        ):
+            thread = threading.Thread(target=target, name=f"tokenfleet-{name}", daemon=True)
+            thread.start()
+            self._threads.append(thread)
+        log.info("worker %s serving queue %r (max batch %d, prefetch %d)",
+                 self.name, self.queue, self.settings.max_batch, self.settings.prefetch)
+
+    def stop(self, grace_s: float | None = None) -> None:
+        """Warm shutdown: stop reading, finish what runs within the grace period."""
+        grace = self.settings.drain_grace_s if grace_s is None else grace_s
+        self._stop_intake.set()
+        deadline = time.monotonic() + grace
+        while self.busy and time.monotonic() < deadline:
+            time.sleep(0.05)
+        self._stop_engine.set()
+        self._wake.set()
+        for thread in self._threads:
+            thread.join(timeout=5)
+        try:
+            self.redis.delete(self.keys.worker(self.name))
+        except (ConnectionError, TimeoutError):
+            pass
+
+    @property
+    def busy(self) -> bool:
+        return bool(self._inbox) or self.scheduler.has_work
+
+    def credits(self) -> int:
+        held = self.scheduler.num_running + self.scheduler.num_waiting + len(self._inbox)
+        return self.settings.max_batch + self.settings.prefetch - held
+
+    def cancel(self, job_id: str) -> None:
+        self._aborts.append((job_id, FinishReason.CANCELLED))
+        self._wake.set()
+
+    # -- the engine loop ------------------------------------------------------
+
+    def _receive(self, seqs: list[Sequence]) -> None:
+        self._inbox.extend(seqs)
+        self._wake.set()
+
+    def _admit(self) -> None:
+        while self._inbox:
+            seq = self._inbox.popleft()
+            self.scheduler.add(seq)
+            if self._early_cancels.pop(seq.job_id, None) is not None:
+                self.scheduler.abort(seq.job_id, FinishReason.CANCELLED)
+        while self._aborts:
+            job_id, reason = self._aborts.popleft()
+            if not self.scheduler.abort(job_id, reason):
+                self._early_cancels[job_id] = time.monotonic()
+        if len(self._early_cancels) > 1000:  # cancels of jobs on other workers
+            horizon = time.monotonic() - 60
+            self._early_cancels = {j: t for j, t in self._early_cancels.items() if t > horizon}
+
+    def _engine_loop(self) -> None:
+        while not self._stop_engine.is_set():
+            self._admit()
+            if not self.scheduler.has_work:
+                self._wake.wait(0.1)
+                self._wake.clear()
+                continue
+            outputs = self.engine.step()
+            self._publish(outputs)
+            if any(o.finished for o in outputs):
+                self.feeder.slots_freed.set()
+
+    def _publish(self, outputs: list[SeqOutput]) -> None:
+        """Write a step's results; hold the engine until Redis takes them, since
+        a token that is not stored must not be followed by the next one."""
+        backoff = 0.05
+        while True:
+            try:
+                fenced = self.publisher.publish(outputs)
+                break
+            except (ConnectionError, TimeoutError, OSError) as exc:
+                if self._stop_engine.is_set():
+                    return  # the entries stay pending: another worker redoes them
+                log.warning("redis unavailable for results (%s); retrying", exc)
+                time.sleep(backoff)
+                backoff = min(backoff * 2, 2.0)
+        for job_id in fenced:
+            log.warning("job %s is owned by a newer attempt; dropping it here", job_id)
+            self.scheduler.drop(job_id)
+
+    # -- side loops ------------------------------------------------------------
+
+    def _heartbeat_loop(self) -> None:
+        while True:
+            try:
+                self._beat()
+            except (ConnectionError, TimeoutError, OSError) as exc:
+                log.warning("heartbeat failed: %s", exc)
+            if self._stop_engine.wait(self.settings.heartbeat_s):
+                return
+
+    def describe(self) -> dict[str, Any]:
+        """What the heartbeat stores and ``inspect engine_stats`` returns."""
+        return {
+            "name": self.name, "host": socket.gethostname(), "pid": os.getpid(),
+            "queue": self.queue, "model": self.model_name, "device": self.settings.device,
+            "max_batch": self.settings.max_batch, "prefetch": self.settings.prefetch,
+            "running": self.scheduler.num_running, "waiting": self.scheduler.num_waiting,
+            "draining": int(self.feeder.paused.is_set() or self._stop_intake.is_set()),
+            "stats": self.engine.stats.as_dict(), "last_seen": time.time(),
+        }
+
+    def _beat(self) -> None:
+        key = self.keys.worker(self.name)
+        running = list(self.scheduler.running) + list(self.scheduler.waiting)
+        info = self.describe()
+        info["stats"] = dumps(info["stats"])
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.hset(key, mapping=info)
+        pipe.expire(key, max(3 * int(self.settings.heartbeat_s), 5))
+        # Touch the pending entries still being worked on: their idle time
+        # restarts, so XAUTOCLAIM elsewhere never takes a job from a live worker.
+        ids = [s.entry_id for s in running if s.entry_id]
+        if ids:
+            pipe.xclaim(self.feeder.stream, GROUP, self.name, 0, ids, justid=True)
+        pipe.execute()
+
+    def _cancel_loop(self) -> None:
+        while not self._stop_engine.is_set():
+            pubsub = self.redis.pubsub(ignore_subscribe_messages=True)
+            try:
+                pubsub.subscribe(self.keys.cancels)
+                while not self._stop_engine.is_set():
+                    message = pubsub.get_message(timeout=0.5)
+                    if message is not None:
+                        self.cancel(message["data"].decode())
+            except (ConnectionError, TimeoutError, OSError) as exc:
+                log.warning("cancel listener lost redis (%s); resubscribing", exc)
+                self._stop_engine.wait(0.5)
+            finally:
+                pubsub.close()

@@ -1,0 +1,58 @@
+"""A worker's own figures: what the heartbeat, `inspect` and the tests read."""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from workers.scheduler import Batch, SeqOutput
+
+
+@dataclass
+class WorkerStats:
+    steps: int = 0
+    prefill_steps: int = 0
+    tokens: int = 0
+    jobs: dict[str, int] = field(default_factory=dict)  # final status -> count
+    peak_batch: int = 0  # most sequences that ever decoded in one step
+    last_batch: int = 0
+    started_at: float = field(default_factory=time.time)
+    _recent: deque[tuple[float, int]] = field(default_factory=lambda: deque(maxlen=256))
+
+    def record(self, batch: Batch | None, outputs: list[SeqOutput]) -> None:
+        self.steps += 1
+        if batch is not None:
+            if batch.is_prefill:
+                self.prefill_steps += 1
+                self.last_batch = len(batch.keep) + len(batch.seqs)
+            else:
+                self.last_batch = len(batch.seqs)
+            self.peak_batch = max(self.peak_batch, self.last_batch)
+        made = sum(1 for o in outputs if o.token_id is not None)
+        self.tokens += made
+        self._recent.append((time.monotonic(), made))
+        for o in outputs:
+            if o.finished:
+                status = o.seq.final_status.value
+                self.jobs[status] = self.jobs.get(status, 0) + 1
+
+    def tokens_per_s(self, window_s: float = 10.0) -> float:
+        now = time.monotonic()
+        recent = [(t, n) for t, n in self._recent if now - t <= window_s]
+        if len(recent) < 2:
+            return 0.0
+        span = max(now - recent[0][0], 1e-3)
+        return sum(n for _, n in recent) / span
+
+    def as_dict(self) -> dict[str, object]:
+        return {
+            "steps": self.steps,
+            "prefill_steps": self.prefill_steps,
+            "tokens": self.tokens,
+            "jobs": dict(self.jobs),
+            "peak_batch": self.peak_batch,
+            "last_batch": self.last_batch,
+            "tokens_per_s": round(self.tokens_per_s(), 2),
+            "started_at": self.started_at,
+        }
