@@ -1,5 +1,6 @@
 -- Cancel a job. A queued one ends here and now; a running one is flagged and its
 -- worker told on the cancels channel (it leaves the batch within one step).
+-- Returns 'cancelled', 'requested', 'ended' (nothing to cancel) or 'missing'.
 -- KEYS: 1 job hash, 2 token log, 3 event channel
 -- ARGV: 1 now, 2 result TTL, 3 end event JSON, 4 cancels channel, 5 job id
 local status = redis.call('HGET', KEYS[1], 'status')
@@ -19,4 +20,4 @@ if status == 'running' then
   redis.call('PUBLISH', ARGV[4], ARGV[5])
   return 'requested'
 end
-return status
+return 'ended'

@@ -1,0 +1,212 @@
+"""Shared fixtures: a real redis-server per session on a free port, settings with a
+fresh namespace per test, in-process workers and Celery worker processes."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(Path(__file__).parent))
+
+from helpers import wait_until  # noqa: E402
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class RedisServer:
+    """A redis-server the tests own: they may stop, kill and restart it."""
+
+    def __init__(self, appendonly: bool = False) -> None:
+        binary = shutil.which("redis-server")
+        if binary is None:
+            pytest.fail("redis-server is not installed: `apt-get install redis-server` "
+                        "(.ci/run does this)")
+        self.binary = binary
+        self.port = free_port()
+        self.dir = tempfile.mkdtemp(prefix="tokenfleet-redis-")
+        self.appendonly = appendonly
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.start()
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self) -> None:
+        args = [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+                "--dir", self.dir, "--appendonly", "yes" if self.appendonly else "no",
+                "--appendfsync", "always"]
+        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        client = redis.Redis(port=self.port, socket_connect_timeout=0.2)
+        wait_until(lambda: _pings(client), timeout=10, what="redis-server to answer PING")
+        client.close()
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            self.proc.terminate()
+            self.proc.wait(timeout=10)
+            self.proc = None
+
+    def kill(self) -> None:
+        if self.proc is not None:
+            self.proc.kill()
+            self.proc.wait(timeout=10)
+            self.proc = None
+
+    def close(self) -> None:
+        self.kill()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def _pings(client: redis.Redis) -> bool:
+    try:
+        return bool(client.ping())
+    except redis.exceptions.ConnectionError:
+        return False
+
+
+@pytest.fixture(scope="session")
+def redis_server() -> Iterator[RedisServer]:
+    server = RedisServer()
+    yield server
+    server.close()
+
+
+@pytest.fixture
+def namespace() -> str:
+    return f"t{uuid.uuid4().hex[:10]}"
+
+
+@pytest.fixture
+def settings(redis_server: RedisServer, namespace: str) -> Any:
+    from shared.settings import Settings
+
+    return Settings(redis_url=redis_server.url, namespace=namespace, block_ms=20,
+                    heartbeat_s=0.5, max_batch=16, prefetch=4)
+
+
+@pytest.fixture
+def r(redis_server: RedisServer) -> Iterator[redis.Redis]:
+    client = redis.Redis.from_url(redis_server.url)
+    yield client
+    client.close()
+
+
+@pytest.fixture
+def client(settings: Any) -> Iterator[Any]:
+    from producer import FleetClient
+
+    with FleetClient(settings=settings) as c:
+        yield c
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The built-in tiny model, exported the way a user would: `tokenfleet export-model`."""
+    out = tmp_path_factory.mktemp("models") / "tiny"
+    subprocess.run([sys.executable, "-m", "workers.cli", "export-model", "tiny", str(out)],
+                   check=True, cwd=ROOT, timeout=120)
+    return out
+
+
+@pytest.fixture(scope="session")
+def loaded_tiny(tiny_dir: Path) -> tuple[Any, Any]:
+    from shared import models
+
+    return models.load(str(tiny_dir))
+
+
+@pytest.fixture
+def start_worker(settings: Any, loaded_tiny: tuple[Any, Any]) -> Iterator[Callable[..., Any]]:
+    """Start an in-process worker (the engine a Celery process runs) on the tiny model."""
+    from workers.runner import HFRunner
+    from workers.service import Worker
+
+    started: list[Any] = []
+
+    def start(name: str = "w1@test", runner: Any = None, **overrides: Any) -> Any:
+        model, tokenizer = loaded_tiny
+        runner = runner or HFRunner(model, tokenizer)
+        worker = Worker(settings.model_copy(update=overrides), runner, tokenizer, name=name,
+                        eos_token_ids=HFRunner(model, tokenizer).eos_token_ids,
+                        max_model_len=HFRunner(model, tokenizer).max_model_len)
+        worker.start()
+        started.append(worker)
+        return worker
+
+    yield start
+    for worker in started:
+        worker.stop(grace_s=0)
+
+
+class CeleryWorker:
+    """`celery -A workers.app worker -P solo` as a child process."""
+
+    def __init__(self, settings: Any, node: str, model: str, extra_env: dict[str, str]) -> None:
+        self.node = node
+        env = {**os.environ, "TOKENFLEET_REDIS_URL": settings.redis_url,
+               "TOKENFLEET_NAMESPACE": settings.namespace, "TOKENFLEET_MODEL": model,
+               "TOKENFLEET_BLOCK_MS": "20", "TOKENFLEET_HEARTBEAT_S": "0.5",
+               "TOKENFLEET_TORCH_THREADS": "1", "PYTHONUNBUFFERED": "1", **extra_env}
+        from workers.pinning import celery_command
+
+        self.log = tempfile.NamedTemporaryFile(prefix=f"celery-{node}-", suffix=".log",
+                                               delete=False)
+        self.proc = subprocess.Popen(celery_command(node, "INFO"), env=env, cwd=ROOT,
+                                     stdout=self.log, stderr=subprocess.STDOUT)
+
+    def output(self) -> str:
+        return Path(self.log.name).read_text(errors="replace")
+
+    def stop(self, timeout: float = 30) -> int:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+        return self.proc.wait(timeout=timeout)
+
+    def kill(self) -> None:
+        self.proc.kill()
+        self.proc.wait(timeout=10)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.kill()
+        self.log.close()
+
+
+@pytest.fixture
+def celery_workers(settings: Any, tiny_dir: Path, r: redis.Redis) -> Iterator[Callable[..., CeleryWorker]]:
+    from shared.keys import Keys
+
+    procs: list[CeleryWorker] = []
+    keys = Keys(settings.namespace)
+
+    def start(node: str = "cpu@test", model: str | None = None, wait: bool = True,
+              **env: str) -> CeleryWorker:
+        worker = CeleryWorker(settings, node, model or str(tiny_dir), env)
+        procs.append(worker)
+        if wait:
+            wait_until(lambda: r.exists(keys.worker(node)) or worker.proc.poll() is not None,
+                       timeout=60, what=f"celery worker {node} to send its first heartbeat")
+            assert worker.proc.poll() is None, worker.output()
+        return worker
+
+    yield start
+    for worker in procs:
+        worker.close()

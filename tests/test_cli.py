@@ -1,0 +1,61 @@
+"""The command line, as a user runs it."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from shared.schemas import JobStatus
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def tokenfleet(*args: str, env: dict[str, str] | None = None, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "workers.cli", *args], cwd=ROOT,
+                          env={**os.environ, **(env or {})}, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+@pytest.mark.timeout(180)
+def test_demo_runs_with_no_redis_at_all() -> None:
+    # Point the environment at a port where nothing listens: the demo must not need it.
+    result = tokenfleet("demo", "--max-new-tokens", "12", env={
+        "TOKENFLEET_REDIS_URL": "redis://127.0.0.1:1/0", "COLUMNS": "120"})
+    assert result.returncode == 0, result.stderr
+    assert "embedded fakeredis" in result.stdout
+    assert "The function returns" in result.stdout
+    assert result.stdout.count("✓") == 5
+
+
+def test_export_model_writes_a_hugging_face_directory(tmp_path: Path) -> None:
+    result = tokenfleet("export-model", "tiny", str(tmp_path / "m"))
+    assert result.returncode == 0, result.stderr
+    names = {p.name for p in (tmp_path / "m").iterdir()}
+    assert {"config.json", "model.safetensors", "tokenizer.json"} <= names
+    bad = tokenfleet("export-model", "huge", str(tmp_path / "x"))
+    assert bad.returncode != 0 and "built-in: tiny" in bad.stderr
+
+
+@pytest.mark.timeout(120)
+def test_submit_wait_and_status(settings: Any, start_worker: Any) -> None:
+    start_worker()
+    env = {"TOKENFLEET_REDIS_URL": settings.redis_url, "TOKENFLEET_NAMESPACE": settings.namespace}
+    result = tokenfleet("submit", "Hello there", "--max-new-tokens", "6", "--wait", env=env)
+    assert result.returncode == 0, result.stderr
+    state = json.loads(result.stdout)
+    assert state["status"] == JobStatus.SUCCEEDED.value
+    one = tokenfleet("status", state["id"], env=env)
+    assert json.loads(one.stdout)["text"] == state["text"]
+    fleet = json.loads(tokenfleet("status", "--json", env=env).stdout)
+    assert [q["queue"] for q in fleet["queues"]] == ["default"]
+    assert [w["name"] for w in fleet["workers"]] == ["w1@test"]
+    streamed = tokenfleet("submit", "Hi", "--max-new-tokens", "4", "--stream", env=env)
+    assert streamed.returncode == 0 and "[succeeded:" in streamed.stderr
+    refused = tokenfleet("submit", "Hi", "--max-new-tokens", "0", env=env)
+    assert refused.returncode != 0 and "max_new_tokens" in refused.stderr

@@ -1,0 +1,52 @@
+"""Streamed text is final text: nothing half-decoded, nothing past a stop string."""
+
+from __future__ import annotations
+
+import pytest
+
+from shared.tiny import byte_level_tokenizer
+from workers.detokenizer import TextStream
+
+
+@pytest.fixture(scope="module")
+def tok():  # type: ignore[no-untyped-def]
+    return byte_level_tokenizer()
+
+
+def stream(tok, text: str, stop: list[str] | None = None) -> tuple[list[str], TextStream]:  # type: ignore[no-untyped-def]
+    ts = TextStream(tok, stop)
+    deltas = []
+    for token_id in tok(text, add_special_tokens=False)["input_ids"]:
+        deltas.append(ts.push(token_id))
+        if ts.stopped:
+            break
+    deltas.append(ts.finish())
+    return deltas, ts
+
+
+def test_multibyte_characters_are_held_until_complete(tok) -> None:  # type: ignore[no-untyped-def]
+    text = "naïve café → 🙂 done"
+    deltas, ts = stream(tok, text)
+    assert "".join(deltas) == text == ts.text
+    assert not any("\ufffd" in d for d in deltas)
+    # The 4-byte emoji arrives as four tokens: three of them release nothing.
+    assert deltas.count("") >= 3
+
+
+def test_a_stop_string_cuts_the_text_and_nothing_after_it_is_streamed(tok) -> None:  # type: ignore[no-untyped-def]
+    deltas, ts = stream(tok, "alpha beta STOP gamma", stop=["STOP"])
+    assert ts.stopped and ts.text == "alpha beta "
+    assert "".join(deltas) == "alpha beta "
+
+
+def test_text_that_could_start_a_stop_string_waits(tok) -> None:  # type: ignore[no-untyped-def]
+    ts = TextStream(tok, ["END"])
+    released = "".join(ts.push(t) for t in tok("abcE", add_special_tokens=False)["input_ids"])
+    assert released == "ab"  # "cE" may still become "END"...
+    released += "".join(ts.push(t) for t in tok("x", add_special_tokens=False)["input_ids"])
+    assert released + ts.finish() == "abcEx"  # ...it did not
+
+
+def test_special_tokens_add_no_text(tok) -> None:  # type: ignore[no-untyped-def]
+    ts = TextStream(tok)
+    assert ts.push(tok.eos_token_id) == "" and ts.finish() == ""
