@@ -10,7 +10,7 @@ from functools import cache
 from importlib import resources
 from typing import Any
 
-NAMES = ("submit", "cancel", "start", "emit", "finish")
+NAMES = ("submit", "cancel", "start", "emit", "finish", "requeue")
 
 
 @cache
@@ -34,3 +34,4 @@ class Scripts:
     start: Any
     emit: Any
     finish: Any
+    requeue: Any

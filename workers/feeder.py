@@ -168,11 +168,12 @@ class Feeder:
             return None
         if status != "run":
             return end(None, JobStatus(status))  # ended while queued: just acknowledge
-        attempt, cancel = int(verdict[1]), verdict[2] == b"1"
+        attempt, cancel, handbacks = int(verdict[1]), verdict[2] == b"1", int(verdict[3])
         if cancel:
             return end(attempt, JobStatus.CANCELLED, FinishReason.CANCELLED)
-        if attempt > self.settings.max_attempts:
-            error = f"gave up after {attempt - 1} attempts (its worker stopped each time)"
+        if attempt - handbacks > self.settings.max_attempts:
+            # Each earlier take ended without a result or a hand-back: its worker died.
+            error = f"gave up after {attempt - 1 - handbacks} attempts (its worker died each time)"
             return end(attempt, JobStatus.FAILED, FinishReason.ERROR, error, dead=error)
         if entry.deadline_at is not None and entry.deadline_at <= time.time():
             return end(attempt, JobStatus.EXPIRED, FinishReason.DEADLINE,
@@ -182,6 +183,7 @@ class Feeder:
         except (Rejected, ValidationError) as exc:
             return end(attempt, JobStatus.FAILED, FinishReason.ERROR, _reason(exc),
                        dead=_reason(exc))
+        seq.entry_json = entry.model_dump_json()
         if attempt > 1:
             seq.restore(self._streamed_tokens(entry.job_id))
         return seq

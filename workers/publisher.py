@@ -19,6 +19,7 @@ from shared.scripts import Scripts
 from shared.serialization import dumps, end_event, token_event
 from shared.settings import Settings
 from workers.scheduler import SeqOutput
+from workers.sequence import Sequence
 
 
 @dataclass
@@ -76,6 +77,16 @@ class Publisher:
         for ending in endings:
             self._finish(pipe, ending)
         pipe.execute()
+
+    def hand_back(self, seqs: Iterable[Sequence]) -> int:
+        """Put unfinished jobs back on their queue for another worker; returns how many."""
+        pipe = self.redis.pipeline(transaction=False)
+        seqs = [s for s in seqs if s.entry_json]
+        for seq in seqs:
+            self.scripts.requeue(keys=[self.keys.queue(seq.queue), self.keys.job(seq.job_id)],
+                                 args=[seq.entry_id, seq.attempt, seq.entry_json, GROUP],
+                                 client=pipe)
+        return sum(pipe.execute()) if seqs else 0
 
     def dead_letter(self, queue: str, entry_id: str, raw: Any, reason: str) -> None:
         """An entry no job can come from: keep it in the DLQ, take it off the queue."""

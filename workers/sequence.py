@@ -33,6 +33,7 @@ class Sequence:
     text: TextStream
     attempt: int = 1
     entry_id: str = ""
+    entry_json: str = ""  # the stream entry as read, to hand the job back on a drain
     queue: str = "default"
     deadline_at: float | None = None
     generated: list[int] = field(default_factory=list)

@@ -72,6 +72,7 @@ class Worker:
         # between taking the entry and handing it over): applied on arrival.
         self._early_cancels: dict[str, float] = {}
         self._wake = threading.Event()
+        self._idle = threading.Event()  # set by the engine loop when it has nothing to do
         self._stop_intake = threading.Event()
         self._stop_engine = threading.Event()
         self._threads: list[threading.Thread] = []
@@ -93,20 +94,32 @@ class Worker:
                  self.name, self.queue, self.settings.max_batch, self.settings.prefetch)
 
     def stop(self, grace_s: float | None = None) -> None:
-        """Warm shutdown: stop reading, finish what runs within the grace period."""
+        """Warm shutdown: stop reading, finish what runs within the grace period,
+        hand the rest back to the queue (another worker resumes it from its
+        streamed tokens), and lose nothing."""
         grace = self.settings.drain_grace_s if grace_s is None else grace_s
         self._stop_intake.set()
+        feeder = next((t for t in self._threads if t.name.endswith("feeder")), None)
+        if feeder is not None:
+            feeder.join(timeout=grace + 5)  # it hands over what it read, then stops
         deadline = time.monotonic() + grace
         while self.busy and time.monotonic() < deadline:
-            time.sleep(0.05)
+            self._idle.clear()
+            self._wake.set()
+            self._idle.wait(min(0.5, max(0.0, deadline - time.monotonic())))
         self._stop_engine.set()
         self._wake.set()
         for thread in self._threads:
-            thread.join(timeout=5)
+            thread.join(timeout=10)
+        left = [*self._inbox, *self.scheduler.waiting, *self.scheduler.running]
         try:
+            if left:
+                handed = self.publisher.hand_back(left)
+                log.info("handed %d unfinished job(s) back to the queue", handed)
             self.redis.delete(self.keys.worker(self.name))
-        except (ConnectionError, TimeoutError):
-            pass
+        except (ConnectionError, TimeoutError) as exc:
+            # Redis is away: the entries stay pending and are reclaimed later.
+            log.warning("could not hand jobs back (%s); they will be reclaimed", exc)
 
     @property
     def busy(self) -> bool:
@@ -144,9 +157,11 @@ class Worker:
         while not self._stop_engine.is_set():
             self._admit()
             if not self.scheduler.has_work:
+                self._idle.set()
                 self._wake.wait(0.1)
                 self._wake.clear()
                 continue
+            self._idle.clear()
             outputs = self.engine.step()
             self._publish(outputs)
             if any(o.finished for o in outputs):

@@ -1,0 +1,15 @@
+-- Hand a job back to the queue (a worker draining past its grace period): a new
+-- entry at the end of the stream, the old one acknowledged and deleted, the
+-- record queued again. The hand-back is counted apart from the attempts, so
+-- it never brings a job nearer to max_attempts.
+-- KEYS: 1 queue stream, 2 job hash
+-- ARGV: 1 old entry id, 2 attempt of the caller, 3 entry JSON, 4 group
+-- Returns 1 when handed back, 0 when the job is no longer the caller's.
+local cur = redis.call('HMGET', KEYS[2], 'status', 'attempts')
+if cur[1] ~= 'running' or cur[2] ~= ARGV[2] then return 0 end
+redis.call('XADD', KEYS[1], '*', 'data', ARGV[3])
+redis.call('XACK', KEYS[1], ARGV[4], ARGV[1])
+redis.call('XDEL', KEYS[1], ARGV[1])
+redis.call('HSET', KEYS[2], 'status', 'queued', 'worker', '')
+redis.call('HINCRBY', KEYS[2], 'handbacks', 1)
+return 1
