@@ -154,6 +154,25 @@ def status(job_id: str | None, as_json: bool, redis_url: str | None) -> None:
             render(report)
 
 
+@main.command()
+@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--port", type=int, default=8000, show_default=True)
+@redis_option
+def gateway(host: str, port: int, redis_url: str | None) -> None:
+    """Serve the HTTP gateway: jobs, token streams (SSE), OpenAI-style completions."""
+    try:
+        import uvicorn
+
+        from producer.gateway import create_app
+    except ImportError as exc:
+        raise click.ClickException(
+            f"the gateway needs FastAPI and uvicorn ({exc}): pip install 'tokenfleet[gateway]'"
+        ) from exc
+
+    _apply_env(redis_url=redis_url)
+    uvicorn.run(create_app(), host=host, port=port)
+
+
 @main.command("export-model")
 @click.argument("name")
 @click.argument("directory", type=click.Path(file_okay=False, path_type=Path))

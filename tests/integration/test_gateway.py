@@ -1,0 +1,290 @@
+"""The HTTP gateway, served by a real uvicorn, in front of a real redis-server and worker."""
+
+from __future__ import annotations
+
+import socket
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import httpx
+import orjson
+import pytest
+import redis
+import uvicorn
+
+from producer import FleetClient
+from producer.gateway import create_app
+from shared.schemas import JobStatus
+
+pytestmark = pytest.mark.timeout(120)
+
+UNSERVED = "nobody-serves-this"  # a queue no worker of the test reads
+
+
+class _Server(uvicorn.Server):
+    """uvicorn, telling the test when it listens instead of being polled."""
+
+    def __init__(self, config: uvicorn.Config) -> None:
+        super().__init__(config)
+        self.ready = threading.Event()
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets)
+        self.ready.set()
+
+
+@pytest.fixture
+def gateway(settings: Any) -> Iterator[Callable[..., httpx.Client]]:
+    """Start the gateway (with settings overrides) on a free port; returns an HTTP client."""
+    running: list[tuple[_Server, threading.Thread, httpx.Client]] = []
+
+    def start(**overrides: Any) -> httpx.Client:
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+        app = create_app(settings.model_copy(update=overrides))
+        server = _Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
+        thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+        thread.start()
+        assert server.ready.wait(20), "the gateway did not start"
+        http = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60)
+        running.append((server, thread, http))
+        return http
+
+    yield start
+    for server, thread, http in running:
+        http.close()
+        server.should_exit = True
+        thread.join(20)
+
+
+def sse_events(lines: Iterator[str]) -> Iterator[dict[str, str]]:
+    """Parse a text/event-stream into events: {'id', 'event', 'data'} as sent."""
+    event: dict[str, str] = {}
+    for line in lines:
+        if not line:
+            if event:
+                yield event
+            event = {}
+        elif not line.startswith(":"):
+            name, _, value = line.partition(":")
+            event[name] = value.removeprefix(" ")
+
+
+def read_events(http: httpx.Client, job_id: str, **headers: str) -> list[dict[str, str]]:
+    with http.stream("GET", f"/v1/jobs/{job_id}/events", headers=headers) as response:
+        assert response.status_code == 200
+        assert response.headers["content-type"].startswith("text/event-stream")
+        return list(sse_events(response.iter_lines()))
+
+
+def test_a_submitted_job_is_accepted_and_its_record_reads_succeeded(
+    gateway: Any, start_worker: Any, client: FleetClient
+) -> None:
+    start_worker()
+    http = gateway()
+    response = http.post("/v1/jobs", json={"prompt": "Hello there",
+                                           "sampling": {"max_new_tokens": 8, "temperature": 0}})
+    assert response.status_code == 202, response.text
+    job_id = response.json()["id"]
+    assert response.json() == {"id": job_id, "status": "queued"}
+    assert response.headers["location"] == f"/v1/jobs/{job_id}"
+    final = client.wait(job_id, timeout=60)
+    state = http.get(response.headers["location"]).json()
+    assert state["status"] == "succeeded" and state["id"] == job_id
+    assert state["text"] == final.text and len(state["token_ids"]) == len(final.token_ids) > 0
+
+
+def test_a_bad_body_is_422_naming_the_field_and_nothing_is_enqueued(
+    gateway: Any, r: redis.Redis, settings: Any
+) -> None:
+    http = gateway()
+    response = http.post("/v1/jobs", json={"prompt": "hi", "sampling": {"max_new_tokens": 0}})
+    assert response.status_code == 422
+    [err] = response.json()["detail"]
+    assert err["loc"] == ["body", "sampling", "max_new_tokens"] and "1" in err["msg"]
+    response = http.post("/v1/jobs", json={"prompt": "hi", "sampling": {"max_new_tokens": 10**6}})
+    assert response.status_code == 422 and "limit of 1024" in response.text
+    response = http.post("/v1/jobs", json={"prompt": "hi", "max_tokens": 5})
+    assert response.status_code == 422 and response.json()["detail"][0]["loc"] == ["body", "max_tokens"]
+    response = http.post("/v1/jobs", content=b"{not json")
+    assert response.status_code == 422 and response.json()["detail"][0]["type"] == "json_invalid"
+    assert not list(r.scan_iter(match=f"{settings.namespace}:*"))
+
+
+def test_a_body_over_the_payload_limit_is_413_with_or_without_a_length(
+    gateway: Any, r: redis.Redis, settings: Any
+) -> None:
+    http = gateway(max_payload_bytes=1000)
+    big = orjson.dumps({"prompt": "x" * 2000})
+    response = http.post("/v1/jobs", content=big)
+    assert response.status_code == 413 and "1000 bytes" in response.json()["detail"]
+    chunked = http.post("/v1/jobs", content=iter([big[:600], big[600:]]))  # no Content-Length
+    assert chunked.status_code == 413
+    response = http.post("/v1/completions", content=big)
+    assert response.status_code == 413 and "1000 bytes" in response.json()["error"]["message"]
+    assert http.post("/v1/jobs", json={"prompt": "x" * 100}).status_code == 202
+
+
+def test_a_full_queue_is_429_with_retry_after(gateway: Any) -> None:
+    http = gateway(max_queue=1)
+    body = {"prompt": "waits forever", "model": UNSERVED}
+    assert http.post("/v1/jobs", json=body).status_code == 202
+    response = http.post("/v1/jobs", json=body)
+    assert response.status_code == 429
+    assert int(response.headers["retry-after"]) > 0
+    assert "is full" in response.json()["detail"] and "TOKENFLEET_MAX_QUEUE" in response.json()["detail"]
+    completion = http.post("/v1/completions", json={"model": UNSERVED, "prompt": "hi"})
+    assert completion.status_code == 429 and completion.headers["retry-after"]
+    assert completion.json()["error"]["code"] == "rate_limit_exceeded"
+
+
+def test_sse_events_concatenate_to_the_final_text_and_resume_after_last_event_id(
+    gateway: Any, start_worker: Any
+) -> None:
+    start_worker()
+    http = gateway()
+    job_id = http.post("/v1/jobs", json={"prompt": "Streaming over HTTP",
+                                         "sampling": {"max_new_tokens": 24, "temperature": 0}}
+                       ).json()["id"]
+    events = read_events(http, job_id)
+    tokens, end = events[:-1], events[-1]
+    assert end["event"] == "end" and "id" not in end
+    final = orjson.loads(end["data"])
+    assert final["status"] == "succeeded"
+    assert all(e["event"] == "token" for e in tokens) and len(tokens) >= 3
+    data = [orjson.loads(e["data"]) for e in tokens]
+    assert [int(e["id"]) for e in tokens] == [d["index"] for d in data]
+    assert "".join(d["text"] for d in data) == final["text"]
+    assert [t for d in data for t in d["token_ids"]] == final["token_ids"]
+
+    cut = len(tokens) // 2
+    resumed = read_events(http, job_id, **{"Last-Event-ID": tokens[cut]["id"]})
+    assert [e["id"] for e in resumed[:-1]] == [e["id"] for e in tokens[cut + 1:]]
+    assert "".join(orjson.loads(e["data"])["text"] for e in resumed[:-1]) == \
+        "".join(d["text"] for d in data[cut + 1:])
+    assert resumed[-1]["event"] == "end"
+    assert http.get("/v1/jobs/no-such-job/events").status_code == 404
+    bad = http.get(f"/v1/jobs/{job_id}/events", headers={"Last-Event-ID": "abc"})
+    assert bad.status_code == 400 and "Last-Event-ID" in bad.json()["detail"]
+
+
+def test_delete_cancels_a_queued_job_and_unknown_ids_are_404(
+    gateway: Any, client: FleetClient
+) -> None:
+    http = gateway()
+    job_id = http.post("/v1/jobs", json={"prompt": "never runs", "model": UNSERVED}).json()["id"]
+    response = http.delete(f"/v1/jobs/{job_id}")
+    assert response.status_code == 200 and response.json() == {"id": job_id, "cancelled": True}
+    assert http.get(f"/v1/jobs/{job_id}").json()["status"] == "cancelled"
+    events = read_events(http, job_id)
+    assert [e["event"] for e in events] == ["end"]  # a cancelled job's stream ends at once
+    assert http.delete(f"/v1/jobs/{job_id}").json() == {"id": job_id, "cancelled": False}
+    for method in ("GET", "DELETE"):
+        missing = http.request(method, "/v1/jobs/no-such-job")
+        assert missing.status_code == 404 and "no-such-job" in missing.json()["detail"]
+
+
+def completion_stream(http: httpx.Client, body: dict[str, Any]) -> list[str]:
+    with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as response:
+        assert response.status_code == 200
+        return [e["data"] for e in sse_events(response.iter_lines())]
+
+
+def test_completions_match_the_job_record_and_the_stream_matches_the_completion(
+    gateway: Any, start_worker: Any, client: FleetClient
+) -> None:
+    start_worker()
+    http = gateway()
+    body = {"model": "default", "prompt": "The function returns", "max_tokens": 20,
+            "temperature": 0}
+    response = http.post("/v1/completions", json=body)
+    assert response.status_code == 200, response.text
+    completion = response.json()
+    assert completion["object"] == "text_completion" and completion["model"] == "default"
+    assert completion["id"].startswith("cmpl-") and isinstance(completion["created"], int)
+    state = client.status(completion["id"].removeprefix("cmpl-"))
+    [choice] = completion["choices"]
+    assert state.status is JobStatus.SUCCEEDED and choice["text"] == state.text
+    assert choice["finish_reason"] == ("length" if state.finish_reason.value == "length"  # type: ignore[union-attr]
+                                       else "stop")
+    assert choice["index"] == 0 and choice["logprobs"] is None
+    assert completion["usage"] == {"prompt_tokens": state.num_prompt_tokens,
+                                   "completion_tokens": len(state.token_ids),
+                                   "total_tokens": state.num_prompt_tokens + len(state.token_ids)}  # type: ignore[operator]
+
+    data = completion_stream(http, {**body, "stream_options": {"include_usage": True}})
+    assert data[-1] == "[DONE]"
+    chunks = [orjson.loads(d) for d in data[:-1]]
+    assert all(c["object"] == "text_completion" and c["id"].startswith("cmpl-") for c in chunks)
+    texts = [c["choices"][0]["text"] for c in chunks if c["choices"]]
+    reasons = [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]]
+    assert "".join(texts) == choice["text"]
+    assert reasons[-1] == choice["finish_reason"] and set(reasons[:-1]) == {None}
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == completion["usage"]
+
+
+def test_an_openai_style_request_with_extra_fields_works(
+    gateway: Any, start_worker: Any
+) -> None:
+    start_worker()
+    http = gateway()
+    body = {"model": "default", "prompt": ["Once upon a time"], "max_tokens": 6,
+            "temperature": 0.0, "top_p": 1, "n": 1, "stop": "\n\n", "seed": 3, "stream": False,
+            "echo": False, "logprobs": None, "best_of": 1, "user": "user-1234",
+            "presence_penalty": 0, "frequency_penalty": 0, "logit_bias": {"50256": -100},
+            "suffix": None}
+    response = http.post("/v1/completions", json=body,
+                         headers={"Authorization": "Bearer sk-ignored"})
+    assert response.status_code == 200, response.text
+    assert response.json()["choices"][0]["finish_reason"] in ("stop", "length")
+    assert 1 <= response.json()["usage"]["completion_tokens"] <= 6
+
+
+def test_completion_errors_are_400_in_openai_shape_naming_the_param(gateway: Any) -> None:
+    http = gateway()
+    cases = [({"prompt": "hi", "n": 2}, "n"), ({"prompt": "hi", "max_tokens": 10**6}, "max_tokens"),
+             ({"prompt": "hi", "temperature": -1}, "temperature"), ({"prompt": ["a", "b"]}, "prompt"),
+             ({"prompt": ""}, None), ({"model": "no/slashes", "prompt": "hi"}, "model"),
+             ({"max_tokens": 3}, "prompt")]
+    for body, param in cases:
+        response = http.post("/v1/completions", json=body)
+        assert response.status_code == 400, (body, response.text)
+        err = response.json()["error"]
+        assert err["type"] == "invalid_request_error" and err["param"] == param, (body, err)
+        assert err["message"] and not err["message"].startswith("Value error"), err
+
+
+def test_a_client_that_leaves_a_completion_stream_cancels_its_job(
+    gateway: Any, client: FleetClient, r: redis.Redis, settings: Any
+) -> None:
+    http = gateway()
+    with http.stream("POST", "/v1/completions",
+                     json={"model": UNSERVED, "prompt": "nobody reads this", "stream": True}
+                     ) as response:
+        assert response.status_code == 200
+        [job_key] = list(r.scan_iter(match=f"{settings.namespace}:job:*"))
+    job_id = job_key.decode().rsplit(":", 1)[1]
+    assert client.wait(job_id, timeout=30).status is JobStatus.CANCELLED
+
+
+def test_a_client_that_gives_up_on_a_completion_cancels_its_job(
+    gateway: Any, client: FleetClient, r: redis.Redis, settings: Any
+) -> None:
+    http = gateway()
+    with pytest.raises(httpx.ReadTimeout):  # the client's own timeout: it hangs up
+        http.post("/v1/completions", json={"model": UNSERVED, "prompt": "nobody waits"},
+                  timeout=httpx.Timeout(60, read=0.5))
+    [job_key] = list(r.scan_iter(match=f"{settings.namespace}:job:*"))
+    job_id = job_key.decode().rsplit(":", 1)[1]
+    assert client.wait(job_id, timeout=30).status is JobStatus.CANCELLED
+
+
+def test_healthz_is_200_with_redis_and_503_without(gateway: Any) -> None:
+    assert gateway().get("/healthz").json() == {"ok": True}
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        dead = f"redis://127.0.0.1:{s.getsockname()[1]}/0"  # nothing listens there
+    response = gateway(redis_url=dead).get("/healthz")
+    assert response.status_code == 503 and response.json()["ok"] is False
