@@ -17,6 +17,9 @@ from redis.exceptions import ConnectionError, TimeoutError
 
 # Ten retries with a backoff capped at 2 s ride out a restart of ~15 s.
 RETRIES = 10
+# Each live stream()/wait() holds a pub/sub connection of its own: a web backend
+# following hundreds of jobs needs more than redis-py's default of 100.
+MAX_CONNECTIONS = 2000
 RETRY_ERRORS: list[type[Exception]] = [ConnectionError, TimeoutError, ConnectionResetError]
 
 
@@ -27,6 +30,7 @@ def _options() -> dict[str, Any]:
         "socket_keepalive": True,
         "socket_connect_timeout": 5,
         "retry_on_error": RETRY_ERRORS,
+        "max_connections": MAX_CONNECTIONS,
     }
 
 

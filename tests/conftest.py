@@ -21,65 +21,7 @@ import redis
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).parent))
 
-from helpers import wait_until  # noqa: E402
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-class RedisServer:
-    """A redis-server the tests own: they may stop, kill and restart it."""
-
-    def __init__(self, appendonly: bool = False) -> None:
-        binary = shutil.which("redis-server")
-        if binary is None:
-            pytest.fail("redis-server is not installed: `apt-get install redis-server` "
-                        "(.ci/run does this)")
-        self.binary = binary
-        self.port = free_port()
-        self.dir = tempfile.mkdtemp(prefix="tokenfleet-redis-")
-        self.appendonly = appendonly
-        self.proc: subprocess.Popen[bytes] | None = None
-        self.start()
-
-    @property
-    def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
-
-    def start(self) -> None:
-        args = [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-                "--dir", self.dir, "--appendonly", "yes" if self.appendonly else "no",
-                "--appendfsync", "always"]
-        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        client = redis.Redis(port=self.port, socket_connect_timeout=0.2)
-        wait_until(lambda: _pings(client), timeout=10, what="redis-server to answer PING")
-        client.close()
-
-    def stop(self) -> None:
-        if self.proc is not None:
-            self.proc.terminate()
-            self.proc.wait(timeout=10)
-            self.proc = None
-
-    def kill(self) -> None:
-        if self.proc is not None:
-            self.proc.kill()
-            self.proc.wait(timeout=10)
-            self.proc = None
-
-    def close(self) -> None:
-        self.kill()
-        shutil.rmtree(self.dir, ignore_errors=True)
-
-
-def _pings(client: redis.Redis) -> bool:
-    try:
-        return bool(client.ping())
-    except redis.exceptions.ConnectionError:
-        return False
+from helpers import RedisServer, wait_until  # noqa: E402,F401
 
 
 @pytest.fixture(scope="session")

@@ -27,6 +27,8 @@ app.conf.update(
     result_accept_content=["json"],
     worker_prefetch_multiplier=1,
     worker_send_task_events=False,
+    # Celery 6's default, set now to silence its deprecation warning on a lost broker.
+    worker_cancel_long_running_tasks_on_connection_loss=True,
 )
 app.steps["worker"].add(EngineStep)
 

@@ -44,6 +44,7 @@ class Feeder:
         publisher: Publisher,
         sink: Callable[[list[Sequence]], None],
         credits: Callable[[], int],
+        holds: Callable[[str], bool] = lambda job_id: False,
     ) -> None:
         self.redis = redis
         self.keys = keys
@@ -55,6 +56,7 @@ class Feeder:
         self.publisher = publisher
         self.sink = sink
         self.credits = credits
+        self.holds = holds
         self.scripts = Scripts(redis)
         self.slots_freed = threading.Event()
         self.paused = threading.Event()  # set: read nothing new (drain)
@@ -71,20 +73,24 @@ class Feeder:
 
     def run(self, stop: threading.Event) -> None:
         backoff = 0.05
-        own_pending = True
+        starting = True  # make the group, then re-take this consumer's own pending entries
+        regroup = False  # after a lost connection: make the group again if Redis lost it
         while not stop.is_set():
             try:
-                if own_pending:
+                if starting or regroup:
                     self.ensure_group()
+                if starting:
                     self._take_own_pending()
-                    own_pending = False
+                starting = regroup = False
                 self._feed_once()
                 backoff = 0.05
             except (ConnectionError, TimeoutError, OSError) as exc:
                 log.warning("redis unavailable for the feeder (%s); retrying in %.2fs", exc, backoff)
                 stop.wait(backoff)
                 backoff = min(backoff * 2, 2.0)
-                own_pending = True  # the group may be gone with a restarted Redis
+                # The entries this process already holds stay with its engine:
+                # re-taking them would fence its own attempts.
+                regroup = True
             except Exception:  # never let one bad batch stop the intake
                 log.exception("feeder error")
                 stop.wait(0.5)
@@ -137,9 +143,14 @@ class Feeder:
                 self.redis.xack(self.stream, GROUP, entry_id)
                 continue
             try:
-                parsed.append((entry_id, QueueEntry.model_validate_json(fields[b"data"])))
+                entry = QueueEntry.model_validate_json(fields[b"data"])
             except (KeyError, ValueError, ValidationError) as exc:
                 self.publisher.dead_letter(self.queue, entry_id, fields, _reason(exc))
+                continue
+            # Already running here (an entry of ours that XAUTOCLAIM found idle
+            # through an outage): taking it again would fence our own attempt.
+            if not self.holds(entry.job_id):
+                parsed.append((entry_id, entry))
         if not parsed:
             return
         verdicts = self.scripts.start(

@@ -61,10 +61,11 @@ class Worker:
                                    max_failures=settings.max_attempts)
         self.engine = Engine(self.scheduler, runner)
         self.publisher = Publisher(self.redis, self.keys, settings, name)
+        self._held: set[str] = set()  # ids of the jobs this worker runs now
         self.feeder = Feeder(
             self.redis, self.keys, settings, name, self.queue,
             Admission(tokenizer, settings, max_model_len), self.publisher,
-            sink=self._receive, credits=self.credits,
+            sink=self._receive, credits=self.credits, holds=self._held.__contains__,
         )
         self._inbox: deque[Sequence] = deque()
         self._aborts: deque[tuple[str, FinishReason]] = deque()
@@ -136,6 +137,7 @@ class Worker:
     # -- the engine loop ------------------------------------------------------
 
     def _receive(self, seqs: list[Sequence]) -> None:
+        self._held.update(s.job_id for s in seqs)
         self._inbox.extend(seqs)
         self._wake.set()
 
@@ -164,7 +166,9 @@ class Worker:
             self._idle.clear()
             outputs = self.engine.step()
             self._publish(outputs)
-            if any(o.finished for o in outputs):
+            finished = [o.seq.job_id for o in outputs if o.finished]
+            if finished:
+                self._held.difference_update(finished)
                 self.feeder.slots_freed.set()
 
     def _publish(self, outputs: list[SeqOutput]) -> None:
@@ -184,6 +188,7 @@ class Worker:
         for job_id in fenced:
             log.warning("job %s is owned by a newer attempt; dropping it here", job_id)
             self.scheduler.drop(job_id)
+            self._held.discard(job_id)
 
     # -- side loops ------------------------------------------------------------
 

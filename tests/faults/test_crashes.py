@@ -1,0 +1,204 @@
+"""Nothing lost, nothing twice: a worker killed mid-batch, Redis restarted mid-run,
+a worker drained with jobs in flight."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections import Counter
+from typing import Any
+
+import pytest
+import redis
+
+from producer import AsyncFleetClient, FleetClient
+from shared.keys import GROUP, Keys
+from shared.schemas import JobStatus, SamplingParams, TokenEvent
+from shared.serialization import loads
+from workers.detokenizer import TextStream
+from workers.engine import Engine
+from workers.runner import HFRunner
+from workers.scheduler import Scheduler
+from workers.sequence import Sequence
+
+from helpers import wait_until
+
+pytestmark = [pytest.mark.faults, pytest.mark.timeout(300)]
+
+WORDS = "the value of a list is returned when the module calls its function".split()
+
+
+def prompts(n: int) -> list[tuple[str, int]]:
+    return [(" ".join(WORDS[i % 7: i % 7 + 2 + i % 5]), 16 + (i * 7) % 24) for i in range(n)]
+
+
+def direct_greedy(loaded: tuple[Any, Any], jobs: list[tuple[str, int]]) -> list[str]:
+    """The undisturbed run: the same engine in-process, no Redis, no faults."""
+    model, tok = loaded
+    runner = HFRunner(model, tok)
+    sched = Scheduler(64, runner.eos_token_ids, runner.max_model_len)
+    seqs = [Sequence(str(i), tok(p)["input_ids"], SamplingParams(max_new_tokens=n, temperature=0.0),
+                     TextStream(tok)) for i, (p, n) in enumerate(jobs)]
+    for s in seqs:
+        sched.add(s)
+    engine = Engine(sched, runner)
+    while sched.has_work:
+        engine.step()
+    return [s.text.text for s in seqs]
+
+
+class ChannelTally:
+    """Counts every event published on every job channel of a namespace."""
+
+    def __init__(self, url: str, keys: Keys) -> None:
+        self.tokens: Counter[tuple[str, int]] = Counter()
+        self.ends: Counter[str] = Counter()
+        self._pubsub = redis.Redis.from_url(url).pubsub()
+        self._pubsub.psubscribe(keys.events("*"))
+        self._prefix = len(keys.events(""))
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                message = self._pubsub.get_message(timeout=0.2)
+            except redis.exceptions.ConnectionError:
+                continue
+            if message is None or message["type"] != "pmessage":
+                continue
+            job_id = message["channel"].decode()[self._prefix:]
+            event = loads(message["data"])
+            if event["k"] == "tok":
+                self.tokens[(job_id, event["index"])] += 1
+            else:
+                self.ends[job_id] += 1
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+        self._pubsub.close()
+
+
+def follow_all(settings: Any, job_ids: list[str]) -> tuple[threading.Thread, dict[str, list[TokenEvent]]]:
+    """Stream every job from the start, on a loop of its own, as async consumers would."""
+    seen: dict[str, list[TokenEvent]] = {}
+
+    async def main() -> None:
+        async with AsyncFleetClient(settings=settings) as c:
+            async def one(job_id: str) -> None:
+                seen[job_id] = [e async for e in c.stream(job_id, timeout=240)]
+            await asyncio.gather(*(one(j) for j in job_ids))
+
+    thread = threading.Thread(target=lambda: asyncio.run(main()), daemon=True)
+    thread.start()
+    return thread, seen
+
+
+def test_kill_9_mid_batch_loses_nothing_and_runs_nothing_twice(
+    settings: Any, client: FleetClient, celery_workers: Any, r: redis.Redis,
+    loaded_tiny: Any, report: dict[str, Any],
+) -> None:
+    keys = Keys(settings.namespace)
+    jobs = prompts(200)
+    job_ids = [client.submit(p, max_new_tokens=n, temperature=0.0) for p, n in jobs]
+    tally = ChannelTally(settings.redis_url, keys)
+    consumers, seen = follow_all(settings, job_ids)
+    first = celery_workers("cpu@first", TOKENFLEET_MAX_BATCH="32", TOKENFLEET_CLAIM_IDLE_S="2")
+
+    def succeeded() -> int:
+        pipe = r.pipeline()
+        for j in job_ids:
+            pipe.hget(keys.job(j), "status")
+        return sum(1 for s in pipe.execute() if s == b"succeeded")
+
+    wait_until(lambda: succeeded() >= 40, timeout=120, what="40 jobs to finish before the kill")
+    in_flight = r.xpending(keys.queue("default"), GROUP)["pending"]
+    first.kill()  # SIGKILL: no drain, no hand-back, pending entries stay with cpu@first
+    killed_at = time.monotonic()
+    done_at_kill = succeeded()
+    # A new process under another name takes the dead one's entries after claim_idle_s.
+    celery_workers("cpu@second", TOKENFLEET_MAX_BATCH="32", TOKENFLEET_CLAIM_IDLE_S="2")
+    wait_until(lambda: succeeded() > done_at_kill, timeout=60, what="the first job after the kill")
+    recovery_s = time.monotonic() - killed_at
+    states = [client.wait(j, timeout=180) for j in job_ids]
+    consumers.join(timeout=60)
+    tally.close()
+
+    assert [s.status for s in states] == [JobStatus.SUCCEEDED] * 200
+    resumed = [s for s in states if s.attempts > 1]
+    assert resumed, "the kill hit no job in flight"
+    # Every final state was written once; every token was published once.
+    assert all(tally.ends[j] == 1 for j in job_ids), "an end event was published twice"
+    duplicated = sum(c - 1 for c in tally.tokens.values() if c > 1)
+    assert duplicated == 0
+    for state in states:
+        events = seen[state.id]
+        assert [e.index for e in events] == list(range(len(state.token_ids)))
+        assert "".join(e.text for e in events) == state.text
+    assert [s.text for s in states] == direct_greedy(loaded_tiny, jobs)
+    report.update(accepted=200, completed=len(states), lost=0, duplicated=duplicated,
+                  in_flight_at_kill=in_flight, resumed=len(resumed),
+                  recovery_s=round(recovery_s, 2))
+
+
+def test_redis_restart_mid_run_every_accepted_job_finishes(
+    aof_redis: Any, namespace: str, celery_workers: Any, report: dict[str, Any]
+) -> None:
+    from shared.settings import Settings
+
+    settings = Settings(redis_url=aof_redis.url, namespace=namespace)
+    client = FleetClient(settings=settings)
+    r = redis.Redis.from_url(aof_redis.url)
+    keys = Keys(namespace)
+    job_ids = [client.submit(f"restart {i} {' '.join(WORDS[:i % 9])}", max_new_tokens=60,
+                             temperature=0.0) for i in range(60)]
+    worker = _celery_on(celery_workers, settings, "cpu@survivor")
+    wait_until(lambda: r.hget(keys.job(job_ids[5]), "status") == b"succeeded", timeout=60,
+               what="a few jobs to finish before the restart")
+    aof_redis.stop()  # SIGTERM: Redis writes its append-only file and exits
+    down_at = time.monotonic()
+    time.sleep(1.0)  # the outage itself: clients and the worker see refused connections
+    aof_redis.start()
+    states = [client.wait(j, timeout=120) for j in job_ids]
+    recovery_s = time.monotonic() - down_at
+    assert [s.status for s in states] == [JobStatus.SUCCEEDED] * 60
+    assert worker.proc.poll() is None, "the worker died with Redis"
+    # After the restart, new work flows through the same processes.
+    after = client.submit("after the restart", max_new_tokens=5)
+    assert client.wait(after, timeout=60).status is JobStatus.SUCCEEDED
+    report.update(accepted=60, completed=60, lost=0, outage_s=1.0,
+                  all_done_after_s=round(recovery_s, 2))
+    client.close()
+    r.close()
+
+
+def _celery_on(celery_workers: Any, settings: Any, node: str) -> Any:
+    """celery_workers is bound to the session Redis; point this one at another."""
+    return celery_workers(node, TOKENFLEET_REDIS_URL=settings.redis_url, wait=False)
+
+
+def test_a_drained_worker_finishes_or_hands_back_its_jobs(
+    settings: Any, client: FleetClient, celery_workers: Any, r: redis.Redis,
+    report: dict[str, Any],
+) -> None:
+    keys = Keys(settings.namespace)
+    job_ids = [client.submit(f"drain {i}", max_new_tokens=300, temperature=0.0)
+               for i in range(24)]
+    consumers, seen = follow_all(settings, job_ids)
+    first = celery_workers("cpu@leaving", TOKENFLEET_MAX_BATCH="8", TOKENFLEET_DRAIN_GRACE_S="0.5")
+    wait_until(lambda: r.hget(keys.job(job_ids[0]), "first_token_at"), timeout=60,
+               what="the first worker to start generating")
+    assert first.stop(timeout=60) == 0  # SIGTERM: Celery's warm shutdown
+    handed_back = sum(1 for j in job_ids if r.hget(keys.job(j), "handbacks"))
+    celery_workers("cpu@staying", TOKENFLEET_MAX_BATCH="16")
+    states = [client.wait(j, timeout=180) for j in job_ids]
+    consumers.join(timeout=60)
+    assert [s.status for s in states] == [JobStatus.SUCCEEDED] * 24
+    assert handed_back > 0 and "handed" in first.output()
+    for state in states:
+        assert r.xlen(keys.out(state.id)) == len(state.token_ids) + 1
+        assert "".join(e.text for e in seen[state.id]) == state.text
+    report.update(accepted=24, completed=24, lost=0, handed_back=handed_back)
