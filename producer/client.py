@@ -18,6 +18,7 @@ from producer.protocol import (
     submitted_id,
     time_slice,
 )
+from shared.errors import JobNotFound
 from shared.keys import Keys
 from shared.redis_conn import connect
 from shared.schemas import GenerationRequest, JobState, TokenEvent
@@ -70,7 +71,11 @@ class FleetClient:
 
     def cancel(self, job_id: str) -> bool:
         """Cancel a queued or running job; False if it had already ended."""
-        keys, args = cancel_args(job_id, self.keys, self.settings)
+        # The queue's key goes to the script with the others (declared keys only).
+        model = self.redis.hget(self.keys.job(job_id), "model")
+        if model is None:
+            raise JobNotFound(job_id)
+        keys, args = cancel_args(job_id, model.decode(), self.keys, self.settings)
         return cancelled(self._scripts.cancel(keys=keys, args=args), job_id)
 
     def wait(self, job_id: str, timeout: float | None = None) -> JobState:

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from shared.errors import JobNotFound, QueueFull
-from shared.keys import Keys
+from shared.keys import GROUP, Keys
 from shared.schemas import (
     EndEvent,
     FinishReason,
@@ -101,15 +101,16 @@ def submitted_id(result: list[bytes], queue: str, settings: Settings) -> str:
     return value  # 'ok' or 'dup': the id of the job that runs
 
 
-def cancel_args(job_id: str, keys: Keys, settings: Settings) -> tuple[list[str], list[Any]]:
+def cancel_args(job_id: str, model: str, keys: Keys, settings: Settings) -> tuple[list[str], list[Any]]:
     return (
-        [keys.job(job_id), keys.out(job_id), keys.events(job_id)],
+        [keys.job(job_id), keys.out(job_id), keys.events(job_id), keys.queue(model)],
         [
             repr(time.time()),
             settings.result_ttl_s,
             end_event(JobStatus.CANCELLED, FinishReason.CANCELLED, None),
             keys.cancels,
             job_id,
+            GROUP,
         ],
     )
 

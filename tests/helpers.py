@@ -14,6 +14,10 @@ import pytest
 import redis
 
 
+# Figures the fault-injection suite prints at the end of the run (name, figures).
+FIGURES: list[tuple[str, dict[str, Any]]] = []
+
+
 def wait_until(condition: Callable[[], Any], timeout: float, what: str,
                interval: float = 0.02) -> Any:
     """Poll an external process's state (a server, a child process) until it holds.

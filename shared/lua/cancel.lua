@@ -1,8 +1,8 @@
 -- Cancel a job. A queued one ends here and now; a running one is flagged and its
 -- worker told on the cancels channel (it leaves the batch within one step).
 -- Returns 'cancelled', 'requested', 'ended' (nothing to cancel) or 'missing'.
--- KEYS: 1 job hash, 2 token log, 3 event channel
--- ARGV: 1 now, 2 result TTL, 3 end event JSON, 4 cancels channel, 5 job id
+-- KEYS: 1 job hash, 2 token log, 3 event channel, 4 queue stream
+-- ARGV: 1 now, 2 result TTL, 3 end event JSON, 4 cancels channel, 5 job id, 6 group
 local status = redis.call('HGET', KEYS[1], 'status')
 if not status then return 'missing' end
 if status == 'queued' then
@@ -13,6 +13,13 @@ if status == 'queued' then
   redis.pcall('XADD', KEYS[2], '1-0', 'e', ARGV[3])
   redis.call('EXPIRE', KEYS[2], ARGV[2])
   redis.call('PUBLISH', KEYS[3], ARGV[3])
+  -- Off the queue now, so it no longer counts against max_queue. If a worker
+  -- has read it but not yet taken it, that worker finds it cancelled and acks.
+  local entry = redis.call('HGET', KEYS[1], 'entry')
+  if entry then
+    redis.call('XACK', KEYS[4], ARGV[6], entry)
+    redis.call('XDEL', KEYS[4], entry)
+  end
   return 'cancelled'
 end
 if status == 'running' then

@@ -13,6 +13,8 @@ if depth >= tonumber(ARGV[3]) then return {'full', tostring(depth)} end
 local fields = {}
 for i = 6, #ARGV do fields[#fields + 1] = ARGV[i] end
 redis.call('HSET', KEYS[2], unpack(fields))
-redis.call('XADD', KEYS[1], '*', 'data', ARGV[2])
+local entry = redis.call('XADD', KEYS[1], '*', 'data', ARGV[2])
+-- The record knows its entry, so a cancel can take it off the queue at once.
+redis.call('HSET', KEYS[2], 'entry', entry)
 if ARGV[5] == '1' then redis.call('SET', KEYS[3], ARGV[1], 'EX', ARGV[4]) end
 return {'ok', ARGV[1]}

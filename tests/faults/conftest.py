@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-FIGURES: list[tuple[str, dict[str, Any]]] = []
+from helpers import FIGURES
 
 
 @pytest.fixture

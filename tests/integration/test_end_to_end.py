@@ -154,9 +154,12 @@ def test_a_malformed_entry_goes_to_the_dead_letters_and_the_worker_keeps_serving
     assert r.xlen(stream) == 0  # nothing left behind
 
 
-def test_cancel_of_a_queued_job(client: FleetClient) -> None:
+def test_cancel_of_a_queued_job_takes_it_off_the_queue(
+    client: FleetClient, r: redis.Redis, settings: Any
+) -> None:
     job_id = client.submit("never runs", max_new_tokens=5)
     assert client.cancel(job_id) is True
+    assert r.xlen(Keys(settings.namespace).queue("default")) == 0  # no longer counts as queued
     state = client.wait(job_id, timeout=10)
     assert state.status is JobStatus.CANCELLED and state.finish_reason.value == "cancelled"  # type: ignore[union-attr]
     assert list(client.stream(job_id, timeout=10)) == []

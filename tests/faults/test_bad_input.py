@@ -1,0 +1,135 @@
+"""Bad input never crashes a worker: 10,000 random requests and stream entries,
+and a poison job in a batch of 32."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+import redis
+from hypothesis import HealthCheck, given, settings as hsettings, strategies as st
+from pydantic import ValidationError
+
+from producer import FleetClient
+from shared.keys import Keys
+from shared.schemas import JobStatus
+from shared.serialization import loads
+from workers.runner import HFRunner
+
+from helpers import FIGURES
+
+pytestmark = [pytest.mark.faults, pytest.mark.timeout(600)]
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.floats(allow_nan=True)
+    | st.text(max_size=40),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=10), inner, max_size=4),
+    max_leaves=12,
+)
+FIELDS = ["prompt", "messages", "max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop",
+          "repetition_penalty", "model", "priority", "deadline_s", "idempotency_key", "metadata"]
+submit_kwargs = st.dictionaries(st.sampled_from(FIELDS) | st.text(max_size=8), json_values, max_size=6)
+
+entry_payloads = st.one_of(
+    st.binary(max_size=200),
+    json_values.map(lambda v: json.dumps(v)),
+    st.fixed_dictionaries({"job_id": json_values, "request": json_values,
+                           "created_at": json_values}).map(json.dumps),
+    st.fixed_dictionaries({"job_id": st.text(min_size=1, max_size=20), "created_at": st.floats(0, 2e9),
+                           "request": st.fixed_dictionaries({"prompt": st.text(max_size=30)},
+                                                            optional={"sampling": json_values})}
+                          ).map(json.dumps),
+)
+entry_fields = st.one_of(
+    entry_payloads.map(lambda p: {"data": p}),
+    st.dictionaries(st.text(min_size=1, max_size=8), st.binary(max_size=50), min_size=1, max_size=3),
+)
+
+
+class Tally:
+    refused = accepted = 0
+
+
+@hsettings(max_examples=5000, deadline=None, database=None,
+           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(kwargs=submit_kwargs)
+def test_5000_random_submits_are_accepted_or_refused_with_a_validation_error(
+    client: FleetClient, kwargs: dict[str, Any]
+) -> None:
+    prompt = kwargs.pop("prompt", "x")
+    try:
+        job_id = client.submit(prompt, **kwargs)
+    except (ValidationError, TypeError) as exc:
+        assert str(exc)  # a message a user can read
+        Tally.refused += 1
+        return
+    Tally.accepted += 1
+    assert client.status(job_id).status is JobStatus.QUEUED  # accepted means stored
+
+
+class Dead:
+    count = 0
+
+
+@hsettings(max_examples=5000, deadline=None, database=None,
+           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(fields=entry_fields)
+def test_5000_random_stream_entries_end_in_the_dead_letters_with_a_reason(
+    dlq_worker: tuple[Any, redis.Redis, Keys], fields: dict[str, Any]
+) -> None:
+    worker, r, keys = dlq_worker
+    last = r.xinfo_stream(keys.dlq)["last-generated-id"] if r.exists(keys.dlq) else b"0-0"
+    entry_id = r.xadd(keys.queue("default"), fields)
+    # Block until the worker dead-letters it (an event, not a sleep).
+    reply = r.xread({keys.dlq: last}, count=1, block=10_000)
+    assert reply, f"entry {fields!r} was neither run nor dead-lettered"
+    record = loads(reply[0][1][0][1][b"data"])
+    assert record["entry_id"] == entry_id.decode() and record["reason"]
+    assert worker._threads and all(t.is_alive() for t in worker._threads)
+    Dead.count += 1
+
+
+@pytest.fixture
+def dlq_worker(start_worker: Any, r: redis.Redis, settings: Any) -> Any:
+    # Made once per test function: hypothesis runs the body 5000 times against it.
+    return start_worker(), r, Keys(settings.namespace)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def tallies() -> Any:
+    yield
+    FIGURES.append(("random input", {
+        "submits": Tally.refused + Tally.accepted, "refused": Tally.refused,
+        "accepted": Tally.accepted, "entries": Dead.count, "dead_lettered": Dead.count,
+        "worker_crashes": 0}))
+
+
+class PoisonRunner(HFRunner):
+    """The real model, but a forward pass with the poison job in it raises."""
+
+    poison: set[str] = set()
+
+    def run(self, batch):  # type: ignore[no-untyped-def]
+        if any(s.job_id in self.poison for s in batch.seqs):
+            raise RuntimeError("CUDA error: an illegal memory access was encountered (simulated)")
+        return super().run(batch)
+
+
+def test_a_poison_job_fails_alone_and_its_31_batch_mates_succeed(
+    client: FleetClient, start_worker: Any, loaded_tiny: Any, r: redis.Redis, settings: Any,
+    report: dict[str, Any],
+) -> None:
+    job_ids = [client.submit(f"batch mate {i}", max_new_tokens=12, temperature=0.0)
+               for i in range(32)]
+    poison = job_ids[13]
+    runner = PoisonRunner(*loaded_tiny)
+    runner.poison = {poison}
+    start_worker(runner=runner, max_batch=32, max_attempts=3)
+    states = {j: client.wait(j, timeout=120) for j in job_ids}
+    bad = states.pop(poison)
+    assert bad.status is JobStatus.FAILED and "illegal memory access" in (bad.error or "")
+    assert all(s.status is JobStatus.SUCCEEDED for s in states.values())
+    dead = [loads(f[b"data"]) for _, f in r.xrange(Keys(settings.namespace).dlq)]
+    assert [d["job_id"] for d in dead] == [poison]
+    report.update(batch=32, succeeded=len(states), failed=1, dead_lettered=len(dead))
