@@ -1,0 +1,105 @@
+"""Overload at 10x the fleet's rate for 30 s: the excess is refused at once with
+QueueFull, memory stays flat, and every accepted job completes."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+
+from producer import FleetClient, QueueFull
+from shared.keys import Keys
+from shared.serialization import loads
+
+from helpers import wait_until
+
+pytestmark = [pytest.mark.faults, pytest.mark.timeout(300)]
+
+DURATION_S = 30.0
+
+
+def rss_mb(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise RuntimeError("no VmRSS")
+
+
+class EndTally:
+    """Every job's end event, by status, heard on the namespace's channels."""
+
+    def __init__(self, url: str, keys: Keys) -> None:
+        self.ended: dict[str, str] = {}
+        self._prefix = len(keys.events(""))
+        self._pubsub = redis.Redis.from_url(url).pubsub()
+        self._pubsub.psubscribe(keys.events("*"))
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            message = self._pubsub.get_message(timeout=0.2)
+            if message and message["type"] == "pmessage" and b'"k":"end"' in message["data"]:
+                job_id = message["channel"].decode()[self._prefix:]
+                self.ended[job_id] = loads(message["data"])["status"]
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+        self._pubsub.close()
+
+
+def test_ten_times_the_fleet_rate_for_30s(
+    settings: Any, celery_workers: Any, r: redis.Redis, report: dict[str, Any]
+) -> None:
+    keys = Keys(settings.namespace)
+    # Records expire 5 s after their end, so what Redis holds is the queue plus
+    # a few seconds of results: it must stay flat however long the overload lasts.
+    worker = celery_workers("cpu@busy", TOKENFLEET_MAX_BATCH="32", TOKENFLEET_RESULT_TTL_S="5")
+    tally = EndTally(settings.redis_url, keys)
+    client = FleetClient(settings=settings.model_copy(update={"max_queue": 64}))
+
+    # The fleet's own rate, measured on a burst of the same jobs.
+    started = time.monotonic()
+    burst = [client.submit(f"calibrate {i}", max_new_tokens=8) for i in range(64)]
+    wait_until(lambda: all(j in tally.ended for j in burst), timeout=120, what="the calibration burst")
+    fleet_rate = len(burst) / (time.monotonic() - started)
+    offered_rate = 10 * fleet_rate
+
+    accepted: list[str] = []
+    refused = 0
+    memory: list[tuple[float, float, float]] = []  # (t, redis MB, worker RSS MB)
+    t0 = time.monotonic()
+    next_sample = 0.0
+    while (elapsed := time.monotonic() - t0) < DURATION_S:
+        while len(accepted) + refused < offered_rate * elapsed:
+            try:
+                accepted.append(client.submit(f"load {len(accepted)}", max_new_tokens=8))
+            except QueueFull:
+                refused += 1
+        if elapsed >= next_sample:
+            memory.append((elapsed, r.info("memory")["used_memory"] / 2**20,
+                           rss_mb(worker.proc.pid)))
+            next_sample += 1.0
+        time.sleep(0.005)  # pacing of the offered load, not synchronisation
+    wait_until(lambda: all(j in tally.ended for j in accepted), timeout=120,
+               what="every accepted job to end")
+    tally.close()
+    client.close()
+
+    statuses = [tally.ended[j] for j in accepted]
+    assert refused > 0 and statuses == ["succeeded"] * len(accepted)
+    early = [m for m in memory if 5 <= m[0] < 15]
+    late = [m for m in memory if m[0] >= 20]
+    redis_growth = max(m[1] for m in late) - max(m[1] for m in early)
+    rss_growth = max(m[2] for m in late) - max(m[2] for m in early)
+    assert redis_growth < 5, memory
+    assert rss_growth < 30, memory
+    report.update(fleet_jobs_per_s=round(fleet_rate, 1), offered_per_s=round(offered_rate, 1),
+                  accepted=len(accepted), refused=refused, completed=len(statuses), lost=0,
+                  redis_mb_growth=round(redis_growth, 2), worker_rss_mb_growth=round(rss_growth, 2))
