@@ -61,10 +61,11 @@ class AsyncFleetClient:
 
     async def cancel(self, job_id: str) -> bool:
         # The queue's key goes to the script with the others (declared keys only).
-        model = await self.redis.hget(self.keys.job(job_id), "model")
+        model, priority = await self.redis.hmget(self.keys.job(job_id), ["model", "priority"])
         if model is None:
             raise JobNotFound(job_id)
-        keys, args = cancel_args(job_id, model.decode(), self.keys, self.settings)
+        keys, args = cancel_args(job_id, model.decode(), (priority or b"normal").decode(),
+                                 self.keys, self.settings)
         return cancelled(await self._scripts.cancel(keys=keys, args=args), job_id)
 
     async def wait(self, job_id: str, timeout: float | None = None) -> JobState:

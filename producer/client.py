@@ -72,10 +72,11 @@ class FleetClient:
     def cancel(self, job_id: str) -> bool:
         """Cancel a queued or running job; False if it had already ended."""
         # The queue's key goes to the script with the others (declared keys only).
-        model = self.redis.hget(self.keys.job(job_id), "model")
+        model, priority = self.redis.hmget(self.keys.job(job_id), ["model", "priority"])
         if model is None:
             raise JobNotFound(job_id)
-        keys, args = cancel_args(job_id, model.decode(), self.keys, self.settings)
+        keys, args = cancel_args(job_id, model.decode(), (priority or b"normal").decode(),
+                                 self.keys, self.settings)
         return cancelled(self._scripts.cancel(keys=keys, args=args), job_id)
 
     def wait(self, job_id: str, timeout: float | None = None) -> JobState:

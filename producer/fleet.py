@@ -7,7 +7,7 @@ from typing import Any
 
 from redis.exceptions import ResponseError
 
-from shared.keys import GROUP
+from shared.keys import GROUP, PRIORITIES, level_queue
 from shared.serialization import loads
 
 
@@ -15,25 +15,10 @@ def fleet_status(client: Any) -> dict[str, Any]:
     """Read every queue's depth and group state and every live worker's heartbeat."""
     r, keys = client.redis, client.keys
     now = time.time()
-    queues = []
     prefix = keys.queue("")
-    for raw in sorted(r.scan_iter(match=keys.queues_pattern(), count=500)):
-        stream = raw.decode()
-        name = stream[len(prefix):]
-        depth = r.xlen(stream)
-        info: dict[str, Any] = {"queue": name, "depth": depth, "pending": 0, "lag": depth,
-                                "oldest_wait_s": None}
-        try:
-            for group in r.xinfo_groups(stream):
-                if group["name"] == GROUP.encode():
-                    info["pending"] = group["pending"]
-                    info["lag"] = group.get("lag")
-        except ResponseError:
-            pass
-        first = r.xrange(stream, "-", "+", count=1)
-        if first:
-            info["oldest_wait_s"] = round(now - int(first[0][0].split(b"-")[0]) / 1000, 3)
-        queues.append(info)
+    models = sorted({raw.decode()[len(prefix):].split(":")[0]
+                     for raw in r.scan_iter(match=keys.queues_pattern(), count=500)})
+    queues = [_queue(r, keys, model, now) for model in models]
     workers = []
     for raw in sorted(r.scan_iter(match=keys.workers_pattern(), count=500)):
         fields = {k.decode(): v.decode() for k, v in r.hgetall(raw).items()}
@@ -42,10 +27,9 @@ def fleet_status(client: Any) -> dict[str, Any]:
         stats = loads(fields.pop("stats", "{}"))
         workers.append({**fields, "stats": stats,
                         "age_s": round(now - float(fields.get("last_seen", now)), 2)})
-    served = {w.get("queue") for w in workers}
     for q in queues:
         q["workers"] = sum(1 for w in workers if w.get("queue") == q["queue"])
-        q["unserved"] = q["queue"] not in served
+        q["unserved"] = q["workers"] == 0
     return {
         "queues": queues,
         "workers": workers,
@@ -54,19 +38,48 @@ def fleet_status(client: Any) -> dict[str, Any]:
     }
 
 
+def _queue(r: Any, keys: Any, model: str, now: float) -> dict[str, Any]:
+    """One model's queue: its priority levels added up."""
+    info: dict[str, Any] = {"queue": model, "depth": 0, "lag": 0, "pending": 0,
+                            "oldest_wait_s": None, "levels": {},
+                            "backlog_tokens": int(r.get(keys.backlog(model)) or 0)}
+    for priority in PRIORITIES:
+        stream = keys.queue(level_queue(model, priority))
+        depth = r.xlen(stream)
+        info["levels"][priority] = depth
+        info["depth"] += depth
+        lag, pending = depth, 0
+        try:
+            for group in r.xinfo_groups(stream):
+                if group["name"] == GROUP.encode():
+                    pending = group["pending"]
+                    lag = group.get("lag") if group.get("lag") is not None else depth - pending
+        except ResponseError:
+            pass  # no such stream yet
+        info["lag"] += lag
+        info["pending"] += pending
+        first = r.xrange(stream, "-", "+", count=1)
+        if first:
+            wait = round(now - int(first[0][0].split(b"-")[0]) / 1000, 3)
+            info["oldest_wait_s"] = max(wait, info["oldest_wait_s"] or 0.0)
+    return info
+
+
 def render(report: dict[str, Any]) -> None:
     from rich.console import Console
     from rich.table import Table
 
     console = Console()
     queues = Table(title="queues")
-    for col in ("queue", "depth", "lag", "pending", "oldest wait", "workers"):
+    for col in ("queue", "depth (high/normal/low)", "lag", "pending", "oldest wait",
+                "backlog tokens", "workers"):
         queues.add_column(col)
     for q in report["queues"]:
         wait = "-" if q["oldest_wait_s"] is None else f"{q['oldest_wait_s']:.1f}s"
         workers = str(q["workers"]) if q["workers"] else "[red]none[/red]"
-        queues.add_row(q["queue"], str(q["depth"]), str(q["lag"]), str(q["pending"]), wait,
-                       workers)
+        levels = "/".join(str(q["levels"][p]) for p in PRIORITIES)
+        queues.add_row(q["queue"], f"{q['depth']} ({levels})", str(q["lag"]), str(q["pending"]),
+                       wait, str(q["backlog_tokens"]), workers)
     console.print(queues)
     workers = Table(title="workers")
     for col in ("node", "device", "model", "queue", "batch", "peak", "tokens/s", "jobs",

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from shared.errors import JobNotFound, QueueFull
-from shared.keys import GROUP, Keys
+from shared.keys import GROUP, PRIORITIES, Keys, level_queue
 from shared.schemas import (
     EndEvent,
     FinishReason,
@@ -80,18 +80,33 @@ def submission(request: GenerationRequest, keys: Keys, settings: Settings) -> Su
         record["deadline_at"] = repr(deadline_at)
     idem = request.idempotency_key
     flat = [x for pair in record.items() for x in pair]
+    model = request.model
     return Submission(
         job_id=job_id,
-        keys=[keys.queue(request.model), keys.job(job_id), keys.idempotency(idem or "-")],
+        keys=[
+            keys.queue(level_queue(model, request.priority)),
+            keys.job(job_id),
+            keys.idempotency(idem or "-"),
+            *(keys.queue(level_queue(model, p)) for p in PRIORITIES),
+            keys.backlog(model),
+        ],
         args=[
             job_id,
             entry.model_dump_json(),
             settings.max_queue,
             settings.idempotency_ttl_s,
             "1" if idem else "0",
+            backlog_weight(request),
             *flat,
         ],
     )
+
+
+def backlog_weight(request: GenerationRequest) -> int:
+    """The job's work in tokens, for the backlog gauge: the prompt is not
+    tokenized on this side, so its tokens are estimated at 4 bytes each."""
+    text = request.prompt or "".join(m.content for m in request.messages or [])
+    return -(-len(text.encode()) // 4) + request.sampling.max_new_tokens
 
 
 def submitted_id(result: list[bytes], queue: str, settings: Settings) -> str:
@@ -101,9 +116,11 @@ def submitted_id(result: list[bytes], queue: str, settings: Settings) -> str:
     return value  # 'ok' or 'dup': the id of the job that runs
 
 
-def cancel_args(job_id: str, model: str, keys: Keys, settings: Settings) -> tuple[list[str], list[Any]]:
+def cancel_args(job_id: str, model: str, priority: str, keys: Keys,
+                settings: Settings) -> tuple[list[str], list[Any]]:
     return (
-        [keys.job(job_id), keys.out(job_id), keys.events(job_id), keys.queue(model)],
+        [keys.job(job_id), keys.out(job_id), keys.events(job_id),
+         keys.queue(level_queue(model, priority)), keys.backlog(model)],
         [
             repr(time.time()),
             settings.result_ttl_s,

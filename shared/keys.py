@@ -7,6 +7,16 @@ from dataclasses import dataclass
 # The consumer group every worker of a queue joins.
 GROUP = "workers"
 
+# Priority levels, highest first. Each level of a model has a stream of its own;
+# "normal" keeps the plain queue name, so the stream a KEDA scaler or a dashboard
+# watches by default is <ns>:q:<model>.
+PRIORITIES = ("high", "normal", "low")
+
+
+def level_queue(model: str, priority: str) -> str:
+    """The queue name of one priority level of a model: ``default``, ``default:high``."""
+    return model if priority == "normal" else f"{model}:{priority}"
+
 
 @dataclass(frozen=True)
 class Keys:
@@ -42,6 +52,14 @@ class Keys:
 
     def workers_pattern(self) -> str:
         return f"{self.namespace}:workers:*"
+
+    def backlog(self, model: str) -> str:
+        """Counter: queued work of a model in tokens (prompt estimate + max_new_tokens)."""
+        return f"{self.namespace}:backlog:{model}"
+
+    def queue_workers(self, model: str) -> str:
+        """Sorted set: live workers of a model, scored by their last heartbeat."""
+        return f"{self.namespace}:served:{model}"
 
     def idempotency(self, key: str) -> str:
         return f"{self.namespace}:idem:{key}"

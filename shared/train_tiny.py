@@ -26,6 +26,7 @@ import random
 import re
 import sys
 import time
+import tokenize
 import warnings
 from pathlib import Path
 
@@ -39,22 +40,50 @@ PAD, BOS, EOS = "<|pad|>", "<|bos|>", "<|eos|>"
 
 # A fixed, sorted list (not ``sys.stdlib_module_names``) so the corpus does not shift when a
 # Python release adds modules; ones that fail to import (removed, platform-specific) are skipped.
-# Modules with import-time side effects (this, antigravity, tkinter, turtle) are left out.
+# Left out: import-time side effects (this, antigravity, tkinter, turtle), deprecated modules,
+# generated code (encodings.*) and platform shims whose text is not prose.
 MODULES: tuple[str, ...] = tuple(sorted("""
-    abc argparse array ast asyncio base64 bdb binascii bisect builtins bz2 calendar cmath cmd code
-    codecs codeop collections colorsys compileall concurrent.futures configparser contextlib
-    contextvars copy copyreg csv dataclasses datetime decimal difflib dis doctest email
-    email.message email.utils enum filecmp fileinput fnmatch fractions ftplib functools gc getopt
-    gettext glob graphlib gzip hashlib heapq hmac html html.parser http http.client http.cookies
-    http.server imaplib importlib importlib.metadata inspect io ipaddress itertools json keyword
-    linecache locale logging logging.handlers lzma mailbox math mimetypes multiprocessing netrc
-    numbers operator optparse os pathlib pdb pickle pkgutil platform plistlib poplib pprint
-    py_compile pydoc queue quopri random re reprlib runpy sched secrets selectors shelve shlex
-    shutil signal smtplib socket socketserver sqlite3 ssl stat statistics string struct
-    subprocess symtable sys sysconfig tarfile tempfile textwrap threading time timeit token
-    tokenize trace traceback tracemalloc types typing unittest unittest.mock urllib.parse
-    urllib.request uuid warnings wave weakref wsgiref.handlers xml.dom.minidom
-    xml.etree.ElementTree xmlrpc.client zipfile zipimport zlib zoneinfo
+    abc argparse array ast asyncio asyncio.base_events asyncio.base_futures asyncio.base_subprocess
+    asyncio.base_tasks asyncio.constants asyncio.coroutines asyncio.events asyncio.exceptions
+    asyncio.format_helpers asyncio.futures asyncio.locks asyncio.log asyncio.mixins
+    asyncio.proactor_events asyncio.protocols asyncio.queues asyncio.runners asyncio.selector_events
+    asyncio.sslproto asyncio.staggered asyncio.streams asyncio.subprocess asyncio.taskgroups
+    asyncio.tasks asyncio.threads asyncio.timeouts asyncio.transports asyncio.trsock
+    asyncio.unix_events base64 bdb binascii bisect builtins bz2 cProfile calendar cmath cmd code
+    codecs codeop collections collections.abc colorsys compileall concurrent concurrent.futures
+    concurrent.futures.process concurrent.futures.thread configparser contextlib contextvars copy
+    copyreg csv ctypes ctypes.util curses curses.ascii curses.panel curses.textpad dataclasses
+    datetime dbm dbm.dumb dbm.gnu dbm.ndbm decimal difflib dis doctest email email.base64mime
+    email.charset email.contentmanager email.encoders email.errors email.feedparser email.generator
+    email.header email.headerregistry email.iterators email.message email.mime
+    email.mime.application email.mime.audio email.mime.base email.mime.image email.mime.message
+    email.mime.multipart email.mime.nonmultipart email.mime.text email.parser email.policy
+    email.quoprimime email.utils enum filecmp fileinput fnmatch fractions ftplib functools gc getopt
+    getpass gettext glob graphlib gzip hashlib heapq hmac html html.entities html.parser http
+    http.client http.cookiejar http.cookies http.server imaplib importlib importlib.abc
+    importlib.machinery importlib.metadata importlib.readers importlib.resources
+    importlib.resources.abc importlib.resources.readers importlib.resources.simple importlib.simple
+    importlib.util inspect io ipaddress itertools json json.decoder json.encoder json.scanner
+    json.tool keyword linecache locale logging logging.config logging.handlers lzma mailbox math
+    mimetypes modulefinder multiprocessing multiprocessing.connection multiprocessing.context
+    multiprocessing.dummy multiprocessing.forkserver multiprocessing.heap multiprocessing.managers
+    multiprocessing.pool multiprocessing.popen_fork multiprocessing.popen_forkserver
+    multiprocessing.popen_spawn_posix multiprocessing.process multiprocessing.queues
+    multiprocessing.reduction multiprocessing.resource_sharer multiprocessing.resource_tracker
+    multiprocessing.shared_memory multiprocessing.sharedctypes multiprocessing.spawn
+    multiprocessing.synchronize multiprocessing.util netrc numbers operator optparse os pathlib pdb
+    pickle pickletools pkgutil platform plistlib poplib pprint profile pstats py_compile pyclbr
+    pydoc queue quopri random re reprlib runpy sched secrets selectors shelve shlex shutil signal
+    smtplib socket socketserver sqlite3 sqlite3.dbapi2 sqlite3.dump ssl stat statistics string
+    stringprep struct subprocess symtable sys sysconfig tabnanny tarfile tempfile textwrap threading
+    time timeit token tokenize tomllib trace traceback tracemalloc types typing unicodedata unittest
+    urllib urllib.error urllib.parse urllib.request urllib.response urllib.robotparser uuid warnings
+    wave weakref webbrowser wsgiref wsgiref.handlers wsgiref.headers wsgiref.simple_server
+    wsgiref.types wsgiref.util wsgiref.validate xml xml.dom xml.dom.NodeFilter xml.dom.domreg
+    xml.dom.expatbuilder xml.dom.minicompat xml.dom.minidom xml.dom.pulldom xml.dom.xmlbuilder
+    xml.etree xml.etree.ElementInclude xml.etree.ElementPath xml.etree.ElementTree xml.parsers
+    xml.parsers.expat xml.sax xml.sax.expatreader xml.sax.handler xml.sax.saxutils xml.sax.xmlreader
+    xmlrpc xmlrpc.client xmlrpc.server zipapp zipfile zlib zoneinfo
 """.split()))
 
 # Characters that make up ordinary prose; a paragraph must be almost all of these to be kept.
@@ -80,8 +109,28 @@ def prose_paragraphs(text: str) -> list[str]:
     return kept
 
 
-def stdlib_docstrings() -> list[str]:
-    """Docstrings of MODULES, their public functions/classes and class methods, deduplicated."""
+def source_comments(module: object) -> list[str]:
+    """Blocks of consecutive ``#`` comment lines in a pure-Python module's source."""
+    path = getattr(module, "__file__", None)
+    if not isinstance(path, str) or not path.endswith(".py"):
+        return []  # built-in or C extension: no source to read
+    blocks: list[list[str]] = []
+    last_row = -2
+    with tokenize.open(path) as src:  # tokenize, not a regex, so "#" inside strings is skipped
+        for tok in tokenize.generate_tokens(src.readline):
+            if tok.type != tokenize.COMMENT or tok.string.startswith("#!"):
+                continue
+            if tok.start[0] != last_row + 1:
+                blocks.append([])
+            blocks[-1].append(tok.string.lstrip("#").strip())
+            last_row = tok.start[0]
+    # Licence headers are boilerplate, repeated across files; they are not prose to learn.
+    return [text for text in (" ".join(b) for b in blocks) if "Copyright" not in text]
+
+
+def stdlib_texts() -> list[str]:
+    """Docstrings of MODULES (module, public functions/classes, class methods) and their source
+    comments, deduplicated, in a fixed order."""
     seen: set[str] = set()
     docs: list[str] = []
 
@@ -98,6 +147,8 @@ def stdlib_docstrings() -> list[str]:
             except Exception:  # noqa: BLE001 - any import failure just means "not on this host"
                 continue
             add(module.__doc__)
+            for comment in source_comments(module):
+                add(comment)
             for attr, obj in sorted(vars(module).items()):
                 if attr.startswith("_") or not (inspect.isclass(obj) or inspect.isroutine(obj)):
                     continue
@@ -113,7 +164,7 @@ def gather_corpus() -> list[str]:
     """One document per doc topic / docstring, paragraphs joined by newlines."""
     from pydoc_data.topics import topics
 
-    sources = [topics[key] for key in sorted(topics)] + stdlib_docstrings()
+    sources = [topics[key] for key in sorted(topics)] + stdlib_texts()
     return [doc for doc in ("\n".join(prose_paragraphs(src)) for src in sources) if doc]
 
 
@@ -191,10 +242,10 @@ def train(args: argparse.Namespace) -> None:
     corpus = gather_corpus()
     n_chars = sum(len(doc) for doc in corpus)
     tok = build_tokenizer(corpus, args.vocab)
-    stream = encode_stream(tok, corpus)
-    split = int(len(stream) * 0.98)  # last 2% held out to see whether the model generalises
-    train_ids, val_ids = stream[:split], stream[split:]
-    print(f"corpus: {len(corpus)} docs, {n_chars} chars, {len(stream)} tokens "
+    # Every 50th document is held out to see whether the model generalises or memorises.
+    train_ids = encode_stream(tok, [d for i, d in enumerate(corpus) if i % 50])
+    val_ids = encode_stream(tok, corpus[::50])
+    print(f"corpus: {len(corpus)} docs, {n_chars} chars, {len(train_ids) + len(val_ids)} tokens "
           f"(vocab {len(tok)}), python {platform.python_version()}", flush=True)
 
     model = make_model(tok, args)
@@ -238,7 +289,7 @@ def train(args: argparse.Namespace) -> None:
           f"wall {wall:.0f}s", flush=True)
 
     save(model, tok, args, n_params=n_params, n_chars=n_chars, n_docs=len(corpus),
-         n_tokens=len(stream), steps=steps_done, loss=loss_ema, val=val, wall=wall)
+         n_tokens=len(train_ids) + len(val_ids), steps=steps_done, loss=loss_ema, val=val, wall=wall)
 
 
 def save(model: LlamaForCausalLM, tok: PreTrainedTokenizerFast, args: argparse.Namespace,
@@ -265,7 +316,7 @@ Trained by `python -m shared.train_tiny --out {args.out}` (see that file for the
 - model: Llama, {args.layers} layers, hidden {args.hidden}, {args.heads} heads, intermediate {args.intermediate},
   {stats['n_params']:.0f} parameters (tied embeddings), stored as float16, {size} bytes
 - training: {stats['steps']:.0f} steps of {args.batch} x {args.seq_len} tokens, AdamW lr {args.lr}, seed {args.seed}
-- final loss: {stats['loss']:.4f} (train, EMA), {stats['val']:.4f} (held-out 2%)
+- final loss: {stats['loss']:.4f} (train, EMA), {stats['val']:.4f} (held-out 2% of documents)
 - wall time: {stats['wall']:.0f} s on {args.threads} CPU threads
 - versions: python {platform.python_version()}, torch {torch.__version__}, transformers {transformers.__version__}, tokenizers {tokenizers.__version__}
 

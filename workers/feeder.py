@@ -1,10 +1,16 @@
-"""The intake: reads a queue's stream through the consumer group, with credits.
+"""The intake: reads a queue's streams through the consumer group, with credits.
 
 A worker asks for at most ``credits`` entries: its free batch slots plus
 ``prefetch``. So it never hoards jobs another worker could start now, and the
 engine never waits on Redis for its next prefill. On start it first re-reads
 its own pending entries (a restarted process resumes what it had), and now and
 then it reclaims entries that a dead consumer left idle for ``claim_idle_s``.
+
+Priorities: each level (high, normal, low) is a stream of its own. Credits are
+dealt in turns from the cycle ``TURNS``: of every 7 jobs a busy worker takes, 4
+come from high, 2 from normal and 1 from low, so a flood of high-priority work
+slows the lower levels but never stops them. A level with nothing waiting
+leaves its turns to the others, highest first.
 """
 
 from __future__ import annotations
@@ -18,7 +24,7 @@ from typing import Any
 from pydantic import ValidationError
 from redis.exceptions import ConnectionError, ResponseError, TimeoutError
 
-from shared.keys import GROUP, Keys
+from shared.keys import GROUP, PRIORITIES, Keys, level_queue
 from shared.schemas import FinishReason, JobStatus, QueueEntry
 from shared.scripts import Scripts
 from shared.serialization import loads
@@ -30,6 +36,22 @@ from workers.sequence import Sequence
 log = logging.getLogger(__name__)
 
 Entry = tuple[bytes, dict[bytes, bytes] | None]
+
+TURNS = ("high", "normal", "high", "low", "high", "normal", "high")
+
+
+class Turns:
+    """Deals credits to priority levels in the order of ``TURNS``, round after round."""
+
+    def __init__(self) -> None:
+        self._next = 0
+
+    def deal(self, credits: int) -> dict[str, int]:
+        shares = dict.fromkeys(PRIORITIES, 0)
+        for i in range(credits):
+            shares[TURNS[(self._next + i) % len(TURNS)]] += 1
+        self._next = (self._next + credits) % len(TURNS)
+        return shares
 
 
 class Feeder:
@@ -51,7 +73,11 @@ class Feeder:
         self.settings = settings
         self.consumer = consumer
         self.queue = queue
-        self.stream = keys.queue(queue)
+        # (queue name of the level, its stream), highest priority first
+        self.levels = [(level_queue(queue, p), keys.queue(level_queue(queue, p)))
+                       for p in PRIORITIES]
+        self.streams = {stream: name for name, stream in self.levels}
+        self.turns = Turns()
         self.admission = admission
         self.publisher = publisher
         self.sink = sink
@@ -63,13 +89,14 @@ class Feeder:
         self._last_reclaim = 0.0
 
     def ensure_group(self) -> None:
-        try:
-            # From the beginning: finished entries are deleted, so whatever is
-            # still in the stream is waiting for a worker.
-            self.redis.xgroup_create(self.stream, GROUP, id="0", mkstream=True)
-        except ResponseError as exc:
-            if "BUSYGROUP" not in str(exc):
-                raise
+        for _name, stream in self.levels:
+            try:
+                # From the beginning: finished entries are deleted, so whatever
+                # is still in the stream is waiting for a worker.
+                self.redis.xgroup_create(stream, GROUP, id="0", mkstream=True)
+            except ResponseError as exc:
+                if "BUSYGROUP" not in str(exc):
+                    raise
 
     def run(self, stop: threading.Event) -> None:
         backoff = 0.05
@@ -106,46 +133,80 @@ class Feeder:
             self._last_reclaim = now
             if self._reclaim(credits):
                 return
-        reply = self.redis.xreadgroup(
-            GROUP, self.consumer, {self.stream: ">"}, count=credits, block=self.settings.block_ms
-        )
-        for _stream, entries in reply or []:
-            self.take(entries)
+        shares = self.turns.deal(credits)
+        got = self._read({self.streams_of(p): n for p, n in shares.items() if n})
+        short = credits - got
+        if short > 0 and got:
+            # Some level had less than its turns: the rest go to the others, in order.
+            for _name, stream in self.levels:
+                if short <= 0:
+                    break
+                short -= self._read({stream: short})
+        if got == 0:
+            # Nothing anywhere: block on every level at once until something comes.
+            self._read({stream: 1 for _name, stream in self.levels},
+                       block=self.settings.block_ms)
+
+    def streams_of(self, priority: str) -> str:
+        return self.keys.queue(level_queue(self.queue, priority))
+
+    def _read(self, counts: dict[str, int], block: int | None = None) -> int:
+        """XREADGROUP ``count`` new entries from each stream; hand them over; return how many."""
+        if not counts:
+            return 0
+        if block is None and len(counts) > 1:
+            pipe = self.redis.pipeline(transaction=False)
+            for stream, count in counts.items():
+                pipe.xreadgroup(GROUP, self.consumer, {stream: ">"}, count=count)
+            replies = [reply for result in pipe.execute() for reply in result or []]
+        else:
+            count = max(counts.values())
+            replies = self.redis.xreadgroup(GROUP, self.consumer, dict.fromkeys(counts, ">"),
+                                            count=count, block=block) or []
+        taken = 0
+        for stream, entries in replies:
+            self.take(self.streams[stream.decode()], entries)
+            taken += len(entries)
+        return taken
 
     def _take_own_pending(self) -> None:
         """Entries this consumer name held when its process died: run them again."""
-        start = "0"
-        while True:
-            reply = self.redis.xreadgroup(GROUP, self.consumer, {self.stream: start}, count=100)
-            entries = reply[0][1] if reply else []
-            if not entries:
-                return
-            self.take(entries)
-            start = entries[-1][0]
+        for name, stream in self.levels:
+            start = "0"
+            while True:
+                reply = self.redis.xreadgroup(GROUP, self.consumer, {stream: start}, count=100)
+                entries = reply[0][1] if reply else []
+                if not entries:
+                    break
+                self.take(name, entries)
+                start = entries[-1][0]
 
     def _reclaim(self, credits: int) -> bool:
         """Take over entries a dead consumer left idle; True if any came."""
         idle_ms = int(self.settings.claim_idle_s * 1000)
-        reply = self.redis.xautoclaim(self.stream, GROUP, self.consumer, idle_ms,
-                                      start_id="0-0", count=credits)
-        entries = reply[1] if reply else []
-        if entries:
-            log.info("reclaimed %d idle entries of %s", len(entries), self.stream)
-            self.take(entries)
-        return bool(entries)
+        found = False
+        for name, stream in self.levels:
+            reply = self.redis.xautoclaim(stream, GROUP, self.consumer, idle_ms,
+                                          start_id="0-0", count=credits)
+            entries = reply[1] if reply else []
+            if entries:
+                log.info("reclaimed %d idle entries of %s", len(entries), stream)
+                self.take(name, entries)
+                found = True
+        return found
 
-    def take(self, entries: list[Entry]) -> None:
-        """Own, check and hand over entries read from the stream."""
+    def take(self, queue: str, entries: list[Entry]) -> None:
+        """Own, check and hand over entries read from the stream of ``queue``."""
         parsed: list[tuple[str, QueueEntry]] = []
         for raw_id, fields in entries:
             entry_id = raw_id.decode()
-            if fields is None:  # deleted while pending: nothing left to run
-                self.redis.xack(self.stream, GROUP, entry_id)
+            if fields is None:  # deleted while pending (a cancel): nothing left to run
+                self.redis.xack(self.keys.queue(queue), GROUP, entry_id)
                 continue
             try:
                 entry = QueueEntry.model_validate_json(fields[b"data"])
             except (KeyError, ValueError, ValidationError) as exc:
-                self.publisher.dead_letter(self.queue, entry_id, fields, _reason(exc))
+                self.publisher.dead_letter(queue, entry_id, fields, _reason(exc))
                 continue
             # Already running here (an entry of ours that XAUTOCLAIM found idle
             # through an outage): taking it again would fence our own attempt.
@@ -154,13 +215,13 @@ class Feeder:
         if not parsed:
             return
         verdicts = self.scripts.start(
-            keys=[self.keys.job(e.job_id) for _, e in parsed],
+            keys=[self.keys.backlog(self.queue), *(self.keys.job(e.job_id) for _, e in parsed)],
             args=[self.consumer, repr(time.time())],
         )
         ready: list[Sequence] = []
         endings: list[Ending] = []
         for (entry_id, entry), verdict in zip(parsed, verdicts):
-            outcome = self._admit(entry_id, entry, verdict)
+            outcome = self._admit(queue, entry_id, entry, verdict)
             if isinstance(outcome, Sequence):
                 ready.append(outcome)
             elif outcome is not None:
@@ -170,11 +231,12 @@ class Feeder:
         if ready:
             self.sink(ready)
 
-    def _admit(self, entry_id: str, entry: QueueEntry, verdict: list[Any]) -> Sequence | Ending | None:
+    def _admit(self, queue: str, entry_id: str, entry: QueueEntry,
+               verdict: list[Any]) -> Sequence | Ending | None:
         status = verdict[0].decode()
-        end = _EndingFor(entry, entry_id)
+        end = _EndingFor(queue, entry, entry_id)
         if status == "missing":
-            self.publisher.dead_letter(self.queue, entry_id, {"data": entry.model_dump_json()},
+            self.publisher.dead_letter(queue, entry_id, {"data": entry.model_dump_json()},
                                        "no job record: it expired or was never written")
             return None
         if status != "run":
@@ -195,6 +257,7 @@ class Feeder:
             return end(attempt, JobStatus.FAILED, FinishReason.ERROR, _reason(exc),
                        dead=_reason(exc))
         seq.entry_json = entry.model_dump_json()
+        seq.queue = queue  # the level's stream it came from: where it is acknowledged
         if attempt > 1:
             seq.restore(self._streamed_tokens(entry.job_id))
         return seq
@@ -208,8 +271,8 @@ class Feeder:
 
 
 class _EndingFor:
-    def __init__(self, entry: QueueEntry, entry_id: str) -> None:
-        self.entry, self.entry_id = entry, entry_id
+    def __init__(self, queue: str, entry: QueueEntry, entry_id: str) -> None:
+        self.queue, self.entry, self.entry_id = queue, entry, entry_id
 
     def __call__(
         self,
@@ -219,7 +282,7 @@ class _EndingFor:
         error: str | None = None,
         dead: str | None = None,
     ) -> Ending:
-        return Ending(job_id=self.entry.job_id, queue=self.entry.request.model,
+        return Ending(job_id=self.entry.job_id, queue=self.queue,
                       entry_id=self.entry_id, attempt=attempt, status=status,
                       finish_reason=reason, error=error, dead_letter=dead)
 

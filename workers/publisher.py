@@ -83,7 +83,9 @@ class Publisher:
         pipe = self.redis.pipeline(transaction=False)
         seqs = [s for s in seqs if s.entry_json]
         for seq in seqs:
-            self.scripts.requeue(keys=[self.keys.queue(seq.queue), self.keys.job(seq.job_id)],
+            model = seq.queue.split(":")[0]  # the level's queue name -> the model's
+            self.scripts.requeue(keys=[self.keys.queue(seq.queue), self.keys.job(seq.job_id),
+                                       self.keys.backlog(model)],
                                  args=[seq.entry_id, seq.attempt, seq.entry_json, GROUP],
                                  client=pipe)
         return sum(pipe.execute()) if seqs else 0

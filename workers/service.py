@@ -222,9 +222,12 @@ class Worker:
         pipe.expire(key, max(3 * int(self.settings.heartbeat_s), 5))
         # Touch the pending entries still being worked on: their idle time
         # restarts, so XAUTOCLAIM elsewhere never takes a job from a live worker.
-        ids = [s.entry_id for s in running if s.entry_id]
-        if ids:
-            pipe.xclaim(self.feeder.stream, GROUP, self.name, 0, ids, justid=True)
+        by_stream: dict[str, list[str]] = {}
+        for seq in running:
+            if seq.entry_id:
+                by_stream.setdefault(self.keys.queue(seq.queue), []).append(seq.entry_id)
+        for stream, ids in by_stream.items():
+            pipe.xclaim(stream, GROUP, self.name, 0, ids, justid=True)
         pipe.execute()
 
     def _cancel_loop(self) -> None:

@@ -1,7 +1,7 @@
 -- Cancel a job. A queued one ends here and now; a running one is flagged and its
 -- worker told on the cancels channel (it leaves the batch within one step).
 -- Returns 'cancelled', 'requested', 'ended' (nothing to cancel) or 'missing'.
--- KEYS: 1 job hash, 2 token log, 3 event channel, 4 queue stream
+-- KEYS: 1 job hash, 2 token log, 3 event channel, 4 queue stream, 5 backlog counter
 -- ARGV: 1 now, 2 result TTL, 3 end event JSON, 4 cancels channel, 5 job id, 6 group
 local status = redis.call('HGET', KEYS[1], 'status')
 if not status then return 'missing' end
@@ -16,6 +16,7 @@ if status == 'queued' then
   -- Off the queue now, so it no longer counts against max_queue. If a worker
   -- has read it but not yet taken it, that worker finds it cancelled and acks.
   local entry = redis.call('HGET', KEYS[1], 'entry')
+  redis.call('DECRBY', KEYS[5], redis.call('HGET', KEYS[1], 'weight') or 0)
   if entry then
     redis.call('XACK', KEYS[4], ARGV[6], entry)
     redis.call('XDEL', KEYS[4], entry)

@@ -1,20 +1,24 @@
 -- Admit one job: idempotency check, bounded queue, then record + stream entry
 -- together, so a reader never sees an entry without its record or the reverse.
--- KEYS: 1 queue stream, 2 job hash, 3 idempotency key
+-- KEYS: 1 the level's stream, 2 job hash, 3 idempotency key,
+--       4-6 every level's stream of the model (the depth counts them all),
+--       7 the model's backlog counter
 -- ARGV: 1 job id, 2 entry JSON, 3 max queue depth, 4 idempotency TTL (s),
---       5 '1' if an idempotency key is used, 6.. record field/value pairs
+--       5 '1' if an idempotency key is used, 6 backlog weight (tokens),
+--       7.. record field/value pairs
 if ARGV[5] == '1' then
   local existing = redis.call('GET', KEYS[3])
   if existing then return {'dup', existing} end
 end
 -- Finished entries are deleted, so the length is what is waiting or running.
-local depth = redis.call('XLEN', KEYS[1])
+local depth = redis.call('XLEN', KEYS[4]) + redis.call('XLEN', KEYS[5]) + redis.call('XLEN', KEYS[6])
 if depth >= tonumber(ARGV[3]) then return {'full', tostring(depth)} end
 local fields = {}
-for i = 6, #ARGV do fields[#fields + 1] = ARGV[i] end
+for i = 7, #ARGV do fields[#fields + 1] = ARGV[i] end
 redis.call('HSET', KEYS[2], unpack(fields))
 local entry = redis.call('XADD', KEYS[1], '*', 'data', ARGV[2])
 -- The record knows its entry, so a cancel can take it off the queue at once.
-redis.call('HSET', KEYS[2], 'entry', entry)
+redis.call('HSET', KEYS[2], 'entry', entry, 'weight', ARGV[6])
+redis.call('INCRBY', KEYS[7], ARGV[6])
 if ARGV[5] == '1' then redis.call('SET', KEYS[3], ARGV[1], 'EX', ARGV[4]) end
 return {'ok', ARGV[1]}
