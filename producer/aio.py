@@ -13,12 +13,13 @@ from producer.protocol import (
     cancel_args,
     cancelled,
     is_end,
+    live_worker_args,
     parse_state,
     submission,
     submitted_id,
     time_slice,
 )
-from shared.errors import JobNotFound
+from shared.errors import JobNotFound, NoWorker
 from shared.keys import Keys
 from shared.redis_conn import connect_async
 from shared.schemas import GenerationRequest, JobState, TokenEvent
@@ -50,8 +51,13 @@ class AsyncFleetClient:
     async def close(self) -> None:
         await self.redis.aclose()
 
-    async def submit(self, prompt: str | GenerationRequest | None = None, /, **kwargs: Any) -> str:
+    async def submit(self, prompt: str | GenerationRequest | None = None, /, *,
+                     require_worker: bool = False, **kwargs: Any) -> str:
         request = build_request(prompt, kwargs, self.settings)
+        if require_worker:
+            key, since = live_worker_args(request.model, self.keys)
+            if not await self.redis.zcount(key, since, "+inf"):
+                raise NoWorker(request.model)
         sub = submission(request, self.keys, self.settings)
         result = await self._scripts.submit(keys=sub.keys, args=sub.args)
         return submitted_id(result, request.model, self.settings)

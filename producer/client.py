@@ -13,12 +13,13 @@ from producer.protocol import (
     cancel_args,
     cancelled,
     is_end,
+    live_worker_args,
     parse_state,
     submission,
     submitted_id,
     time_slice,
 )
-from shared.errors import JobNotFound
+from shared.errors import JobNotFound, NoWorker
 from shared.keys import Keys
 from shared.redis_conn import connect
 from shared.schemas import GenerationRequest, JobState, TokenEvent
@@ -53,14 +54,20 @@ class FleetClient:
     def close(self) -> None:
         self.redis.close()
 
-    def submit(self, prompt: str | GenerationRequest | None = None, /, **kwargs: Any) -> str:
+    def submit(self, prompt: str | GenerationRequest | None = None, /, *,
+               require_worker: bool = False, **kwargs: Any) -> str:
         """Validate, then enqueue atomically; returns the job id.
 
         Keyword arguments are the fields of ``SamplingParams`` and of
         ``GenerationRequest``. Raises ``pydantic.ValidationError`` for bad input
-        (nothing is written) and ``QueueFull`` when the model's queue is full.
+        (nothing is written), ``QueueFull`` when the model's queue is full, and
+        with ``require_worker=True`` ``NoWorker`` when no live worker serves it.
         """
         request = build_request(prompt, kwargs, self.settings)
+        if require_worker:
+            key, since = live_worker_args(request.model, self.keys)
+            if not self.redis.zcount(key, since, "+inf"):
+                raise NoWorker(request.model)
         sub = submission(request, self.keys, self.settings)
         result = self._scripts.submit(keys=sub.keys, args=sub.args)
         return submitted_id(result, request.model, self.settings)

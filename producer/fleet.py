@@ -67,9 +67,28 @@ def _queue(r: Any, keys: Any, model: str, now: float) -> dict[str, Any]:
 
 def render(report: dict[str, Any]) -> None:
     from rich.console import Console
-    from rich.table import Table
 
-    console = Console()
+    Console().print(view(report))
+
+
+def watch(client: Any, interval_s: float = 1.0) -> None:
+    """Redraw the fleet view until Ctrl-C."""
+    from rich.live import Live
+
+    with Live(view(fleet_status(client)), refresh_per_second=4) as live:
+        try:
+            while True:
+                time.sleep(interval_s)  # the refresh period of the view
+                live.update(view(fleet_status(client)))
+        except KeyboardInterrupt:
+            pass
+
+
+def view(report: dict[str, Any]) -> Any:
+    from rich.console import Group
+    from rich.table import Table
+    from rich.text import Text
+
     queues = Table(title="queues")
     for col in ("queue", "depth (high/normal/low)", "lag", "pending", "oldest wait",
                 "backlog tokens", "workers"):
@@ -80,7 +99,6 @@ def render(report: dict[str, Any]) -> None:
         levels = "/".join(str(q["levels"][p]) for p in PRIORITIES)
         queues.add_row(q["queue"], f"{q['depth']} ({levels})", str(q["lag"]), str(q["pending"]),
                        wait, str(q["backlog_tokens"]), workers)
-    console.print(queues)
     workers = Table(title="workers")
     for col in ("node", "device", "model", "queue", "batch", "peak", "tokens/s", "jobs",
                 "heartbeat"):
@@ -92,5 +110,4 @@ def render(report: dict[str, Any]) -> None:
                         w.get("queue", "?"), f"{w.get('running', 0)}/{w.get('max_batch', '?')}",
                         str(stats.get("peak_batch", 0)), f"{stats.get('tokens_per_s', 0):.1f}",
                         jobs, f"{w['age_s']:.1f}s ago")
-    console.print(workers)
-    console.print(f"fleet throughput: {report['tokens_per_s']:.1f} tokens/s")
+    return Group(queues, workers, Text(f"fleet throughput: {report['tokens_per_s']:.1f} tokens/s"))

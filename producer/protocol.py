@@ -102,6 +102,14 @@ def submission(request: GenerationRequest, keys: Keys, settings: Settings) -> Su
     )
 
 
+# A worker whose last heartbeat is older than this is taken for gone.
+LIVE_WORKER_S = 10.0
+
+
+def live_worker_args(model: str, keys: Keys) -> tuple[str, float]:
+    return keys.queue_workers(model), time.time() - LIVE_WORKER_S
+
+
 def backlog_weight(request: GenerationRequest) -> int:
     """The job's work in tokens, for the backlog gauge: the prompt is not
     tokenized on this side, so its tokens are estimated at 4 bytes each."""

@@ -42,6 +42,9 @@ class Settings(BaseSettings):
     max_stop_strings: int = Field(default=8, ge=0)
     max_metadata_bytes: int = Field(default=4096, ge=0)
 
+    # Prometheus metrics on this port (one worker process per port); None: off.
+    metrics_port: int | None = Field(default=None, ge=1, le=65535)
+
     # Reliability.
     max_attempts: int = Field(default=3, ge=1)
     claim_idle_s: float = Field(default=30.0, gt=0)

@@ -59,4 +59,5 @@ class Admission:
             entry_id=entry_id,
             queue=request.model,
             deadline_at=entry.deadline_at,
+            created_at=entry.created_at,
         )

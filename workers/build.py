@@ -8,6 +8,7 @@ from typing import Any
 
 from shared import models
 from shared.settings import Settings
+from workers.null_runner import NULL_MODEL, NullRunner, null_tokenizer
 from workers.runner import HFRunner
 from workers.service import Worker
 
@@ -23,6 +24,14 @@ def cpu_threads(settings: Settings) -> int:
 
 
 def build_worker(settings: Settings, name: str, redis: Any = None) -> Worker:
+    if settings.model == NULL_MODEL:
+        # No model at all (``tokenfleet bench``'s overhead mode): the fleet's own cost.
+        tokenizer = null_tokenizer()
+        null = NullRunner(tokenizer)
+        log.info("serving with the null runner: no model, one fixed token per step")
+        return Worker(settings, null, tokenizer, name=name, eos_token_ids=null.eos_token_ids,
+                      max_model_len=null.max_model_len, redis=redis)
+
     import torch
 
     if settings.device == "cpu" or settings.torch_threads:

@@ -63,9 +63,11 @@ def demo(redis_url: str | None, max_new_tokens: int, temperature: float,
 @click.option("--queue", default=None, help="queue (model name) to serve")
 @click.option("--max-batch", type=int, default=None)
 @click.option("--prefetch", type=int, default=None)
+@click.option("--metrics-port", type=int, default=None,
+              help="serve Prometheus metrics; the worker of the i-th GPU uses PORT+i")
 @redis_option
 @click.option("--loglevel", default="INFO", show_default=True)
-def worker(gpus: str | None, loglevel: str, **options: Any) -> None:
+def worker(gpus: str | None, loglevel: str, metrics_port: int | None, **options: Any) -> None:
     """Start this host's workers: one GPU-pinned Celery process per GPU."""
     from workers.pinning import GpuSpecError, celery_command, parse_gpus, plan, visible_gpus
 
@@ -75,8 +77,10 @@ def worker(gpus: str | None, loglevel: str, **options: Any) -> None:
     except GpuSpecError as exc:
         raise click.UsageError(str(exc)) from exc
     children = []
-    for proc in plan(chosen):
+    for index, proc in enumerate(plan(chosen)):
         env = {**os.environ, **proc.env}
+        if metrics_port is not None:
+            env["TOKENFLEET_METRICS_PORT"] = str(metrics_port + index)
         cmd = celery_command(proc.node, loglevel)
         click.echo(f"starting {proc.node}: {' '.join(cmd)}", err=True)
         children.append(subprocess.Popen(cmd, env=env))
@@ -131,8 +135,9 @@ def submit(prompt: str, max_new_tokens: int, temperature: float, queue: str, str
 @main.command()
 @click.argument("job_id", required=False)
 @click.option("--json", "as_json", is_flag=True, help="machine-readable output")
+@click.option("--watch", is_flag=True, help="refresh the fleet view every second")
 @redis_option
-def status(job_id: str | None, as_json: bool, redis_url: str | None) -> None:
+def status(job_id: str | None, as_json: bool, watch: bool, redis_url: str | None) -> None:
     """One job's state, or the fleet's queues and workers."""
     from producer import FleetClient, JobNotFound
     from producer.fleet import fleet_status
@@ -144,6 +149,11 @@ def status(job_id: str | None, as_json: bool, redis_url: str | None) -> None:
                 click.echo(client.status(job_id).model_dump_json(indent=2))
             except JobNotFound as exc:
                 raise click.ClickException(str(exc)) from exc
+            return
+        if watch:
+            from producer.fleet import watch as watch_fleet
+
+            watch_fleet(client)
             return
         report = fleet_status(client)
         if as_json:

@@ -23,7 +23,7 @@ from typing import Any
 
 from redis.exceptions import ConnectionError, TimeoutError
 
-from shared.keys import GROUP, Keys
+from shared.keys import GROUP, PRIORITIES, Keys
 from shared.redis_conn import connect
 from shared.schemas import FinishReason
 from shared.serialization import dumps
@@ -31,6 +31,7 @@ from shared.settings import Settings
 from workers.admission import Admission
 from workers.engine import Engine, Runner
 from workers.feeder import Feeder
+from workers.metrics import Metrics
 from workers.publisher import Publisher
 from workers.scheduler import Scheduler, SeqOutput
 from workers.sequence import Sequence
@@ -67,6 +68,7 @@ class Worker:
             Admission(tokenizer, settings, max_model_len), self.publisher,
             sink=self._receive, credits=self.credits, holds=self._held.__contains__,
         )
+        self.metrics = Metrics(self.queue)
         self._inbox: deque[Sequence] = deque()
         self._aborts: deque[tuple[str, FinishReason]] = deque()
         # Cancels that came before their job reached the engine (the feeder was
@@ -82,6 +84,8 @@ class Worker:
 
     def start(self) -> None:
         self.feeder.ensure_group()
+        if self.settings.metrics_port:
+            self.metrics.serve(self.settings.metrics_port)
         for target, name in (
             (self._engine_loop, "engine"),
             (lambda: self.feeder.run(self._stop_intake), "feeder"),
@@ -118,6 +122,7 @@ class Worker:
                 handed = self.publisher.hand_back(left)
                 log.info("handed %d unfinished job(s) back to the queue", handed)
             self.redis.delete(self.keys.worker(self.name))
+            self.redis.zrem(self.keys.queue_workers(self.queue), self.name)
         except (ConnectionError, TimeoutError) as exc:
             # Redis is away: the entries stay pending and are reclaimed later.
             log.warning("could not hand jobs back (%s); they will be reclaimed", exc)
@@ -138,6 +143,8 @@ class Worker:
 
     def _receive(self, seqs: list[Sequence]) -> None:
         self._held.update(s.job_id for s in seqs)
+        for seq in seqs:
+            self.metrics.started(seq.created_at)
         self._inbox.extend(seqs)
         self._wake.set()
 
@@ -164,7 +171,10 @@ class Worker:
                 self._wake.clear()
                 continue
             self._idle.clear()
+            started = time.perf_counter()
             outputs = self.engine.step()
+            self.metrics.step_done(self.engine.stats.last_batch, time.perf_counter() - started,
+                                   outputs)
             self._publish(outputs)
             finished = [o.seq.job_id for o in outputs if o.finished]
             if finished:
@@ -212,7 +222,31 @@ class Worker:
             "stats": self.engine.stats.as_dict(), "last_seen": time.time(),
         }
 
+    def _observe_queue(self) -> None:
+        """Queue gauges for the metrics: depth, lag and pending per level, backlog."""
+        levels: dict[str, dict[str, Any]] = {}
+        pipe = self.redis.pipeline(transaction=False)
+        for _name, stream in self.feeder.levels:
+            pipe.xlen(stream)
+            pipe.xinfo_groups(stream)
+        pipe.get(self.keys.backlog(self.queue))
+        replies = pipe.execute(raise_on_error=False)
+        for i, priority in enumerate(PRIORITIES):
+            depth, groups = replies[2 * i], replies[2 * i + 1]
+            group = next((g for g in groups if g["name"] == GROUP.encode()), {}) \
+                if isinstance(groups, list) else {}
+            pending = int(group.get("pending") or 0)
+            lag = group.get("lag")
+            levels[priority] = {"depth": depth if isinstance(depth, int) else 0,
+                                "pending": pending,
+                                "lag": lag if lag is not None else max(0, int(depth or 0) - pending)}
+        backlog = replies[-1]
+        self.metrics.queue_state(levels, int(backlog or 0) if not isinstance(backlog, Exception)
+                                 else 0, self.scheduler.num_running)
+
     def _beat(self) -> None:
+        if self.settings.metrics_port:
+            self._observe_queue()
         key = self.keys.worker(self.name)
         running = list(self.scheduler.running) + list(self.scheduler.waiting)
         info = self.describe()
@@ -220,6 +254,8 @@ class Worker:
         pipe = self.redis.pipeline(transaction=False)
         pipe.hset(key, mapping=info)
         pipe.expire(key, max(3 * int(self.settings.heartbeat_s), 5))
+        # Who serves this model, for submit(require_worker=True) and the status view.
+        pipe.zadd(self.keys.queue_workers(self.queue), {self.name: time.time()})
         # Touch the pending entries still being worked on: their idle time
         # restarts, so XAUTOCLAIM elsewhere never takes a job from a live worker.
         by_stream: dict[str, list[str]] = {}

@@ -1,0 +1,139 @@
+"""The processes a benchmark run needs: a redis-server, Celery worker processes,
+and what /proc says about them (resident memory, CPU time)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import redis
+
+ROOT = Path(__file__).resolve().parents[2]
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+class BenchError(RuntimeError):
+    """The benchmark cannot go on; the message says why and what to do."""
+
+
+def wait_for(condition: Callable[[], Any], timeout: float, what: str,
+             interval: float = 0.02) -> Any:
+    """Poll another process's state until it holds (there is no event to wait on)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() >= deadline:
+            raise BenchError(f"timed out after {timeout:.0f}s waiting for {what}")
+        time.sleep(interval)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class RedisProc:
+    """A throwaway redis-server on a free port, no persistence."""
+
+    def __init__(self) -> None:
+        binary = shutil.which("redis-server")
+        if binary is None:
+            raise BenchError("redis-server is not installed: `apt-get install redis-server`, "
+                             "or point the benchmark at a server with --redis-url")
+        self.port = free_port()
+        self.dir = tempfile.mkdtemp(prefix="tokenfleet-bench-redis-")
+        self.proc = subprocess.Popen(
+            [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+             "--appendonly", "no", "--dir", self.dir],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        client = redis.Redis(port=self.port, socket_connect_timeout=0.2)
+        try:
+            wait_for(lambda: _pings(client), 10, "redis-server to answer PING")
+        finally:
+            client.close()
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            self.proc.wait(timeout=10)
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def _pings(client: redis.Redis) -> bool:
+    try:
+        return bool(client.ping())
+    except redis.exceptions.ConnectionError:
+        return False
+
+
+class CeleryProc:
+    """``celery -A <app> worker -P solo`` as a child process, its log in a file."""
+
+    def __init__(self, app: str, node: str, env: dict[str, str]) -> None:
+        self.node = node
+        self.log = tempfile.NamedTemporaryFile(prefix=f"tokenfleet-bench-{node.split('@')[0]}-",
+                                               suffix=".log", delete=False)
+        cmd = [sys.executable, "-m", "celery", "-A", app, "worker", "-P", "solo", "-c", "1",
+               "-n", node, "--without-mingle", "--without-gossip", "-l", "WARNING"]
+        self.proc = subprocess.Popen(cmd, env={**os.environ, "PYTHONUNBUFFERED": "1", **env},
+                                     cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT)
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def output(self, tail: int = 3000) -> str:
+        return Path(self.log.name).read_text(errors="replace")[-tail:]
+
+    def check(self) -> None:
+        if not self.alive():
+            raise BenchError(f"worker {self.node} exited ({self.proc.returncode}):\n"
+                             f"{self.output()}")
+
+    def close(self, timeout: float = 30) -> None:
+        if self.alive():
+            self.proc.terminate()  # warm shutdown: nothing is left running by then
+            try:
+                self.proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=10)
+        self.log.close()
+        Path(self.log.name).unlink(missing_ok=True)
+
+
+def rss_bytes(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise BenchError(f"process {pid} reports no resident memory")
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process (all its threads)."""
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    fields = stat[stat.rindex(")") + 2:].split()
+    return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
+
+
+def redis_cpu_seconds(client: redis.Redis) -> float:
+    info = client.info("cpu")
+    return float(info["used_cpu_user"]) + float(info["used_cpu_sys"])

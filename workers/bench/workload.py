@@ -1,0 +1,122 @@
+"""The jobs every mode runs, and how the timings of a run become its figures.
+
+Every mode gets the same jobs: the same prompts, the same lengths, the same
+arrival times (all at once, or one every ``1/rate`` seconds), greedy decoding,
+so each mode generates the same tokens.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass, field
+from typing import Any
+
+WORDS = ("the module returns a list of values when the function is called with "
+         "an argument that names each field of the record in order").split()
+
+# Every mode's figures have these fields (the JSON's contract, checked by the tests).
+FIELDS = ("jobs", "tokens", "elapsed_s", "tokens_per_s", "jobs_per_s", "ttft_p50_ms",
+          "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "mean_batch", "max_batch", "occupancy")
+
+
+@dataclass(frozen=True)
+class Job:
+    prompt: str
+    max_new_tokens: int
+    arrival_s: float  # after the start of the run; 0 for all at once
+
+
+def make_jobs(n: int, max_new_tokens: int, rate: float | None = None,
+              seed: int = 0) -> list[Job]:
+    """``n`` jobs with prompts of 2-12 words and between half and all of
+    ``max_new_tokens`` tokens each, so that jobs leave the batch at different
+    steps and new ones join it (what continuous batching is for)."""
+    rng = random.Random(seed)
+    low = max(1, math.ceil(max_new_tokens / 2))
+    return [
+        Job(prompt=" ".join(rng.choices(WORDS, k=rng.randint(2, 12))),
+            max_new_tokens=rng.randint(low, max_new_tokens),
+            arrival_s=i / rate if rate else 0.0)
+        for i in range(n)
+    ]
+
+
+@dataclass
+class Trace:
+    """What one run saw, per job: when it was submitted, when each token came."""
+
+    submitted: list[float]
+    tokens: list[list[float]]
+    ended: list[float | None]
+    streamed: bool = True  # False: all tokens came at once, with the result
+    num_tokens: list[int] = field(default_factory=list)  # when not streamed
+
+    @classmethod
+    def empty(cls, n: int, streamed: bool = True) -> Trace:
+        return cls([0.0] * n, [[] for _ in range(n)], [None] * n, streamed, [0] * n)
+
+    @property
+    def done(self) -> int:
+        return sum(1 for t in self.ended if t is not None)
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    """Linear-interpolated percentile (``q`` in 0-100); None for no values."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    at = (len(ordered) - 1) * q / 100
+    low = math.floor(at)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (at - low)
+
+
+def _ms(value: float | None) -> float | None:
+    return None if value is None else round(value * 1000, 3)
+
+
+def summarize(trace: Trace, *, max_batch: int, mean_batch: float | None,
+              occupancy: float | None, extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """One mode's figures: throughput over the whole run (first submit to last
+    end), time to first token and inter-token latency over every job."""
+    ends = [t for t in trace.ended if t is not None]
+    start = min(trace.submitted) if trace.submitted else 0.0
+    elapsed = (max(ends) - start) if ends else 0.0
+    if trace.streamed:
+        num_tokens = sum(len(t) for t in trace.tokens)
+        ttft = [t[0] - s for s, t in zip(trace.submitted, trace.tokens) if t]
+        itl = [b - a for t in trace.tokens for a, b in zip(t, t[1:])]
+    else:  # the whole text arrives with the result: its first token is its last
+        num_tokens = sum(trace.num_tokens)
+        ttft = [e - s for s, e in zip(trace.submitted, trace.ended) if e is not None]
+        itl = []
+    figures: dict[str, Any] = {
+        "jobs": len(ends),
+        "tokens": num_tokens,
+        "elapsed_s": round(elapsed, 4),
+        "tokens_per_s": round(num_tokens / elapsed, 1) if elapsed else 0.0,
+        "jobs_per_s": round(len(ends) / elapsed, 2) if elapsed else 0.0,
+        "ttft_p50_ms": _ms(percentile(ttft, 50)),
+        "ttft_p99_ms": _ms(percentile(ttft, 99)),
+        "itl_p50_ms": _ms(percentile(itl, 50)),
+        "itl_p99_ms": _ms(percentile(itl, 99)),
+        "mean_batch": None if mean_batch is None else round(mean_batch, 2),
+        "max_batch": max_batch,
+        "occupancy": None if occupancy is None else round(occupancy, 3),
+    }
+    figures.update(extra or {})
+    return figures
+
+
+def occupancy_from_stats(before: dict[str, Any], after: dict[str, Any], jobs: int,
+                         max_batch: int) -> tuple[float | None, float | None]:
+    """(mean sequences per decode step, that over the batch's capacity) from two
+    readings of a worker's stats. A prefill makes one token per admitted job, so
+    the decode steps made ``tokens - jobs`` tokens in ``steps - prefill_steps``."""
+    steps = after["steps"] - before["steps"] - (after["prefill_steps"] - before["prefill_steps"])
+    tokens = after["tokens"] - before["tokens"] - jobs
+    if steps <= 0:
+        return None, None
+    mean = tokens / steps
+    return mean, mean / max_batch
