@@ -7,6 +7,10 @@ monitoring events; the jobs themselves flow through the engine's own stream
 
 from __future__ import annotations
 
+import ssl
+from typing import Any
+from urllib.parse import parse_qs, urlparse
+
 from celery import Celery
 
 from shared.keys import Keys
@@ -15,10 +19,29 @@ from workers.bootstep import EngineStep
 
 _settings = get_settings()
 
+CERT_REQS = {"none": ssl.CERT_NONE, "optional": ssl.CERT_OPTIONAL, "required": ssl.CERT_REQUIRED}
+
+
+def broker_ssl(url: str) -> dict[str, Any] | None:
+    """Celery's TLS options for a ``rediss://`` URL, from the same query parameters
+    redis-py reads (``ssl_cert_reqs``, ``ssl_ca_certs``, ``ssl_certfile``, ``ssl_keyfile``),
+    so one URL configures the clients, the workers and Celery alike."""
+    parts = urlparse(url)
+    if parts.scheme != "rediss":
+        return None
+    query = {k: v[0] for k, v in parse_qs(parts.query).items()}
+    options: dict[str, Any] = {"ssl_cert_reqs": CERT_REQS[query.get("ssl_cert_reqs", "required")]}
+    for name in ("ssl_ca_certs", "ssl_certfile", "ssl_keyfile"):
+        if name in query:
+            options[name] = query[name]
+    return options
+
+
 app = Celery("tokenfleet")
 app.conf.update(
     broker_url=_settings.redis_url,
     broker_connection_retry_on_startup=True,
+    broker_use_ssl=broker_ssl(_settings.redis_url),
     broker_transport_options={"global_keyprefix": Keys(_settings.namespace).celery_prefix},
     task_serializer="json",
     result_serializer="json",
