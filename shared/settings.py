@@ -41,6 +41,9 @@ class Settings(BaseSettings):
     max_payload_bytes: int = Field(default=256_000, ge=1)
     max_stop_strings: int = Field(default=8, ge=0)
     max_metadata_bytes: int = Field(default=4096, ge=0)
+    # A worker's running batch may hold at most this many tokens (prompts plus
+    # max_new_tokens of every running job): the bound on its KV cache.
+    max_batch_tokens: int = Field(default=262_144, ge=1)
 
     # Prometheus metrics on this port (one worker process per port); None: off.
     metrics_port: int | None = Field(default=None, ge=1, le=65535)

@@ -126,3 +126,14 @@ def test_a_poison_sequence_fails_alone_and_the_rest_of_its_batch_succeeds() -> N
     assert poison.final_status is JobStatus.FAILED and "scripted failure" in (poison.error or "")
     assert poison.failures == 3
     assert all(s.final_status is JobStatus.SUCCEEDED and len(s.generated) == 4 for s in seqs[:-1])
+
+
+def test_the_batch_token_budget_holds_jobs_back_until_others_end() -> None:
+    sched = Scheduler(max_batch=8, eos_token_ids=[EOS], max_model_len=512, max_batch_tokens=20)
+    runner = ScriptedRunner()
+    engine = Engine(sched, runner)
+    for job_id in ("a", "b", "c"):
+        sched.add(seq(job_id, n=7, prompt_len=3))  # each may reach 10 tokens
+    run_all(engine)
+    prefills = [ids for is_prefill, ids in runner.batches if is_prefill]
+    assert prefills == [["a", "b"], ["c"]]  # c waited: 30 tokens do not fit in 20

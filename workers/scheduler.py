@@ -44,10 +44,14 @@ class Scheduler:
         max_model_len: int,
         max_prefill_tokens: int = 8192,
         max_failures: int = 3,
+        max_batch_tokens: int | None = None,
         clock: Callable[[], float] = time.time,
     ) -> None:
         self.max_batch = max_batch
         self.max_failures = max_failures
+        # Bound on the KV cache: the tokens every running job may reach (its
+        # prompt plus max_new_tokens), added up.
+        self.max_batch_tokens = max_batch_tokens
         self.eos_token_ids = frozenset(eos_token_ids)
         self.max_model_len = max_model_len
         self.max_prefill_tokens = max_prefill_tokens
@@ -92,17 +96,23 @@ class Scheduler:
         if self.waiting and len(self.running) < self.max_batch:
             admitted: list[Sequence] = []
             tokens = 0
+            reserved = sum(self._reserve(s) for s in self.running)
             while self.waiting and len(self.running) + len(admitted) < self.max_batch:
                 seq = self.waiting[0]
                 if admitted and (seq.isolate or admitted[0].isolate):
                     break  # a suspect of a failed batch runs alone
                 if admitted and tokens + seq.num_tokens > self.max_prefill_tokens:
                     break
+                if (self.max_batch_tokens is not None and (admitted or self.running)
+                        and reserved + self._reserve(seq) > self.max_batch_tokens):
+                    break  # it waits for running jobs to end and free their share
+                reserved += self._reserve(seq)
                 tokens += seq.num_tokens
                 admitted.append(self.waiting.popleft())
             for seq in admitted:
                 seq.status = SeqStatus.RUNNING
-            return Batch(admitted, is_prefill=True, keep=list(self.running))
+            if admitted:
+                return Batch(admitted, is_prefill=True, keep=list(self.running))
         if self.running:
             return Batch(list(self.running), is_prefill=False)
         return None
@@ -147,6 +157,9 @@ class Scheduler:
         for seq in reversed(list(dict.fromkeys(requeue))):
             seq.status = SeqStatus.WAITING
             self.waiting.appendleft(seq)
+
+    def _reserve(self, seq: Sequence) -> int:
+        return min(len(seq.prompt_ids) + seq.sampling.max_new_tokens, self.max_model_len)
 
     def _finish_reason(self, seq: Sequence, token_id: int) -> FinishReason | None:
         if token_id in self.eos_token_ids:

@@ -59,7 +59,8 @@ class Worker:
         self.keys = Keys(settings.namespace)
         self.redis = redis or connect(settings.redis_url)
         self.scheduler = Scheduler(settings.max_batch, eos_token_ids, max_model_len,
-                                   max_failures=settings.max_attempts)
+                                   max_failures=settings.max_attempts,
+                                   max_batch_tokens=settings.max_batch_tokens)
         self.engine = Engine(self.scheduler, runner)
         self.publisher = Publisher(self.redis, self.keys, settings, name)
         self._held: set[str] = set()  # ids of the jobs this worker runs now
