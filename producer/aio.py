@@ -38,7 +38,8 @@ class AsyncFleetClient:
         settings: Settings | None = None,
     ) -> None:
         self.settings = settings or get_settings()
-        self.redis = connect_async(url or self.settings.redis_url)
+        # redis-py types replies as bytes | str; with decode_responses off they are bytes.
+        self.redis: Any = connect_async(url or self.settings.redis_url)
         self.keys = Keys(namespace or self.settings.namespace)
         self._scripts = Scripts(self.redis)
 

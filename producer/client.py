@@ -41,7 +41,8 @@ class FleetClient:
         settings: Settings | None = None,
     ) -> None:
         self.settings = settings or get_settings()
-        self.redis = connect(url or self.settings.redis_url)
+        # redis-py types replies as bytes | str; with decode_responses off they are bytes.
+        self.redis: Any = connect(url or self.settings.redis_url)
         self.keys = Keys(namespace or self.settings.namespace)
         self._scripts = Scripts(self.redis)
 

@@ -95,10 +95,10 @@ def view(report: dict[str, Any]) -> Any:
         queues.add_column(col)
     for q in report["queues"]:
         wait = "-" if q["oldest_wait_s"] is None else f"{q['oldest_wait_s']:.1f}s"
-        workers = str(q["workers"]) if q["workers"] else "[red]none[/red]"
+        served = str(q["workers"]) if q["workers"] else "[red]none[/red]"
         levels = "/".join(str(q["levels"][p]) for p in PRIORITIES)
         queues.add_row(q["queue"], f"{q['depth']} ({levels})", str(q["lag"]), str(q["pending"]),
-                       wait, str(q["backlog_tokens"]), workers)
+                       wait, str(q["backlog_tokens"]), served)
     workers = Table(title="workers")
     for col in ("node", "device", "model", "queue", "batch", "peak", "tokens/s", "jobs",
                 "heartbeat"):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 SHIPPED = Path(__file__).parent / "tiny_model"
 SEED = 1234
@@ -18,7 +19,7 @@ BASE = {"hidden_size": 64, "intermediate_size": 176, "num_hidden_layers": 2,
 VARIANTS = {"tiny-random": 1, "tiny-wide": 4}
 
 
-def byte_level_tokenizer() -> object:
+def byte_level_tokenizer() -> Any:
     """A byte-level BPE tokenizer with no merges: 256 byte tokens and 3 specials."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
@@ -42,17 +43,17 @@ def write_random(out: Path, width: int = 1) -> Path:
     import torch
     from transformers import AutoTokenizer, GenerationConfig, LlamaConfig, LlamaForCausalLM
 
-    tokenizer = (AutoTokenizer.from_pretrained(SHIPPED) if (SHIPPED / "config.json").exists()
-                 else byte_level_tokenizer())
+    tokenizer: Any = (AutoTokenizer.from_pretrained(SHIPPED) if (SHIPPED / "config.json").exists()
+                      else byte_level_tokenizer())
     shape = dict(BASE)
     shape["hidden_size"] *= width
     shape["intermediate_size"] *= width
     config = LlamaConfig(
-        vocab_size=len(tokenizer),  # type: ignore[arg-type]
+        vocab_size=len(tokenizer),
         max_position_embeddings=1024,
-        bos_token_id=tokenizer.bos_token_id,  # type: ignore[attr-defined]
-        eos_token_id=tokenizer.eos_token_id,  # type: ignore[attr-defined]
-        pad_token_id=tokenizer.pad_token_id,  # type: ignore[attr-defined]
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
         tie_word_embeddings=True,
         **shape,
     )
@@ -68,6 +69,6 @@ def write_random(out: Path, width: int = 1) -> Path:
     )
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out)
-    tokenizer.save_pretrained(out)  # type: ignore[attr-defined]
+    tokenizer.save_pretrained(out)
     (out / "tokenfleet.json").write_text(json.dumps({"variant": "random", "width": width}))
     return out

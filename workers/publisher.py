@@ -124,7 +124,7 @@ class Publisher:
         }
         if e.num_prompt_tokens is not None:
             fields["num_prompt_tokens"] = e.num_prompt_tokens
-        dead = ""
+        dead: bytes | str = ""
         if e.dead_letter:
             dead = dumps({"reason": e.dead_letter, "job_id": job_id, "queue": e.queue,
                           "entry_id": e.entry_id, "worker": self.worker, "at": time.time(),

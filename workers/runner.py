@@ -77,7 +77,7 @@ class HFRunner:
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions,
                          use_cache=True, logits_to_keep=1, **{self._cache_arg: cache})
         self._append_rows([s.job_id for s in seqs], cache, mask)
-        return out.logits[:, -1, :]  # type: ignore[no-any-return]
+        return out.logits[:, -1, :]
 
     def _decode(self, seqs: list[Sequence]) -> torch.Tensor:
         last = torch.tensor([[s.generated[-1]] for s in seqs], device=self.device)
@@ -87,7 +87,7 @@ class HFRunner:
                          position_ids=self.positions[:, None], use_cache=True,
                          **{self._cache_arg: self.cache})
         self.positions = self.positions + 1
-        return out.logits[:, -1, :]  # type: ignore[no-any-return]
+        return out.logits[:, -1, :]
 
     def _keep_rows(self, seqs: list[Sequence]) -> None:
         """Make the cache rows exactly ``seqs``, in order."""

@@ -234,8 +234,9 @@ class Worker:
         replies = pipe.execute(raise_on_error=False)
         for i, priority in enumerate(PRIORITIES):
             depth, groups = replies[2 * i], replies[2 * i + 1]
-            group = next((g for g in groups if g["name"] == GROUP.encode()), {}) \
-                if isinstance(groups, list) else {}
+            group: dict[str, Any] = next(
+                (g for g in groups if g["name"] == GROUP.encode()), {}
+            ) if isinstance(groups, list) else {}
             pending = int(group.get("pending") or 0)
             lag = group.get("lag")
             levels[priority] = {"depth": depth if isinstance(depth, int) else 0,
@@ -250,7 +251,7 @@ class Worker:
             self._observe_queue()
         key = self.keys.worker(self.name)
         running = list(self.scheduler.running) + list(self.scheduler.waiting)
-        info = self.describe()
+        info: dict[Any, Any] = self.describe()
         info["stats"] = dumps(info["stats"])
         pipe = self.redis.pipeline(transaction=False)
         pipe.hset(key, mapping=info)
@@ -259,7 +260,7 @@ class Worker:
         pipe.zadd(self.keys.queue_workers(self.queue), {self.name: time.time()})
         # Touch the pending entries still being worked on: their idle time
         # restarts, so XAUTOCLAIM elsewhere never takes a job from a live worker.
-        by_stream: dict[str, list[str]] = {}
+        by_stream: dict[str, list[Any]] = {}
         for seq in running:
             if seq.entry_id:
                 by_stream.setdefault(self.keys.queue(seq.queue), []).append(seq.entry_id)
