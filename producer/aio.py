@@ -2,17 +2,19 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator
 from typing import Any
 
+from producer.subscriptions import Subscriptions
 from producer.protocol import (
     EventCursor,
     build_request,
     check_deadline,
     cancel_args,
     cancelled,
-    is_end,
+    is_end_payload,
     live_worker_args,
     parse_state,
     submission,
@@ -42,6 +44,7 @@ class AsyncFleetClient:
         self.redis: Any = connect_async(url or self.settings.redis_url)
         self.keys = Keys(namespace or self.settings.namespace)
         self._scripts = Scripts(self.redis)
+        self._subscriptions = Subscriptions(self.redis)
 
     async def __aenter__(self) -> AsyncFleetClient:
         return self
@@ -50,6 +53,7 @@ class AsyncFleetClient:
         await self.close()
 
     async def close(self) -> None:
+        await self._subscriptions.close()
         await self.redis.aclose()
 
     async def submit(self, prompt: str | GenerationRequest | None = None, /, *,
@@ -77,29 +81,29 @@ class AsyncFleetClient:
 
     async def wait(self, job_id: str, timeout: float | None = None) -> JobState:
         deadline = None if timeout is None else time.monotonic() + timeout
-        async with self.redis.pubsub() as pubsub:
-            await _subscribe(pubsub, self.keys.events(job_id))
+        async with self._subscriptions.listen(self.keys.events(job_id)) as messages:
             while True:
                 state = await self.status(job_id)
                 if state.status.is_terminal:
                     return state
+                # Token messages do not change the status: listen on until the
+                # end message or a quiet interval, then read the record again.
                 while True:
-                    message = await pubsub.get_message(timeout=time_slice(deadline))
-                    if message is None or is_end(message):
+                    payload = await _next(messages, deadline)
+                    if payload is None or is_end_payload(payload):
                         break
                 check_deadline(deadline, job_id)
 
     async def stream(self, job_id: str, timeout: float | None = None) -> AsyncIterator[TokenEvent]:
         deadline = None if timeout is None else time.monotonic() + timeout
         cursor = EventCursor()
-        async with self.redis.pubsub() as pubsub:
-            await _subscribe(pubsub, self.keys.events(job_id))
+        async with self._subscriptions.listen(self.keys.events(job_id)) as messages:
             await self._catch_up(job_id, cursor)
             for event in cursor.take():
                 yield event
             while not cursor.ended:
-                message = await pubsub.get_message(timeout=time_slice(deadline))
-                if not cursor.feed_message(message):
+                payload = await _next(messages, deadline)
+                if payload is None or not cursor.feed(payload):
                     await self._catch_up(job_id, cursor)
                 for event in cursor.take():
                     yield event
@@ -117,11 +121,9 @@ class AsyncFleetClient:
             cursor.ended = True
 
 
-async def _subscribe(pubsub: Any, channel: str) -> None:
-    await pubsub.subscribe(channel)
-    while True:
-        message = await pubsub.get_message(ignore_subscribe_messages=False, timeout=5.0)
-        if message is not None and message["type"] == "subscribe":
-            return
-        if message is None:
-            raise TimeoutError(f"no confirmation of the subscription to {channel}")
+async def _next(messages: asyncio.Queue[bytes], deadline: float | None) -> bytes | None:
+    """The next message, or None after a quiet interval."""
+    try:
+        return await asyncio.wait_for(messages.get(), timeout=time_slice(deadline))
+    except asyncio.TimeoutError:
+        return None

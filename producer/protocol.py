@@ -197,7 +197,11 @@ class EventCursor:
 
 def is_end(message: dict[str, Any]) -> bool:
     """Cheap test on the hot path of ``wait``: does this message end the job?"""
-    return message.get("type") == "message" and b'"k":"end"' in message["data"]
+    return message.get("type") == "message" and is_end_payload(message["data"])
+
+
+def is_end_payload(payload: bytes) -> bool:
+    return b'"k":"end"' in payload
 
 
 def time_slice(deadline: float | None) -> float:
