@@ -139,3 +139,27 @@ def test_three_workers_two_models_share_the_load_and_status_shows_them_all(
     alpha_workers = {s.worker for s in states[:24]}
     assert alpha_workers == {"cpu@host1", "cpu@host2"}
     assert {s.worker for s in states[24:]} == {"cpu@host3"}
+
+
+def test_flower_lists_the_workers(settings: Any, celery_workers: Any) -> None:
+    import httpx
+
+    celery_workers("cpu@flowered")
+    port = free_port()
+    env = {**os.environ, "TOKENFLEET_REDIS_URL": settings.redis_url,
+           "TOKENFLEET_NAMESPACE": settings.namespace, "FLOWER_UNAUTHENTICATED_API": "true"}
+    flower = subprocess.Popen(["celery", "-A", "workers.app", "flower", f"--port={port}",
+                               "--address=127.0.0.1"], env=env, cwd=ROOT,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        def listed() -> Any:
+            try:
+                reply = httpx.get(f"http://127.0.0.1:{port}/api/workers?refresh=1", timeout=10)
+            except httpx.HTTPError:
+                return None
+            return reply.status_code == 200 and "cpu@flowered" in reply.json()
+
+        wait_until(listed, timeout=60, what="Flower to list the worker")
+    finally:
+        flower.terminate()
+        flower.wait(timeout=10)
