@@ -29,6 +29,9 @@ def _options() -> dict[str, Any]:
         "health_check_interval": 30,
         "socket_keepalive": True,
         "socket_connect_timeout": 5,
+        # A half-open connection (a peer gone without a FIN) fails instead of
+        # hanging a thread forever; far above any BLOCK the fleet uses.
+        "socket_timeout": 60,
         "retry_on_error": RETRY_ERRORS,
         "max_connections": MAX_CONNECTIONS,
     }

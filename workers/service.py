@@ -172,15 +172,24 @@ class Worker:
                 self._wake.clear()
                 continue
             self._idle.clear()
-            started = time.perf_counter()
-            outputs = self.engine.step()
-            self.metrics.step_done(self.engine.stats.last_batch, time.perf_counter() - started,
-                                   outputs)
-            self._publish(outputs)
-            finished = [o.seq.job_id for o in outputs if o.finished]
-            if finished:
-                self._held.difference_update(finished)
-                self.feeder.slots_freed.set()
+            try:
+                self._step()
+            except Exception:
+                # A worker whose engine thread died would look alive (its
+                # heartbeat goes on) and serve nothing: log, and keep stepping.
+                log.exception("engine step failed")
+                self._stop_engine.wait(0.1)
+
+    def _step(self) -> None:
+        started = time.perf_counter()
+        outputs = self.engine.step()
+        self.metrics.step_done(self.engine.stats.last_batch, time.perf_counter() - started,
+                               outputs)
+        self._publish(outputs)
+        finished = [o.seq.job_id for o in outputs if o.finished]
+        if finished:
+            self._held.difference_update(finished)
+            self.feeder.slots_freed.set()
 
     def _publish(self, outputs: list[SeqOutput]) -> None:
         """Write a step's results; hold the engine until Redis takes them, since

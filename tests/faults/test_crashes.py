@@ -162,7 +162,14 @@ def test_redis_restart_mid_run_every_accepted_job_finishes(
     down_at = time.monotonic()
     time.sleep(1.0)  # the outage itself: clients and the worker see refused connections
     aof_redis.start()
-    states = [client.wait(j, timeout=120) for j in job_ids]
+    try:
+        states = [client.wait(j, timeout=120) for j in job_ids]
+    except TimeoutError:
+        pending = r.xpending(keys.queue("default"), GROUP)
+        statuses = Counter(r.hget(keys.job(j), "status") for j in job_ids)
+        raise AssertionError(f"jobs stuck after the restart: {statuses}, pending {pending}, "
+                             f"groups {r.xinfo_groups(keys.queue('default'))}\n"
+                             f"worker log:\n{worker.output()[-4000:]}") from None
     recovery_s = time.monotonic() - down_at
     assert [s.status for s in states] == [JobStatus.SUCCEEDED] * 60
     assert worker.proc.poll() is None, "the worker died with Redis"
