@@ -118,6 +118,14 @@ class Feeder:
                 # The entries this process already holds stay with its engine:
                 # re-taking them would fence its own attempts.
                 regroup = True
+            except ResponseError as exc:
+                if "NOGROUP" in str(exc):
+                    # Redis came back without the stream (no persistence): make it again.
+                    log.warning("consumer group gone (%s); creating it again", exc)
+                    regroup = True
+                else:
+                    log.exception("feeder error")
+                    stop.wait(0.5)
             except Exception:  # never let one bad batch stop the intake
                 log.exception("feeder error")
                 stop.wait(0.5)
