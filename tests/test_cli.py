@@ -59,3 +59,21 @@ def test_submit_wait_and_status(settings: Any, start_worker: Any) -> None:
     assert streamed.returncode == 0 and "[succeeded:" in streamed.stderr
     refused = tokenfleet("submit", "Hi", "--max-new-tokens", "0", env=env)
     assert refused.returncode != 0 and "max_new_tokens" in refused.stderr
+
+
+@pytest.mark.timeout(180)
+def test_the_demo_writes_readable_text() -> None:
+    """What the demo streams is English-like prose, not byte noise (greedy, five prompts)."""
+    import io
+
+    from rich.console import Console
+
+    from shared.readability import readable_ratio, real_word_ratio
+    from workers.demo import PROMPTS, run_demo
+
+    texts = run_demo(None, PROMPTS, 48, 0.0, console=Console(file=io.StringIO(), width=120))
+    assert list(texts) == PROMPTS
+    joined = " ".join(texts.values())
+    assert all(texts.values())
+    assert readable_ratio(joined) >= 0.9, texts
+    assert real_word_ratio(joined) > 0.5, texts
