@@ -8,6 +8,7 @@ pydantic types on the client.
 
 from __future__ import annotations
 
+from functools import lru_cache
 from typing import Any
 
 import orjson
@@ -25,6 +26,7 @@ def token_event(index: int, token_ids: list[int], text: str) -> bytes:
     return orjson.dumps({"k": "tok", "index": index, "token_ids": token_ids, "text": text})
 
 
+@lru_cache(maxsize=256)  # most jobs end alike: one encoding serves them all
 def end_event(status: JobStatus, finish_reason: FinishReason | None, error: str | None) -> bytes:
     return orjson.dumps(
         {

@@ -183,6 +183,72 @@ def gateway(host: str, port: int, redis_url: str | None) -> None:
     uvicorn.run(create_app(), host=host, port=port)
 
 
+def _int_list(ctx: click.Context, param: click.Parameter, value: str) -> list[int]:
+    try:
+        return [int(v) for v in value.split(",") if v.strip()]
+    except ValueError as exc:
+        raise click.BadParameter(f"{value!r}: give whole numbers separated by commas, "
+                                 "e.g. 1,4,16,64,256") from exc
+
+
+@main.command()
+@click.option("--model", default="tiny", show_default=True,
+              help="'tiny', 'tiny-wide' or a Hugging Face model directory")
+@click.option("--jobs", default=256, show_default=True, help="jobs per run")
+@click.option("--concurrency", default="1,4,16,64,256", show_default=True,
+              callback=_int_list, help="concurrent jobs (the engine's batch size), comma-separated")
+@click.option("--max-new-tokens", default=32, show_default=True,
+              help="the longest job; lengths spread over half of this to all of it")
+@click.option("--rate", type=float, default=None,
+              help="jobs per second arriving at a fixed rate (default: all submitted at once)")
+@click.option("--modes", default="direct,fleet,naive,overhead", show_default=True,
+              help="which of direct, fleet, naive, overhead to run")
+@click.option("--redis-url", default=None,
+              help="an existing Redis (default: a redis-server started on a free port)")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path),
+              default=None, help="write every figure to this JSON file")
+@click.option("--plot", "plot_path", type=click.Path(dir_okay=False, path_type=Path),
+              default=None, help="write a PNG of throughput against concurrency (matplotlib)")
+@click.option("--device", default="cpu", show_default=True, help="cpu or cuda")
+@click.option("--soak", default=0, show_default=True,
+              help="also pass this many short jobs through one worker and watch its memory")
+@click.option("--probe-jobs", default=50, show_default=True,
+              help="jobs of the low-load probe (one at a time: time to first token)")
+@click.option("--overhead-jobs", default=2000, show_default=True,
+              help="one-token jobs and Celery no-op tasks for the per-job cost")
+@click.option("--repeat", default=1, show_default=True,
+              help="run each measurement this many times, modes taking turns; keep the best")
+def bench(model: str, jobs: int, concurrency: list[int], max_new_tokens: int,
+          rate: float | None, modes: str, redis_url: str | None, json_path: Path | None,
+          plot_path: Path | None, device: str, soak: int, probe_jobs: int,
+          overhead_jobs: int, repeat: int) -> None:
+    """Benchmark the fleet against the model in-process and naive Celery."""
+    from rich.console import Console
+
+    from workers.bench.procs import BenchError
+    from workers.bench.report import plot, render
+    from workers.bench.run import BenchConfig, run_bench
+
+    cfg = BenchConfig(model=model, jobs=jobs, concurrency=concurrency,
+                      max_new_tokens=max_new_tokens, rate=rate,
+                      modes=[m.strip() for m in modes.split(",") if m.strip()],
+                      redis_url=redis_url, device=device, soak=soak, probe_jobs=probe_jobs,
+                      overhead_jobs=overhead_jobs, repeat=repeat)
+    try:
+        results = run_bench(cfg)
+    except BenchError as exc:
+        raise click.ClickException(str(exc)) from exc
+    render(results, Console() if sys.stdout.isatty() else Console(width=120))
+    if json_path is not None:
+        json_path.write_text(json.dumps(results, indent=2))
+        click.echo(f"wrote {json_path}", err=True)
+    if plot_path is not None:
+        try:
+            click.echo(f"wrote {plot(results, plot_path)}", err=True)
+        except RuntimeError as exc:
+            raise click.ClickException(str(exc)) from exc
+
+
 @main.command("export-model")
 @click.argument("name")
 @click.argument("directory", type=click.Path(file_okay=False, path_type=Path))

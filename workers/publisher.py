@@ -1,9 +1,14 @@
 """The output side: one Redis round trip per engine step.
 
 Token events of the step go to each job's log and channel in one script call;
-each finished job's final state goes in one more script call in the same
+the final states of the jobs it finished go in one more script call in the same
 pipeline. Both scripts check the attempt number, so a worker that lost a job
 to a reclaim finds out here and drops it.
+
+The scripts run by EVALSHA alone: redis-py's pipelined ``Script`` asks
+``SCRIPT EXISTS`` before every pipeline, a second round trip per step. A
+script the server lost (a restart, ``SCRIPT FLUSH``) answers NOSCRIPT instead:
+it is loaded and the calls that got NOSCRIPT (none of which ran) run again.
 """
 
 from __future__ import annotations
@@ -13,6 +18,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from redis.exceptions import ConnectionError, NoScriptError, ResponseError, TimeoutError
+
 from shared.keys import GROUP, Keys
 from shared.schemas import FinishReason, JobStatus
 from shared.scripts import Scripts
@@ -20,6 +27,9 @@ from shared.serialization import dumps, end_event, token_event
 from shared.settings import Settings
 from workers.scheduler import SeqOutput
 from workers.sequence import Sequence
+
+# One script call of a pipeline: (registered script, keys, args).
+Call = tuple[Any, list[Any], list[Any]]
 
 
 @dataclass
@@ -39,6 +49,16 @@ class Ending:
     dead_letter: str | None = None  # reason, when the job also goes to the DLQ
 
 
+@dataclass
+class _Step:
+    """One step's writes, from ``send`` to ``collect``."""
+
+    tokens: list[SeqOutput]
+    endings: list[Ending]
+    calls: list[Call]
+    sent: bool = False
+
+
 class Publisher:
     def __init__(self, redis: Any, keys: Keys, settings: Settings, worker: str) -> None:
         self.redis = redis
@@ -46,49 +66,115 @@ class Publisher:
         self.settings = settings
         self.worker = worker
         self.scripts = Scripts(redis)
+        # Key prefixes: a step's hundreds of key names are one concatenation each.
+        self._job_key, self._out_key, self._events_key = keys.job(""), keys.out(""), keys.events("")
+        self._pending: _Step | None = None  # sent, not yet collected
+        self._conn: Any = None
 
     def publish(self, outputs: list[SeqOutput]) -> set[str]:
-        """Write one step's events and endings; return the ids of fenced-off jobs."""
+        """Write one step's events and endings; return the ids of fenced-off jobs.
+        A caller that got an error calls again with the same outputs."""
+        if self._pending is not None:  # the failed try of these outputs: start over
+            if self._pending.sent:
+                self._drop_connection()  # its replies must not answer this try
+            self._pending = None
+        self.send(outputs)
+        return self.collect()
+
+    def send(self, outputs: list[SeqOutput]) -> None:
+        """Start writing one step without waiting for Redis; ``collect`` waits.
+
+        So the engine can run its next forward pass while Redis stores this
+        step: ``step(N+1); collect(N); send(N+1)`` keeps the order (a step's
+        writes go out only once the one before is stored) and takes the round
+        trip off the engine's path. One step at a time.
+        """
+        if self._pending is not None:
+            raise RuntimeError("collect() the step sent before sending the next")
         tokens = [o for o in outputs if o.index is not None]
+        calls = [self._emit(tokens)] if tokens else []
         endings = [self._ending(o) for o in outputs if o.finished]
-        if not tokens and not endings:
+        if endings:
+            calls.append(self._finish(endings))
+        step = self._pending = _Step(tokens, endings, calls)
+        if not calls:
+            return
+        try:
+            conn = self._connection()
+            conn.send_packed_command(conn.pack_commands(
+                [("EVALSHA", script.sha, len(keys), *keys, *args) for script, keys, args in calls]))
+            step.sent = True
+        except (ConnectionError, TimeoutError, OSError):
+            self._drop_connection()  # collect() writes the step through the pool instead
+
+    def collect(self) -> set[str]:
+        """Wait until the step sent last is stored; return the ids of fenced-off jobs.
+
+        A lost connection or a lost script writes the whole step again (both
+        scripts are idempotent: a token's log entry id is its index, an ended
+        job stays ended). Raises ``ConnectionError`` if Redis stays away; call
+        again, nothing is dropped.
+        """
+        step = self._pending
+        if step is None or not step.calls:
+            self._pending = None
             return set()
-        pipe = self.redis.pipeline(transaction=False)
-        if tokens:
-            keys: list[str] = []
-            args: list[Any] = [self.settings.result_ttl_s, repr(time.time())]
-            for o in tokens:
-                job_id = o.seq.job_id
-                keys += [self.keys.job(job_id), self.keys.out(job_id), self.keys.events(job_id)]
-                args += [o.seq.attempt, o.index, token_event(o.index, [o.token_id], o.text)]  # type: ignore[arg-type,list-item]
-            self.scripts.emit(keys=keys, args=args, client=pipe)
-        for ending in endings:
-            self._finish(pipe, ending)
-        results = pipe.execute()
-        fenced = {tokens[i].seq.job_id for i in results[0]} if tokens else set()
-        for ending, result in zip(endings, results[1 if tokens else 0:]):
-            if result == 0:
-                fenced.add(ending.job_id)
+        results: list[Any] | None = None
+        if step.sent and self._conn is not None:
+            try:
+                results = [self._reply(self._conn) for _ in step.calls]
+            except (ConnectionError, TimeoutError, OSError):
+                self._drop_connection()
+        step.sent = False
+        if results is None or any(isinstance(r, NoScriptError) for r in results):
+            results = self._execute(step.calls)  # raises while Redis is away: step kept
+        self._pending = None
+        for result in results:
+            if isinstance(result, Exception):
+                raise result
+        fenced = {step.tokens[i].seq.job_id for i in results[0]} if step.tokens else set()
+        if step.endings:
+            fenced.update(e.job_id for e, stored in zip(step.endings, results[-1]) if stored == 0)
         return fenced
+
+    def _connection(self) -> Any:
+        """The publisher's own connection: replies are read a step later, so no
+        other command may share it."""
+        if self._conn is None:
+            self._conn = self.redis.connection_pool.get_connection()
+        return self._conn
+
+    def _drop_connection(self) -> None:
+        if self._conn is not None:
+            self._conn.disconnect()
+            self.redis.connection_pool.release(self._conn)
+            self._conn = None
+
+    @staticmethod
+    def _reply(conn: Any) -> Any:
+        try:
+            return conn.read_response()
+        except ResponseError as exc:  # an error reply: the others still follow
+            return exc
 
     def end(self, endings: Iterable[Ending]) -> None:
         """Store endings decided outside the engine (expired, rejected, cancelled)."""
-        pipe = self.redis.pipeline(transaction=False)
-        for ending in endings:
-            self._finish(pipe, ending)
-        pipe.execute()
+        endings = list(endings)
+        if endings:
+            self._execute([self._finish(endings)])
 
     def hand_back(self, seqs: Iterable[Sequence]) -> int:
         """Put unfinished jobs back on their queue for another worker; returns how many."""
-        pipe = self.redis.pipeline(transaction=False)
-        seqs = [s for s in seqs if s.entry_json]
+        calls: list[Call] = []
         for seq in seqs:
+            if not seq.entry_json:
+                continue
             model = seq.queue.split(":")[0]  # the level's queue name -> the model's
-            self.scripts.requeue(keys=[self.keys.queue(seq.queue), self.keys.job(seq.job_id),
-                                       self.keys.backlog(model)],
-                                 args=[seq.entry_id, seq.attempt, seq.entry_json, GROUP],
-                                 client=pipe)
-        return sum(pipe.execute()) if seqs else 0
+            calls.append((self.scripts.requeue,
+                          [self.keys.queue(seq.queue), self.keys.job(seq.job_id),
+                           self.keys.backlog(model)],
+                          [seq.entry_id, seq.attempt, seq.entry_json, GROUP]))
+        return sum(self._execute(calls)) if calls else 0
 
     def dead_letter(self, queue: str, entry_id: str, raw: Any, reason: str) -> None:
         """An entry no job can come from: keep it in the DLQ, take it off the queue."""
@@ -111,34 +197,55 @@ class Publisher:
             dead_letter=seq.error if seq.finish_reason == FinishReason.ERROR else None,
         )
 
-    def _finish(self, pipe: Any, e: Ending) -> None:
-        job_id = e.job_id
-        fields: dict[str, Any] = {
-            "status": e.status.value,
-            "finish_reason": e.finish_reason.value if e.finish_reason else "",
-            "error": e.error or "",
-            "text": e.text,
-            "token_ids": dumps(e.token_ids),
-            "finished_at": repr(time.time()),
-            "worker": self.worker,
-        }
-        if e.num_prompt_tokens is not None:
-            fields["num_prompt_tokens"] = e.num_prompt_tokens
-        dead: bytes | str = ""
-        if e.dead_letter:
-            dead = dumps({"reason": e.dead_letter, "job_id": job_id, "queue": e.queue,
-                          "entry_id": e.entry_id, "worker": self.worker, "at": time.time(),
-                          "error": e.error})
-        self.scripts.finish(
-            keys=[self.keys.job(job_id), self.keys.out(job_id), self.keys.events(job_id),
-                  self.keys.queue(e.queue), self.keys.dlq],
-            args=[
-                "" if e.attempt is None else e.attempt, e.entry_id, self.settings.result_ttl_s,
-                end_event(e.status, e.finish_reason, e.error), dead, GROUP,
-                *[x for pair in fields.items() for x in pair],
-            ],
-            client=pipe,
-        )
+    def _emit(self, tokens: list[SeqOutput]) -> Call:
+        job_key, out_key, events_key = self._job_key, self._out_key, self._events_key
+        keys: list[str] = []
+        args: list[Any] = [self.settings.result_ttl_s, repr(time.time())]
+        for o in tokens:
+            job_id = o.seq.job_id
+            keys += (job_key + job_id, out_key + job_id, events_key + job_id)
+            args += (o.seq.attempt, o.index, token_event(o.index, [o.token_id], o.text))  # type: ignore[arg-type,list-item]
+        return self.scripts.emit, keys, args
+
+    def _finish(self, endings: list[Ending]) -> Call:
+        job_key, out_key, events_key = self._job_key, self._out_key, self._events_key
+        keys: list[str] = [self.keys.dlq]
+        args: list[Any] = [self.settings.result_ttl_s, GROUP, self.worker, repr(time.time())]
+        for e in endings:
+            job_id = e.job_id
+            dead: bytes | str = ""
+            if e.dead_letter:
+                dead = dumps({"reason": e.dead_letter, "job_id": job_id, "queue": e.queue,
+                              "entry_id": e.entry_id, "worker": self.worker, "at": time.time(),
+                              "error": e.error})
+            keys += (job_key + job_id, out_key + job_id, events_key + job_id,
+                     self.keys.queue(e.queue))
+            args += ("" if e.attempt is None else e.attempt, e.entry_id,
+                     end_event(e.status, e.finish_reason, e.error), dead, e.status.value,
+                     e.finish_reason.value if e.finish_reason else "", e.error or "", e.text,
+                     dumps(e.token_ids),
+                     "" if e.num_prompt_tokens is None else e.num_prompt_tokens)
+        return self.scripts.finish, keys, args
+
+    def _execute(self, calls: list[Call]) -> list[Any]:
+        """Run script calls in one pipeline; raise the first error a call answered."""
+        results = self._pipeline(calls)
+        lost = [i for i, result in enumerate(results) if isinstance(result, NoScriptError)]
+        if lost:
+            for script in {id(calls[i][0]): calls[i][0] for i in lost}.values():
+                script.sha = self.redis.script_load(script.script)
+            for i, result in zip(lost, self._pipeline([calls[i] for i in lost])):
+                results[i] = result
+        for result in results:
+            if isinstance(result, Exception):
+                raise result
+        return results
+
+    def _pipeline(self, calls: list[Call]) -> list[Any]:
+        pipe = self.redis.pipeline(transaction=False)
+        for script, keys, args in calls:
+            pipe.evalsha(script.sha, len(keys), *keys, *args)
+        return pipe.execute(raise_on_error=False)  # type: ignore[no-any-return]
 
 
 def _printable(raw: Any) -> Any:

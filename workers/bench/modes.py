@@ -37,7 +37,7 @@ from workers.bench.procs import (
     wait_for,
 )
 from workers.bench.taps import EventTap, ResultTap
-from workers.bench.workload import Job, Trace, occupancy_from_stats, summarize
+from workers.bench.workload import Job, Trace, occupancy_from_stats, step_counts, summarize
 
 Tick = Callable[[int], None]
 
@@ -84,6 +84,9 @@ class Direct:
         if device == "cpu":
             torch.set_num_threads(threads)
         self.model, self.tokenizer = models.load(model, device)
+        settings = Settings()  # the worker's defaults, for the same scheduler
+        self.prefetch = settings.prefetch
+        self.max_batch_tokens = settings.max_batch_tokens
 
     def run(self, jobs: list[Job], max_batch: int, tick: Tick = _no_tick,
             closed_loop: bool = False) -> dict[str, Any]:
@@ -96,7 +99,8 @@ class Direct:
 
         tok = self.tokenizer
         runner = HFRunner(self.model, tok)
-        scheduler = Scheduler(max_batch, runner.eos_token_ids, runner.max_model_len)
+        scheduler = Scheduler(max_batch, runner.eos_token_ids, runner.max_model_len,
+                              max_batch_tokens=self.max_batch_tokens)
         engine = Engine(scheduler, runner)
 
         def sequence(job_id: str, job: Job, max_new_tokens: int | None = None) -> Sequence:
@@ -114,12 +118,16 @@ class Direct:
         n = len(jobs)
         trace = Trace.empty(n)
         waiting = deque(range(n))
+        # Like a worker's intake: the scheduler holds at most its batch plus the
+        # prefetch; the rest waits outside (in the fleet, on the Redis stream).
+        intake = max_batch + self.prefetch
         clock = time.perf_counter
         t0 = clock()
         while waiting or scheduler.has_work:
             now = clock()
             while waiting and t0 + jobs[waiting[0]].arrival_s <= now and not (
-                    closed_loop and scheduler.has_work):
+                    closed_loop and scheduler.has_work) and (
+                    scheduler.num_running + scheduler.num_waiting < intake):
                 i = waiting.popleft()
                 trace.submitted[i] = now if closed_loop else t0 + jobs[i].arrival_s
                 scheduler.add(sequence(str(i), jobs[i]))
@@ -136,8 +144,10 @@ class Direct:
                     trace.ended[i] = at
                     tick(1)
         cap = min(max_batch, n)
-        mean, occupancy = occupancy_from_stats(before, engine.stats.as_dict(), n, cap)
-        return summarize(trace, max_batch=cap, mean_batch=mean, occupancy=occupancy)
+        after = engine.stats.as_dict()
+        mean, occupancy = occupancy_from_stats(before, after, n, cap)
+        return summarize(trace, max_batch=cap, mean_batch=mean, occupancy=occupancy,
+                         extra=step_counts(before, after))
 
 
 # -- the fleet --------------------------------------------------------------------
@@ -152,6 +162,8 @@ class FleetSession:
         self.keys = Keys(self.namespace)
         self.node = f"{label}@bench"
         self.max_batch = max_batch
+        self.url = env.redis_url
+        self._celery: Any = None  # a Celery client for remote control, made on first use
         self.redis = redis.Redis.from_url(env.redis_url)
         self.tap = EventTap(env.redis_url, self.keys, record=record)
         self.tap.on_end = self._ended
@@ -183,12 +195,15 @@ class FleetSession:
 
     def stats(self) -> dict[str, Any]:
         raw = self.redis.hget(self.keys.worker(self.node), "stats")
-        return loads(raw) if raw else {}  # type: ignore[no-any-return]
+        stats: dict[str, Any] = loads(raw) if raw else {}
+        return stats
 
     def settled_stats(self, jobs: int) -> dict[str, Any]:
         """The worker's stats once its heartbeat counts ``jobs`` finished jobs."""
-        return wait_for(lambda: (s := self.stats()) and sum(s["jobs"].values()) >= jobs and s,
-                        30, f"the heartbeat of {self.node} to count {jobs} jobs")  # type: ignore[no-any-return]
+        stats: dict[str, Any] = wait_for(
+            lambda: (s := self.stats()) and sum(s["jobs"].values()) >= jobs and s,
+            30, f"the heartbeat of {self.node} to count {jobs} jobs")
+        return stats
 
     def warm(self, jobs: list[Job]) -> None:
         """The first forward passes of a batch shape are slow: take them out of the figures."""
@@ -226,7 +241,8 @@ class FleetSession:
             trace.ended[i] = self.tap.ended.pop(job_id, None)
         cap = min(self.max_batch, n)
         mean, occupancy = occupancy_from_stats(before, after, n, cap)
-        figures = summarize(trace, max_batch=cap, mean_batch=mean, occupancy=occupancy)
+        figures = summarize(trace, max_batch=cap, mean_batch=mean, occupancy=occupancy,
+                            extra=step_counts(before, after))
         figures["worker_cpu_s"] = round(cpu1 - cpu0, 3)
         figures["redis_cpu_s"] = round(rcpu1 - rcpu0, 3)
         figures["worker_rss_mb"] = round(rss_bytes(self.worker.pid) / 2**20, 1)
@@ -239,6 +255,44 @@ class FleetSession:
             if time.monotonic() > deadline:
                 raise BenchError(f"jobs on {self.node} did not finish in {timeout:.0f}s "
                                  f"({self._count}/{self._target} ended)")
+
+    def prefilled(self, jobs: list[Job], tick: Tick = _no_tick) -> dict[str, Any]:
+        """The worker's own pace: ``jobs`` wait on the queue while its intake is
+        paused (``control drain``), then it takes them (``control resume``).
+        Jobs per second counts from the first job's end to the last's, so
+        neither the submitting client nor the pause is in the figure."""
+        self._control("drain")
+        # A read already blocked in XREADGROUP still hands over what the first
+        # submits bring: those end early and are left out of the figure.
+        self._count, self._target, self._tick = 0, len(jobs), tick
+        self._all_done.clear()
+        ids = [self.client.submit(j.prompt, max_new_tokens=j.max_new_tokens,
+                                  temperature=0.0).encode() for j in jobs]
+        resumed = time.perf_counter()
+        self._control("resume")
+        self._wait(self._all_done, 3600)
+        self._tick = _no_tick
+        self.jobs_seen += len(jobs)
+        ends = sorted(self.tap.ended.pop(job_id) for job_id in ids)
+        for job_id in ids:
+            self.tap.tokens.pop(job_id, None)
+        return _sustained([t for t in ends if t >= resumed])
+
+    def _control(self, command: str) -> None:
+        if self._celery is None:
+            from celery import Celery
+
+            from workers.app import broker_ssl
+
+            self._celery = Celery("tokenfleet-bench", broker=self.url)
+            self._celery.conf.update(
+                broker_use_ssl=broker_ssl(self.url),
+                broker_transport_options={"global_keyprefix": self.keys.celery_prefix},
+                accept_content=["json"], task_serializer="json", result_serializer="json")
+        replies = self._celery.control.broadcast(command, destination=[self.node], reply=True,
+                                                 timeout=10)
+        if not replies:
+            raise BenchError(f"worker {self.node} did not answer `control {command}`")
 
     def soak(self, jobs: list[Job], window: int, every_s: float = 0.5,
              tick: Tick = _no_tick) -> list[tuple[int, int]]:
@@ -272,6 +326,8 @@ class FleetSession:
         self.tap.close()
         self.client.close()
         self.redis.close()
+        if self._celery is not None:
+            self._celery.close()
 
 
 # -- naive Celery -------------------------------------------------------------------
@@ -339,9 +395,39 @@ class NaiveSession:
         figures["worker_cpu_s"] = round(cpu1 - cpu0, 3)
         return figures
 
+    def prefilled(self, task: str, jobs: list[Job], tick: Tick = _no_tick) -> dict[str, Any]:
+        """The worker's own pace, as for the fleet: the tasks wait in the broker
+        while the worker consumes nothing (``cancel_consumer``), then it does."""
+        queue = self.app.conf.task_default_queue
+        self._control("cancel_consumer", queue)
+        self._count, self._target, self._tick = 0, len(jobs), tick
+        self._all_done.clear()
+        ids = [self.app.send_task(task, args=[j.prompt, j.max_new_tokens]).id.encode()
+               for j in jobs]
+        resumed = time.perf_counter()
+        self._control("add_consumer", queue)
+        while not self._all_done.wait(1.0):
+            self.worker.check()
+        self._tick = _no_tick
+        ends = sorted(self.tap.results.pop(task_id)[0] for task_id in ids)
+        return _sustained([t for t in ends if t >= resumed])
+
+    def _control(self, command: str, queue: str) -> None:
+        replies = self.app.control.broadcast(command, arguments={"queue": queue},
+                                             destination=[self.node], reply=True, timeout=10)
+        if not replies:
+            raise BenchError(f"worker {self.node} did not answer `control {command}`")
+
     def close(self) -> None:
         self.worker.close()
         self.tap.close()
+
+
+def _sustained(ends: list[float]) -> dict[str, Any]:
+    """Jobs per second between the first and the last end, over a full queue."""
+    span = ends[-1] - ends[0] if len(ends) > 1 else 0.0
+    return {"jobs": len(ends), "elapsed_s": round(span, 4),
+            "jobs_per_s": round((len(ends) - 1) / span, 1) if span else 0.0}
 
 
 # -- the cost of streaming, on its own -------------------------------------------------

@@ -24,11 +24,15 @@ _loaded: tuple[Any, Any] | None = None
 
 
 def make_app(redis_url: str, namespace: str) -> Celery:
+    from workers.app import broker_ssl
+
     naive = Celery("tokenfleet-naive")
     prefix = {"global_keyprefix": f"{namespace}:naive:"}
     naive.conf.update(
         broker_url=redis_url,
         result_backend=redis_url,
+        broker_use_ssl=broker_ssl(redis_url),
+        redis_backend_use_ssl=broker_ssl(redis_url),
         broker_transport_options=prefix,
         result_backend_transport_options=prefix,
         broker_connection_retry_on_startup=True,

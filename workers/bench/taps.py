@@ -26,7 +26,7 @@ class PatternTap:
 
     def __init__(self, url: str, prefix: str) -> None:
         self._client = redis.Redis.from_url(url)
-        self._pubsub = self._client.pubsub()
+        self._pubsub = self._client.pubsub()  # type: ignore[no-untyped-call]
         self._pubsub.psubscribe(f"{prefix}*")
         self._skip = len(prefix.encode())
         deadline = time.monotonic() + 10

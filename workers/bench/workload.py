@@ -120,3 +120,9 @@ def occupancy_from_stats(before: dict[str, Any], after: dict[str, Any], jobs: in
         return None, None
     mean = tokens / steps
     return mean, mean / max_batch
+
+
+def step_counts(before: dict[str, Any], after: dict[str, Any]) -> dict[str, int]:
+    """Forward passes of a run: all of them, and the prefills among them."""
+    return {"steps": after["steps"] - before["steps"],
+            "prefill_steps": after["prefill_steps"] - before["prefill_steps"]}

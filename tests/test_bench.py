@@ -1,0 +1,107 @@
+"""`tokenfleet bench` runs every mode on a tiny setting and reports every figure.
+
+A benchmark is not a timed test: nothing here checks a speed, only that the
+command runs end to end (a redis-server of its own, Celery workers, the naive
+Celery app) and that its JSON carries every field a reader relies on.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from workers.bench.report import judge, ratios
+from workers.bench.workload import FIELDS, Trace, make_jobs, percentile, summarize
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_bench_runs_every_mode_and_writes_every_field(tmp_path: Path) -> None:
+    out, png = tmp_path / "bench.json", tmp_path / "bench.png"
+    result = subprocess.run(
+        [sys.executable, "-m", "workers.cli", "bench", "--jobs", "6", "--concurrency", "2",
+         "--max-new-tokens", "4", "--probe-jobs", "3", "--overhead-jobs", "40",
+         "--json", str(out), "--plot", str(png)],
+        cwd=ROOT, env={**os.environ, "COLUMNS": "160"}, capture_output=True, text=True,
+        timeout=280)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    report = json.loads(out.read_text())
+
+    for mode in ("direct", "fleet", "overhead"):
+        assert set(FIELDS) <= set(report[mode]["2"]), mode
+    assert set(FIELDS) <= set(report["naive"])
+    for mode in ("direct", "fleet"):
+        assert set(FIELDS) <= set(report["low_load"][mode])
+    # Greedy decoding of the same jobs: the fleet and the naive pattern make
+    # exactly the tokens the model makes in-process.
+    direct, fleet = report["direct"]["2"], report["fleet"]["2"]
+    assert direct["jobs"] == fleet["jobs"] == report["naive"]["jobs"] == 6
+    assert direct["tokens"] == fleet["tokens"] == report["naive"]["tokens"] > 0
+    assert fleet["tokens_per_s"] > 0 and fleet["ttft_p50_ms"] is not None
+    assert report["overhead"]["2"]["tokens"] == sum(j.max_new_tokens for j in make_jobs(6, 4))
+
+    assert set(report["ratios"]) >= {"fleet_vs_direct", "fleet_vs_naive", "added_ttft_ms",
+                                     "overhead_vs_celery_noop"}
+    assert report["ratios"]["fleet_vs_direct"]["2"] > 0
+    costs = report["overhead_costs"]
+    for key in ("fleet_null_jobs_per_s", "celery_noop_jobs_per_s", "publish_us_per_token",
+                "fleet_worker_cpu_us_per_token", "fleet_redis_cpu_us_per_token"):
+        assert key in costs, key
+    assert {t["target"] for t in report["targets"]} >= {
+        "overhead runner / Celery no-op, jobs/s, full queue",
+        "added TTFT over direct, p50, low load (ms)"}
+    assert report["config"]["torch_threads"] >= 1
+    assert "tokens/s" in result.stdout and "targets" in result.stdout
+    assert png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_every_mode_gets_the_same_jobs_and_arrival_times() -> None:
+    assert make_jobs(20, 32) == make_jobs(20, 32)
+    jobs = make_jobs(20, 32, rate=10.0)
+    assert [j.arrival_s for j in jobs[:3]] == [0.0, 0.1, 0.2]
+    assert all(16 <= j.max_new_tokens <= 32 for j in jobs)
+
+
+def test_figures_come_from_the_times_each_token_arrived() -> None:
+    trace = Trace.empty(2)
+    trace.submitted = [0.0, 0.0]
+    trace.tokens = [[0.010, 0.012, 0.014], [0.020, 0.030]]
+    trace.ended = [0.014, 0.030]
+    figures = summarize(trace, max_batch=2, mean_batch=1.5, occupancy=0.75)
+    assert figures["tokens"] == 5 and figures["jobs"] == 2
+    assert figures["tokens_per_s"] == pytest.approx(5 / 0.030, rel=1e-3)
+    assert figures["ttft_p50_ms"] == pytest.approx(15.0)
+    assert figures["itl_p50_ms"] == pytest.approx(2.0)
+    assert percentile([1.0, 2.0, 3.0, 4.0], 50) == 2.5 and percentile([], 50) is None
+
+
+def test_targets_are_judged_against_the_issue_thresholds() -> None:
+    def mode(tps: float, ttft: float = 1.0) -> dict[str, float]:
+        return {"tokens_per_s": tps, "ttft_p50_ms": ttft, "ttft_p99_ms": ttft,
+                "itl_p50_ms": 1.0, "itl_p99_ms": 1.0}
+
+    results = {
+        "direct": {"64": mode(1000.0), "256": mode(2000.0)},
+        "fleet": {"64": mode(950.0), "256": mode(1500.0)},
+        "naive": mode(100.0),
+        "low_load": {"direct": mode(0, 1.0), "fleet": mode(0, 2.5)},
+        "overhead_costs": {"fleet_null_jobs_per_s": 5000.0, "celery_noop_jobs_per_s": 400.0,
+                           "fleet_null_jobs_per_s_one_client": 1000.0,
+                           "celery_noop_jobs_per_s_one_client": 400.0,
+                           "publish_us_per_token": {"64": 7.0}},
+        "memory": None,
+    }
+    results["ratios"] = ratios(results)
+    verdicts = {t["target"]: t["met"] for t in judge(results)}
+    assert verdicts["fleet/direct tokens/s at 64"] is True  # 0.95 >= 0.90
+    assert verdicts["fleet/direct tokens/s at 256"] is False  # 0.75 < 0.80
+    assert verdicts["fleet/naive tokens/s at 64"] is True  # 9.5 >= 8
+    assert verdicts["overhead runner / Celery no-op, jobs/s, full queue"] is True  # 12.5
+    assert verdicts["added TTFT over direct, p50, low load (ms)"] is True  # 1.5 ms
