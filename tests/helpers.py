@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import shutil
-import socket
 import subprocess
 import tempfile
 import time
@@ -12,6 +11,8 @@ from typing import Any
 
 import pytest
 import redis
+
+from workers.bench.procs import free_port  # noqa: F401  (the tests use it too)
 
 
 # Figures the fault-injection suite prints at the end of the run (name, figures).
@@ -33,12 +34,6 @@ def wait_until(condition: Callable[[], Any], timeout: float, what: str,
         if time.monotonic() >= deadline:
             raise TimeoutError(f"timed out after {timeout}s waiting for {what}")
         time.sleep(interval)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class RedisServer:
