@@ -116,30 +116,23 @@ class HFRunner:
         if self.cache is None or not self.rows:
             self.cache, self.mask, self.positions, self.rows = cache, mask, positions, job_ids
             return
-        width = max(self.mask.shape[1], mask.shape[1])
+        old, new = self.mask.shape[1], mask.shape[1]
+        width = max(old, new)
         for mine, theirs in zip(self.cache.layers, cache.layers):
-            mine.keys = _stack_left(mine.keys, theirs.keys, width)
-            mine.values = _stack_left(mine.values, theirs.values, width)
-        self.mask = _stack_left(self.mask, mask, width)
+            mine.keys = torch.cat([_pad_left(mine.keys, width), _pad_left(theirs.keys, width)])
+            mine.values = torch.cat([_pad_left(mine.values, width),
+                                     _pad_left(theirs.values, width)])
+        self.mask = torch.cat([_pad_left(self.mask, width), _pad_left(mask, width)])
         self.positions = torch.cat([self.positions, positions])
         self.rows = self.rows + job_ids
 
 
-def _stack_left(top: torch.Tensor, bottom: torch.Tensor, width: int) -> torch.Tensor:
-    """The rows of ``top`` then of ``bottom``, each right-aligned in ``width``
-    columns of the sequence axis (-2 for keys/values [b, h, t, d], -1 for
-    masks) with zeros on the left. One copy of each: the whole cache is
-    rewritten at every prefill, so padding and joining separately cost double."""
-    axis = top.dim() - 2 if top.dim() == 4 else top.dim() - 1
-    shape = list(top.shape)
-    shape[0], shape[axis] = top.shape[0] + bottom.shape[0], width
-    out = top.new_empty(shape)
-    start = 0
-    for part in (top, bottom):
-        rows = out.narrow(0, start, part.shape[0])
-        pad = width - part.shape[axis]
-        if pad:
-            rows.narrow(axis, 0, pad).zero_()
-        rows.narrow(axis, pad, part.shape[axis]).copy_(part)
-        start += part.shape[0]
-    return out
+def _pad_left(t: torch.Tensor, width: int) -> torch.Tensor:
+    """Zero-pad the sequence axis (-2 for keys/values [b, h, t, d], -1 for masks)."""
+    axis = -2 if t.dim() == 4 else -1
+    missing = width - t.shape[axis]
+    if missing == 0:
+        return t
+    shape = list(t.shape)
+    shape[axis] = missing
+    return torch.cat([t.new_zeros(shape), t], dim=axis)

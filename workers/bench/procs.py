@@ -20,6 +20,28 @@ ROOT = Path(__file__).resolve().parents[2]
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
 
+def _find_prctl() -> Any:
+    try:
+        import ctypes
+
+        return ctypes.CDLL(None).prctl
+    except (OSError, AttributeError):  # not Linux: close() still stops them on a normal exit
+        return None
+
+
+# Looked up here, not in the child: between fork and exec the child must do
+# as little as it can (the parent has threads).
+_PRCTL = _find_prctl()
+PR_SET_PDEATHSIG, SIGTERM = 1, 15
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec: a SIGTERM when the benchmark's process dies, so
+    a killed run leaves no redis-server or worker behind."""
+    if _PRCTL is not None:
+        _PRCTL(PR_SET_PDEATHSIG, SIGTERM)
+
+
 class BenchError(RuntimeError):
     """The benchmark cannot go on; the message says why and what to do."""
 
@@ -56,7 +78,7 @@ class RedisProc:
         self.proc = subprocess.Popen(
             [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
              "--appendonly", "no", "--dir", self.dir],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, preexec_fn=_die_with_parent)
         client = redis.Redis(port=self.port, socket_connect_timeout=0.2)
         try:
             wait_for(lambda: _pings(client), 10, "redis-server to answer PING")
@@ -91,7 +113,8 @@ class CeleryProc:
         cmd = [sys.executable, "-m", "celery", "-A", app, "worker", "-P", "solo", "-c", "1",
                "-n", node, "--without-mingle", "--without-gossip", "-l", "WARNING"]
         self.proc = subprocess.Popen(cmd, env={**os.environ, "PYTHONUNBUFFERED": "1", **env},
-                                     cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT)
+                                     cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT,
+                                     preexec_fn=_die_with_parent)
 
     @property
     def pid(self) -> int:

@@ -162,9 +162,10 @@ def _render_costs(results: dict[str, Any], console: Console) -> None:
         rows.append((f"publish() per token, {b} tokens per step (us)", _fmt(us, 2)))
     memory = results.get("memory")
     if memory:
-        rows.append((f"worker RSS over {memory['jobs']:,} jobs (MB)",
+        rows.append((f"worker RSS over {memory['jobs']:,} jobs (MB; batch {memory['max_batch']})",
                      f"{memory['rss_after_10pct_mb']} -> {memory['rss_end_mb']} "
-                     f"({memory['growth_bytes_per_job']:+.1f} B/job)"))
+                     f"({memory['growth_bytes_per_job']:+.1f} "
+                     f"+-{memory['growth_bytes_per_job_ci95']:.1f} B/job)"))
     if not rows:
         return
     table = Table(title="latency at low load, overhead and memory")

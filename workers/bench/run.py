@@ -273,9 +273,12 @@ def _one_token_jobs(cfg: BenchConfig) -> list[Job]:
     return [Job(j.prompt, 1, 0.0) for j in make_jobs(cfg.overhead_jobs, 1)]
 
 
+SOAK_BATCH = 16  # a 256-row KV cache alone swings RSS by tens of MB, hiding any per-job trend
+
+
 def _soak(cfg: BenchConfig, env: BenchEnv, ticker: Ticker) -> dict[str, Any]:
     """Many short jobs through one worker: its resident memory must not grow per job."""
-    batch = max(cfg.concurrency)
+    batch = min(SOAK_BATCH, max(cfg.concurrency))
     jobs = [Job(j.prompt, 2, 0.0) for j in make_jobs(cfg.soak, 2)]
     with closing(_start(ticker, "soak", FleetSession, env, "soak", cfg.model, batch,
                         record=False)) as session:
@@ -285,7 +288,7 @@ def _soak(cfg: BenchConfig, env: BenchEnv, ticker: Ticker) -> dict[str, Any]:
             samples = session.soak(jobs, window=2 * batch + 64, tick=tick)
             elapsed = time.perf_counter() - t0
     settled = [(n, rss) for n, rss in samples if n >= len(jobs) // 10]
-    slope = _slope(settled)
+    slope, margin = _slope(settled)
     first, last = settled[0][1], settled[-1][1]
     return {
         "jobs": len(jobs), "model": cfg.model, "max_batch": batch,
@@ -293,21 +296,28 @@ def _soak(cfg: BenchConfig, env: BenchEnv, ticker: Ticker) -> dict[str, Any]:
         "rss_start_mb": round(samples[0][1] / 2**20, 1),
         "rss_after_10pct_mb": round(first / 2**20, 1),
         "rss_end_mb": round(last / 2**20, 1),
+        "rss_min_mb": round(min(r for _, r in settled) / 2**20, 1),
+        "rss_max_mb": round(max(r for _, r in settled) / 2**20, 1),
         "growth_after_10pct_mb": round((last - first) / 2**20, 2),
         "growth_bytes_per_job": round(slope, 2),
+        "growth_bytes_per_job_ci95": round(margin, 2),
         "samples": [[n, round(rss / 2**20, 2)] for n, rss in samples],
     }
 
 
-def _slope(points: list[tuple[int, int]]) -> float:
-    """Least-squares bytes per job."""
-    if len(points) < 2:
-        return 0.0
+def _slope(points: list[tuple[int, int]]) -> tuple[float, float]:
+    """Least-squares bytes per job, and the half-width of its 95% interval."""
+    if len(points) < 3:
+        return 0.0, 0.0
     xs = [float(x) for x, _ in points]
     ys = [float(y) for _, y in points]
     mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
-    var = sum((x - mx) ** 2 for x in xs)
-    return sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / var if var else 0.0
+    sxx = sum((x - mx) ** 2 for x in xs)
+    if not sxx:
+        return 0.0, 0.0
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx
+    residual = sum((y - my - slope * (x - mx)) ** 2 for x, y in zip(xs, ys))
+    return slope, 1.96 * (residual / (len(xs) - 2) / sxx) ** 0.5
 
 
 def _tokenizer() -> Any:
