@@ -1,11 +1,12 @@
 """The model runner: a Hugging Face causal LM over one batched KV cache.
 
 Rows of the cache are sequences, left-padded to a common length. A prefill runs
-the new prompts together and appends their rows; a decode step feeds each
-row's last token. Rows of sequences that left are dropped before the next
-forward, and columns that only padding uses any more are trimmed, so the cache
-stays as long as the longest sequence still running. The runner knows tensors
-and sequence ids only: no Redis, no Celery, no job states.
+the new prompts together and adds their rows; a decode step feeds each row's
+last token. Rows of sequences that left are given up before the next forward
+(``workers.kv_cache`` keeps that cheap), so the cache stays as wide as the
+longest sequence still running. Rows are in the cache's order, not the
+scheduler's: inputs are gathered and tokens handed back by job id. The runner
+knows tensors and sequence ids only: no Redis, no Celery, no job states.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Any
 import torch
 from transformers import DynamicCache
 
+from workers.kv_cache import SlotCache
 from workers.sampler import sample
 from workers.scheduler import Batch
 from workers.sequence import Sequence
@@ -31,8 +33,9 @@ class HFRunner:
         # transformers renamed past_key_values to cache (5.x); take what this one has.
         params = inspect.signature(model.forward).parameters
         self._cache_arg = "cache" if "cache" in params else "past_key_values"
+        self._layers = int(model.config.get_text_config(decoder=True).num_hidden_layers)
         self.rows: list[str] = []  # job id of each cache row
-        self.cache: DynamicCache | None = None
+        self.cache = SlotCache(self._layers)
         self.mask = torch.zeros(0, 0, dtype=torch.long, device=self.device)
         self.positions = torch.zeros(0, dtype=torch.long, device=self.device)
 
@@ -49,7 +52,7 @@ class HFRunner:
         return ids
 
     def reset(self) -> None:
-        self.rows, self.cache = [], None
+        self.rows, self.cache = [], SlotCache(self._layers)
         self.mask = self.mask[:0, :0]
         self.positions = self.positions[:0]
 
@@ -57,11 +60,14 @@ class HFRunner:
         with torch.inference_mode():
             if batch.is_prefill:
                 self._keep_rows(batch.keep)
-                logits = self._prefill(batch.seqs)
-            else:
-                self._keep_rows(batch.seqs)
-                logits = self._decode(batch.seqs)
-            return sample(logits, batch.seqs)
+                return sample(self._prefill(batch.seqs), batch.seqs)
+            self._keep_rows(batch.seqs)
+            if self.rows == [s.job_id for s in batch.seqs]:
+                return sample(self._decode(batch.seqs), batch.seqs)
+            by_id = {s.job_id: s for s in batch.seqs}
+            ordered = [by_id[job_id] for job_id in self.rows]
+            tokens = dict(zip(self.rows, sample(self._decode(ordered), ordered)))
+            return [tokens[s.job_id] for s in batch.seqs]
 
     def _prefill(self, seqs: list[Sequence]) -> torch.Tensor:
         lengths = [s.num_tokens for s in seqs]
@@ -80,6 +86,7 @@ class HFRunner:
         return out.logits[:, -1, :]
 
     def _decode(self, seqs: list[Sequence]) -> torch.Tensor:
+        """One token for every row; ``seqs`` in row order."""
         last = torch.tensor([[s.generated[-1]] for s in seqs], device=self.device)
         ones = torch.ones((len(seqs), 1), dtype=torch.long, device=self.device)
         self.mask = torch.cat([self.mask, ones], dim=1)
@@ -90,49 +97,52 @@ class HFRunner:
         return out.logits[:, -1, :]
 
     def _keep_rows(self, seqs: list[Sequence]) -> None:
-        """Make the cache rows exactly ``seqs``, in order."""
-        wanted = [s.job_id for s in seqs]
-        if wanted == self.rows:
+        """Keep the rows of ``seqs`` only: each row that leaves takes the last
+        staying row, so only the moved rows are copied."""
+        wanted = {s.job_id for s in seqs}
+        if len(wanted) == len(self.rows) and all(j in wanted for j in self.rows):
             return
-        if not wanted:
-            self.reset()
-            return
-        where = {job_id: row for row, job_id in enumerate(self.rows)}
-        index = torch.tensor([where[j] for j in wanted], device=self.device)
-        assert self.cache is not None
-        self.cache.batch_select_indices(index)
-        self.mask, self.positions, self.rows = self.mask[index], self.positions[index], wanted
-        # Trim the columns on the left that only padding holds now.
+        assert wanted.issubset(self.rows), "a sequence without a cache row"
+        rows = len(wanted)
+        holes = [i for i, j in enumerate(self.rows[:rows]) if j not in wanted]
+        movers = [i for i in range(rows, len(self.rows)) if self.rows[i] in wanted]
+        src = torch.tensor(movers, dtype=torch.long, device=self.device)
+        dst = torch.tensor(holes, dtype=torch.long, device=self.device)
+        for layer in self.cache.slot_layers:
+            layer.move_rows(src, dst, rows)
+        self.mask[dst], self.positions[dst] = self.mask[src], self.positions[src]
+        self.mask, self.positions = self.mask[:rows], self.positions[:rows]
+        kept = self.rows[:rows]
+        for hole, mover in zip(holes, movers):
+            kept[hole] = self.rows[mover]
+        self.rows = kept
+        self._drop_padding()
+
+    def _drop_padding(self) -> None:
+        """Drop the columns on the left that no row uses, once they are worth
+        the copy (attention over masked columns costs little; moving the
+        cache costs a full copy)."""
+        width = self.mask.shape[1]
         used = self.mask.any(dim=0).nonzero()
-        first = int(used[0]) if len(used) else 0
-        if first:
-            for layer in self.cache.layers:
-                layer.keys = layer.keys[..., first:, :]
-                layer.values = layer.values[..., first:, :]
+        first = int(used[0]) if len(used) else width
+        if first == width or first >= max(16, width // 4):
+            for layer in self.cache.slot_layers:
+                layer.drop_left(first)
             self.mask = self.mask[:, first:]
 
     def _append_rows(self, job_ids: list[str], cache: DynamicCache, mask: torch.Tensor) -> None:
-        positions = mask.sum(dim=1)
-        if self.cache is None or not self.rows:
-            self.cache, self.mask, self.positions, self.rows = cache, mask, positions, job_ids
-            return
-        old, new = self.mask.shape[1], mask.shape[1]
-        width = max(old, new)
-        for mine, theirs in zip(self.cache.layers, cache.layers):
-            mine.keys = torch.cat([_pad_left(mine.keys, width), _pad_left(theirs.keys, width)])
-            mine.values = torch.cat([_pad_left(mine.values, width),
-                                     _pad_left(theirs.values, width)])
+        width = max(self.mask.shape[1], mask.shape[1])
+        for mine, theirs in zip(self.cache.slot_layers, cache.layers):
+            assert theirs.keys is not None and theirs.values is not None
+            mine.append(theirs.keys, theirs.values, width)
         self.mask = torch.cat([_pad_left(self.mask, width), _pad_left(mask, width)])
-        self.positions = torch.cat([self.positions, positions])
+        self.positions = torch.cat([self.positions, mask.sum(dim=1)])
         self.rows = self.rows + job_ids
 
 
-def _pad_left(t: torch.Tensor, width: int) -> torch.Tensor:
-    """Zero-pad the sequence axis (-2 for keys/values [b, h, t, d], -1 for masks)."""
-    axis = -2 if t.dim() == 4 else -1
-    missing = width - t.shape[axis]
+def _pad_left(mask: torch.Tensor, width: int) -> torch.Tensor:
+    """Zero-pad a [rows, columns] mask on the left to ``width`` columns."""
+    missing = width - mask.shape[1]
     if missing == 0:
-        return t
-    shape = list(t.shape)
-    shape[axis] = missing
-    return torch.cat([t.new_zeros(shape), t], dim=axis)
+        return mask
+    return torch.cat([mask.new_zeros((mask.shape[0], missing)), mask], dim=1)
