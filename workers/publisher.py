@@ -71,6 +71,11 @@ class Publisher:
         self._pending: _Step | None = None  # sent, not yet collected
         self._conn: Any = None
 
+    @property
+    def in_flight(self) -> bool:
+        """A step was sent and not collected yet."""
+        return self._pending is not None
+
     def publish(self, outputs: list[SeqOutput]) -> set[str]:
         """Write one step's events and endings; return the ids of fenced-off jobs.
         A caller that got an error calls again with the same outputs."""

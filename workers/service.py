@@ -75,6 +75,7 @@ class Worker:
         # Cancels that came before their job reached the engine (the feeder was
         # between taking the entry and handing it over): applied on arrival.
         self._early_cancels: dict[str, float] = {}
+        self._sent: list[SeqOutput] = []  # the step whose writes Redis is storing
         self._wake = threading.Event()
         self._idle = threading.Event()  # set by the engine loop when it has nothing to do
         self._stop_intake = threading.Event()
@@ -167,6 +168,7 @@ class Worker:
         while not self._stop_engine.is_set():
             self._admit()
             if not self.scheduler.has_work:
+                self._collect()  # nothing to overlap with: store the last step now
                 self._idle.set()
                 self._wake.wait(0.1)
                 self._wake.clear()
@@ -179,36 +181,48 @@ class Worker:
                 # heartbeat goes on) and serve nothing: log, and keep stepping.
                 log.exception("engine step failed")
                 self._stop_engine.wait(0.1)
+        self._collect()
 
     def _step(self) -> None:
+        """Step N+1 runs while Redis stores step N: its writes go out only once
+        step N's are stored, so no token is sent before the one it follows."""
         started = time.perf_counter()
         outputs = self.engine.step()
         self.metrics.step_done(self.engine.stats.last_batch, time.perf_counter() - started,
                                outputs)
-        self._publish(outputs)
+        fenced = self._collect()
+        if fenced:
+            outputs = [o for o in outputs if o.seq.job_id not in fenced]
+        self.publisher.send(outputs)
+        self._sent = outputs
+
+    def _collect(self) -> set[str]:
+        """Wait until the step sent last is stored; hold the engine while Redis
+        is away, since a token that is not stored must not be followed by the
+        next one. Returns the ids of jobs a newer attempt owns (dropped here)."""
+        if not self.publisher.in_flight:
+            return set()
+        outputs, self._sent = self._sent, []
+        backoff = 0.05
+        while True:
+            try:
+                fenced = self.publisher.collect()
+                break
+            except (ConnectionError, TimeoutError, OSError) as exc:
+                if self._stop_engine.is_set():
+                    return set()  # the entries stay pending: another worker redoes them
+                log.warning("redis unavailable for results (%s); retrying", exc)
+                time.sleep(backoff)
+                backoff = min(backoff * 2, 2.0)
         finished = [o.seq.job_id for o in outputs if o.finished]
         if finished:
             self._held.difference_update(finished)
             self.feeder.slots_freed.set()
-
-    def _publish(self, outputs: list[SeqOutput]) -> None:
-        """Write a step's results; hold the engine until Redis takes them, since
-        a token that is not stored must not be followed by the next one."""
-        backoff = 0.05
-        while True:
-            try:
-                fenced = self.publisher.publish(outputs)
-                break
-            except (ConnectionError, TimeoutError, OSError) as exc:
-                if self._stop_engine.is_set():
-                    return  # the entries stay pending: another worker redoes them
-                log.warning("redis unavailable for results (%s); retrying", exc)
-                time.sleep(backoff)
-                backoff = min(backoff * 2, 2.0)
         for job_id in fenced:
             log.warning("job %s is owned by a newer attempt; dropping it here", job_id)
             self.scheduler.drop(job_id)
             self._held.discard(job_id)
+        return fenced
 
     # -- side loops ------------------------------------------------------------
 
