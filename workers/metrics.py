@@ -53,6 +53,9 @@ class Metrics:
                              "estimate plus max_new_tokens)", ["queue"], registry=r)
         self.running = Gauge("tokenfleet_running_sequences", "Sequences in the running batch",
                              registry=r)
+        # This queue's children, looked up once: the engine observes every token.
+        self._ttft, self._itl = self.ttft.labels(queue), self.itl.labels(queue)
+        self._tokens = self.tokens.labels(queue)
 
     def serve(self, port: int) -> None:
         start_http_server(port, registry=self.registry)
@@ -73,14 +76,14 @@ class Metrics:
                 made += 1
                 if seq.last_token_at is None:
                     if seq.created_at is not None:
-                        self.ttft.labels(self.queue).observe(max(0.0, time.time() - seq.created_at))
+                        self._ttft.observe(max(0.0, time.time() - seq.created_at))
                 else:
-                    self.itl.labels(self.queue).observe(now - seq.last_token_at)
+                    self._itl.observe(now - seq.last_token_at)
                 seq.last_token_at = now
             if o.finished:
                 self.jobs.labels(self.queue, seq.final_status.value).inc()
         if made:
-            self.tokens.labels(self.queue).inc(made)
+            self._tokens.inc(made)
 
     def queue_state(self, levels: dict[str, dict[str, Any]], backlog: int, running: int) -> None:
         for priority, info in levels.items():

@@ -28,6 +28,12 @@ from shared.settings import Settings
 from workers.scheduler import SeqOutput
 from workers.sequence import Sequence
 
+hiredis: Any
+try:
+    import hiredis
+except ImportError:  # redis-py works without it, more slowly
+    hiredis = None
+
 # One script call of a pipeline: (registered script, keys, args).
 Call = tuple[Any, list[Any], list[Any]]
 
@@ -106,8 +112,9 @@ class Publisher:
             return
         try:
             conn = self._connection()
-            conn.send_packed_command(conn.pack_commands(
-                [("EVALSHA", script.sha, len(keys), *keys, *args) for script, keys, args in calls]))
+            conn.send_packed_command(_pack(
+                conn, [("EVALSHA", script.sha, len(keys), *keys, *args)
+                       for script, keys, args in calls]))
             step.sent = True
         except (ConnectionError, TimeoutError, OSError):
             self._drop_connection()  # collect() writes the step through the pool instead
@@ -251,6 +258,14 @@ class Publisher:
         for script, keys, args in calls:
             pipe.evalsha(script.sha, len(keys), *keys, *args)
         return pipe.execute(raise_on_error=False)  # type: ignore[no-any-return]
+
+
+def _pack(conn: Any, commands: list[tuple[Any, ...]]) -> Any:
+    """RESP for ``commands``: hiredis's packer takes a whole command in one C
+    call (redis-py's wrapper checks every argument in Python first)."""
+    if hiredis is None:
+        return conn.pack_commands(commands)
+    return b"".join([hiredis.pack_command(command) for command in commands])
 
 
 def _printable(raw: Any) -> Any:
