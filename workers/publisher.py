@@ -265,7 +265,7 @@ def _pack(conn: Any, commands: list[tuple[Any, ...]]) -> Any:
     call (redis-py's wrapper checks every argument in Python first)."""
     if hiredis is None:
         return conn.pack_commands(commands)
-    return b"".join([hiredis.pack_command(command) for command in commands])
+    return [b"".join([hiredis.pack_command(command) for command in commands])]
 
 
 def _printable(raw: Any) -> Any:

@@ -184,3 +184,17 @@ async def test_the_async_client_streams_and_waits(settings: Any, start_worker: A
         state = await c.wait(job_id, timeout=60)
         assert state.status is JobStatus.SUCCEEDED and text == state.text
         assert (await c.status(job_id)).id == job_id
+
+
+def test_a_healthy_worker_serves_a_burst_without_a_warning(
+    client: FleetClient, start_worker: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Errors the engine loop survives (it logs them and steps on) must not
+    hide behind results that still arrive."""
+    caplog.set_level("WARNING", logger="workers")
+    start_worker(max_batch=8)
+    jobs = [client.submit(f"job {i} says", max_new_tokens=3 + i % 9, temperature=0.0)
+            for i in range(24)]
+    for job_id in jobs:
+        assert client.wait(job_id, timeout=60).status is JobStatus.SUCCEEDED
+    assert [r.getMessage() for r in caplog.records if r.name.startswith("workers")] == []
