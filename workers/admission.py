@@ -24,6 +24,7 @@ class Admission:
         self.tokenizer = tokenizer
         self.settings = settings
         self.max_model_len = max_model_len
+        self._encode = _fast_encoder(tokenizer)
 
     def prompt_ids(self, request: GenerationRequest) -> list[int]:
         if request.messages is not None:
@@ -34,7 +35,7 @@ class Admission:
                 messages, add_generation_prompt=True, tokenize=True, return_dict=False
             )
         else:
-            ids = self.tokenizer(request.prompt)["input_ids"]
+            ids = self._encode(request.prompt)
         ids = list(ids)
         limit = min(self.settings.max_prompt_tokens, self.max_model_len - 1)
         if len(ids) > limit:
@@ -61,3 +62,22 @@ class Admission:
             deadline_at=entry.deadline_at,
             created_at=entry.created_at,
         )
+
+
+def _fast_encoder(tokenizer: Any) -> Any:
+    """``tokenizer(text)["input_ids"]`` without transformers' Python around the
+    Rust tokenizer (half the feeder's time per job), where it gives the same ids."""
+
+    def slow(text: str) -> list[int]:
+        return list(tokenizer(text)["input_ids"])
+
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None or backend.truncation or backend.padding or getattr(
+            tokenizer, "split_special_tokens", False) != backend.encode_special_tokens:
+        return slow
+
+    def fast(text: str) -> list[int]:
+        return backend.encode(text).ids  # type: ignore[no-any-return]
+
+    probe = "Hello, wörld! <|eos|> 123\n\tend"
+    return fast if fast(probe) == slow(probe) else slow

@@ -205,31 +205,32 @@ class Feeder:
 
     def take(self, queue: str, entries: list[Entry]) -> None:
         """Own, check and hand over entries read from the stream of ``queue``."""
-        parsed: list[tuple[str, QueueEntry]] = []
+        parsed: list[tuple[str, QueueEntry, bytes]] = []
         for raw_id, fields in entries:
             entry_id = raw_id.decode()
             if fields is None:  # deleted while pending (a cancel): nothing left to run
                 self.redis.xack(self.keys.queue(queue), GROUP, entry_id)
                 continue
             try:
-                entry = QueueEntry.model_validate_json(fields[b"data"])
+                data = fields[b"data"]
+                entry = QueueEntry.model_validate_json(data)
             except (KeyError, ValueError, ValidationError) as exc:
                 self.publisher.dead_letter(queue, entry_id, fields, _reason(exc))
                 continue
             # Already running here (an entry of ours that XAUTOCLAIM found idle
             # through an outage): taking it again would fence our own attempt.
             if not self.holds(entry.job_id):
-                parsed.append((entry_id, entry))
+                parsed.append((entry_id, entry, data))
         if not parsed:
             return
         verdicts = self.scripts.start(
-            keys=[self.keys.backlog(self.queue), *(self.keys.job(e.job_id) for _, e in parsed)],
+            keys=[self.keys.backlog(self.queue), *(self.keys.job(e.job_id) for _, e, _ in parsed)],
             args=[self.consumer, repr(time.time())],
         )
         ready: list[Sequence] = []
         endings: list[Ending] = []
-        for (entry_id, entry), verdict in zip(parsed, verdicts):
-            outcome = self._admit(queue, entry_id, entry, verdict)
+        for (entry_id, entry, data), verdict in zip(parsed, verdicts):
+            outcome = self._admit(queue, entry_id, entry, data, verdict)
             if isinstance(outcome, Sequence):
                 ready.append(outcome)
             elif outcome is not None:
@@ -239,7 +240,7 @@ class Feeder:
         if ready:
             self.sink(ready)
 
-    def _admit(self, queue: str, entry_id: str, entry: QueueEntry,
+    def _admit(self, queue: str, entry_id: str, entry: QueueEntry, data: bytes,
                verdict: list[Any]) -> Sequence | Ending | None:
         status = verdict[0].decode()
         end = _EndingFor(queue, entry, entry_id)
@@ -264,7 +265,7 @@ class Feeder:
         except (Rejected, ValidationError) as exc:
             return end(attempt, JobStatus.FAILED, FinishReason.ERROR, _reason(exc),
                        dead=_reason(exc))
-        seq.entry_json = entry.model_dump_json()
+        seq.entry_json = data.decode()  # as read: a hand-back queues it again unchanged
         seq.queue = queue  # the level's stream it came from: where it is acknowledged
         if attempt > 1:
             seq.restore(self._streamed_tokens(entry.job_id))
