@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from typing import Protocol
 
 from workers.scheduler import Batch, Scheduler, SeqOutput
@@ -26,11 +27,12 @@ class Engine:
         self.stats = WorkerStats()
 
     def step(self) -> list[SeqOutput]:
+        started = time.perf_counter()
         batch = self.scheduler.schedule()
         token_ids = self._run(batch)
         ran = batch if token_ids is not None else None
         outputs = self.scheduler.postprocess(ran, token_ids or [])
-        self.stats.record(ran, outputs)
+        self.stats.record(ran, outputs, time.perf_counter() - started)
         return outputs
 
     def _run(self, batch: Batch | None) -> list[int] | None:

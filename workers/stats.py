@@ -17,11 +17,13 @@ class WorkerStats:
     jobs: dict[str, int] = field(default_factory=dict)  # final status -> count
     peak_batch: int = 0  # most sequences that ever decoded in one step
     last_batch: int = 0
+    busy_s: float = 0.0  # time in engine steps (forward passes and their bookkeeping)
     started_at: float = field(default_factory=time.time)
     _recent: deque[tuple[float, int]] = field(default_factory=lambda: deque(maxlen=256))
 
-    def record(self, batch: Batch | None, outputs: list[SeqOutput]) -> None:
+    def record(self, batch: Batch | None, outputs: list[SeqOutput], seconds: float = 0.0) -> None:
         self.steps += 1
+        self.busy_s += seconds
         if batch is not None:
             if batch.is_prefill:
                 self.prefill_steps += 1
@@ -53,6 +55,7 @@ class WorkerStats:
             "jobs": dict(self.jobs),
             "peak_batch": self.peak_batch,
             "last_batch": self.last_batch,
+            "busy_s": round(self.busy_s, 6),
             "tokens_per_s": round(self.tokens_per_s(), 2),
             "started_at": self.started_at,
         }

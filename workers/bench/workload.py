@@ -122,7 +122,9 @@ def occupancy_from_stats(before: dict[str, Any], after: dict[str, Any], jobs: in
     return mean, mean / max_batch
 
 
-def step_counts(before: dict[str, Any], after: dict[str, Any]) -> dict[str, int]:
-    """Forward passes of a run: all of them, and the prefills among them."""
+def step_counts(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
+    """Forward passes of a run: all of them, the prefills among them, and the
+    engine's time in them (against the run's time: what the rest costs)."""
     return {"steps": after["steps"] - before["steps"],
-            "prefill_steps": after["prefill_steps"] - before["prefill_steps"]}
+            "prefill_steps": after["prefill_steps"] - before["prefill_steps"],
+            "engine_busy_s": round(after.get("busy_s", 0.0) - before.get("busy_s", 0.0), 4)}
