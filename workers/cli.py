@@ -210,6 +210,9 @@ def _int_list(ctx: click.Context, param: click.Parameter, value: str) -> list[in
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False, path_type=Path),
               default=None, help="write a PNG of throughput against concurrency (matplotlib)")
 @click.option("--device", default="cpu", show_default=True, help="cpu or cuda")
+@click.option("--dtype", default="auto", show_default=True,
+              help="the model's dtype in every mode: auto (bfloat16 on cuda, float32 on cpu) "
+                   "or a torch dtype name such as bfloat16")
 @click.option("--soak", default=0, show_default=True,
               help="also pass this many short jobs through one worker and watch its memory")
 @click.option("--probe-jobs", default=50, show_default=True,
@@ -220,7 +223,7 @@ def _int_list(ctx: click.Context, param: click.Parameter, value: str) -> list[in
               help="run each measurement this many times, modes taking turns; keep the best")
 def bench(model: str, jobs: int, concurrency: list[int], max_new_tokens: int,
           rate: float | None, modes: str, redis_url: str | None, json_path: Path | None,
-          plot_path: Path | None, device: str, soak: int, probe_jobs: int,
+          plot_path: Path | None, device: str, dtype: str, soak: int, probe_jobs: int,
           overhead_jobs: int, repeat: int) -> None:
     """Benchmark the fleet against the model in-process and naive Celery."""
     from rich.console import Console
@@ -232,7 +235,8 @@ def bench(model: str, jobs: int, concurrency: list[int], max_new_tokens: int,
     cfg = BenchConfig(model=model, jobs=jobs, concurrency=concurrency,
                       max_new_tokens=max_new_tokens, rate=rate,
                       modes=[m.strip() for m in modes.split(",") if m.strip()],
-                      redis_url=redis_url, device=device, soak=soak, probe_jobs=probe_jobs,
+                      redis_url=redis_url, device=device, dtype=dtype, soak=soak,
+                      probe_jobs=probe_jobs,
                       overhead_jobs=overhead_jobs, repeat=repeat)
     try:
         results = run_bench(cfg)

@@ -55,6 +55,7 @@ class BenchEnv:
     device: str
     threads: int
     run_id: str
+    dtype: str = "auto"
 
     def namespace(self, label: str) -> str:
         return f"bench-{self.run_id}-{label}"
@@ -63,6 +64,7 @@ class BenchEnv:
         return {
             "TOKENFLEET_REDIS_URL": self.redis_url, "TOKENFLEET_NAMESPACE": namespace,
             "TOKENFLEET_MODEL": model, "TOKENFLEET_DEVICE": self.device,
+            "TOKENFLEET_DTYPE": self.dtype,
             "TOKENFLEET_TORCH_THREADS": str(self.threads),
             "TOKENFLEET_MAX_BATCH": str(max_batch), "TOKENFLEET_HEARTBEAT_S": "0.5",
             "TOKENFLEET_RESULT_TTL_S": "900",  # a benchmark's records need not stay a day
@@ -76,14 +78,14 @@ class BenchEnv:
 class Direct:
     """The model in this process, with the same thread count as a worker's."""
 
-    def __init__(self, model: str, device: str, threads: int) -> None:
+    def __init__(self, model: str, device: str, threads: int, dtype: str = "auto") -> None:
         import torch
 
         from shared import models
 
         if device == "cpu":
             torch.set_num_threads(threads)
-        self.model, self.tokenizer = models.load(model, device)
+        self.model, self.tokenizer = models.load(model, device, dtype)
         settings = Settings()  # the worker's defaults, for the same scheduler
         self.prefetch = settings.prefetch
         self.max_batch_tokens = settings.max_batch_tokens

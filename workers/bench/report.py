@@ -93,7 +93,8 @@ def _fmt(value: Any, digits: int = 1) -> str:
 
 def render(results: dict[str, Any], console: Console) -> None:
     cfg = results["config"]
-    title = (f"tokenfleet bench: {cfg['model']} on {cfg['device']} ({cfg['torch_threads']} "
+    dtype = "" if cfg.get("dtype", "auto") == "auto" else f"{cfg['dtype']}, "
+    title = (f"tokenfleet bench: {cfg['model']} on {cfg['device']} ({dtype}{cfg['torch_threads']} "
              f"torch thread(s)), {cfg['jobs']} jobs x up to {cfg['max_new_tokens']} tokens, "
              + (f"{cfg['rate']:g} jobs/s" if cfg["rate"] else "all submitted at once"))
     table = Table(title=title, caption="TTFT and ITL in ms; overhead: the fleet with the null "

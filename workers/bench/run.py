@@ -48,6 +48,7 @@ class BenchConfig:
     modes: list[str] = field(default_factory=lambda: list(MODES))
     redis_url: str | None = None
     device: str = "cpu"
+    dtype: str = "auto"  # every mode loads the model in this dtype
     probe_jobs: int = 50  # the low-load probe: one job at a time
     overhead_jobs: int = 2000  # one-token jobs (and Celery no-op tasks) for the per-job cost
     soak: int = 0  # jobs through one worker while its memory is watched; 0: no soak
@@ -104,7 +105,7 @@ def run_bench(cfg: BenchConfig, console: Console | None = None) -> dict[str, Any
             url = server.url
         else:
             url = cfg.redis_url
-        env = BenchEnv(url, cfg.model, cfg.device, threads, uuid.uuid4().hex[:8])
+        env = BenchEnv(url, cfg.model, cfg.device, threads, uuid.uuid4().hex[:8], cfg.dtype)
         progress = stack.enter_context(Progress(
             SpinnerColumn(), TextColumn("{task.description:<28}"), BarColumn(),
             MofNCompleteColumn(), TimeElapsedColumn(), console=console,
@@ -133,7 +134,7 @@ def _run_modes(cfg: BenchConfig, env: BenchEnv, jobs: list[Job], probe: list[Job
     direct = None
     if "direct" in modes:
         with ticker.phase("loading the model", 1):
-            direct = Direct(cfg.model, cfg.device, env.threads)
+            direct = Direct(cfg.model, cfg.device, env.threads, cfg.dtype)
     levels = sorted(set(cfg.concurrency))
     for c in levels:
         with ExitStack() as stack:
