@@ -142,15 +142,20 @@ class Feeder:
             if self._reclaim(credits):
                 return
         shares = self.turns.deal(credits)
-        got = self._read({self.streams_of(p): n for p, n in shares.items() if n})
-        short = credits - got
-        if short > 0 and got:
-            # Some level had less than its turns: the rest go to the others, in order.
-            for _name, stream in self.levels:
-                if short <= 0:
-                    break
-                short -= self._read({stream: short})
-        if got == 0:
+        asked = {self.streams_of(p): n for p, n in shares.items() if n}
+        got = self._read(asked)
+        short = credits - sum(got.values())
+        # A level that gave less than its turns is empty now; the rest of the
+        # credits go to the other levels, highest first (one read each).
+        for _name, stream in self.levels:
+            if short <= 0:
+                break
+            if got.get(stream, 0) < asked.get(stream, 0):
+                continue
+            taken = self._read({stream: short})
+            got[stream] = got.get(stream, 0) + taken[stream]
+            short -= taken[stream]
+        if not any(got.values()):
             # Nothing anywhere: block on every level at once until something comes.
             self._read({stream: 1 for _name, stream in self.levels},
                        block=self.settings.block_ms)
@@ -158,10 +163,12 @@ class Feeder:
     def streams_of(self, priority: str) -> str:
         return self.keys.queue(level_queue(self.queue, priority))
 
-    def _read(self, counts: dict[str, int], block: int | None = None) -> int:
-        """XREADGROUP ``count`` new entries from each stream; hand them over; return how many."""
+    def _read(self, counts: dict[str, int], block: int | None = None) -> dict[str, int]:
+        """XREADGROUP ``count`` new entries from each stream; hand them over;
+        return how many came from each."""
+        taken = dict.fromkeys(counts, 0)
         if not counts:
-            return 0
+            return taken
         if block is None and len(counts) > 1:
             pipe = self.redis.pipeline(transaction=False)
             for stream, count in counts.items():
@@ -171,10 +178,10 @@ class Feeder:
             count = max(counts.values())
             replies = self.redis.xreadgroup(GROUP, self.consumer, dict.fromkeys(counts, ">"),
                                             count=count, block=block) or []
-        taken = 0
-        for stream, entries in replies:
-            self.take(self.streams[stream.decode()], entries)
-            taken += len(entries)
+        for raw_stream, entries in replies:
+            stream = raw_stream.decode()
+            self.take(self.streams[stream], entries)
+            taken[stream] += len(entries)
         return taken
 
     def _take_own_pending(self) -> None:
