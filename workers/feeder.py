@@ -78,6 +78,10 @@ class Feeder:
                        for p in PRIORITIES]
         self.streams = {stream: name for name, stream in self.levels}
         self.turns = Turns()
+        # Fewer credits than this: wait for more. Below half the prefetch, every
+        # free batch slot still has a job waiting for it, so reading in pairs
+        # (not one by one) starves nothing and halves the reads under load.
+        self._least = max(1, settings.prefetch // 2)
         self.admission = admission
         self.publisher = publisher
         self.sink = sink
@@ -132,7 +136,7 @@ class Feeder:
 
     def _feed_once(self) -> None:
         credits = self.credits()
-        if credits <= 0 or self.paused.is_set():
+        if credits < self._least or self.paused.is_set():
             self.slots_freed.wait(0.05)
             self.slots_freed.clear()
             return
