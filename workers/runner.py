@@ -62,8 +62,6 @@ class HFRunner:
                 self._keep_rows(batch.keep)
                 return sample(self._prefill(batch.seqs), batch.seqs)
             self._keep_rows(batch.seqs)
-            if self.rows == [s.job_id for s in batch.seqs]:
-                return sample(self._decode(batch.seqs), batch.seqs)
             by_id = {s.job_id: s for s in batch.seqs}
             ordered = [by_id[job_id] for job_id in self.rows]
             tokens = dict(zip(self.rows, sample(self._decode(ordered), ordered)))

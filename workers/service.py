@@ -186,10 +186,9 @@ class Worker:
     def _step(self) -> None:
         """Step N+1 runs while Redis stores step N: its writes go out only once
         step N's are stored, so no token is sent before the one it follows."""
-        started = time.perf_counter()
         outputs = self.engine.step()
-        self.metrics.step_done(self.engine.stats.last_batch, time.perf_counter() - started,
-                               outputs)
+        stats = self.engine.stats
+        self.metrics.step_done(stats.last_batch, stats.last_step_s, outputs)
         fenced = self._collect()
         if fenced:
             outputs = [o for o in outputs if o.seq.job_id not in fenced]

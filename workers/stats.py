@@ -18,12 +18,14 @@ class WorkerStats:
     peak_batch: int = 0  # most sequences that ever decoded in one step
     last_batch: int = 0
     busy_s: float = 0.0  # time in engine steps (forward passes and their bookkeeping)
+    last_step_s: float = 0.0
     started_at: float = field(default_factory=time.time)
     _recent: deque[tuple[float, int]] = field(default_factory=lambda: deque(maxlen=256))
 
     def record(self, batch: Batch | None, outputs: list[SeqOutput], seconds: float = 0.0) -> None:
         self.steps += 1
         self.busy_s += seconds
+        self.last_step_s = seconds
         if batch is not None:
             if batch.is_prefill:
                 self.prefill_steps += 1
