@@ -1,7 +1,38 @@
-"""The producer side: submit jobs, read their state, stream their tokens."""
+"""tokenfleet: an LLM inference fleet behind Redis Streams.
 
-from producer.aio import AsyncFleetClient
-from producer.client import FleetClient
-from shared.errors import JobNotFound, NoWorker, QueueFull
+This package is the client a web backend imports (it needs only redis and
+pydantic): submit jobs, read their state, stream their tokens. The worker side
+lives in ``tokenfleet.workers`` and needs the ``worker`` extra (torch, Celery).
 
-__all__ = ["AsyncFleetClient", "FleetClient", "JobNotFound", "NoWorker", "QueueFull"]
+    from tokenfleet import FleetClient
+    client = FleetClient("redis://127.0.0.1:6379/0")
+    job_id = client.submit("Once upon a time", max_new_tokens=32)
+"""
+
+from tokenfleet.aio import AsyncFleetClient
+from tokenfleet.client import FleetClient
+from tokenfleet.shared.errors import JobNotFound, NoWorker, QueueFull
+from tokenfleet.shared.schemas import (
+    ChatMessage,
+    FinishReason,
+    GenerationRequest,
+    JobState,
+    JobStatus,
+    SamplingParams,
+    TokenEvent,
+)
+
+__all__ = [
+    "AsyncFleetClient",
+    "ChatMessage",
+    "FinishReason",
+    "FleetClient",
+    "GenerationRequest",
+    "JobNotFound",
+    "JobState",
+    "JobStatus",
+    "NoWorker",
+    "QueueFull",
+    "SamplingParams",
+    "TokenEvent",
+]

@@ -6,7 +6,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-from producer.protocol import (
+from tokenfleet.protocol import (
     EventCursor,
     build_request,
     check_deadline,
@@ -19,12 +19,12 @@ from producer.protocol import (
     submitted_id,
     time_slice,
 )
-from shared.errors import JobNotFound, NoWorker
-from shared.keys import Keys
-from shared.redis_conn import connect
-from shared.schemas import GenerationRequest, JobState, TokenEvent
-from shared.scripts import Scripts
-from shared.settings import Settings, get_settings
+from tokenfleet.shared.errors import JobNotFound, NoWorker
+from tokenfleet.shared.keys import Keys
+from tokenfleet.shared.redis_conn import connect
+from tokenfleet.shared.schemas import GenerationRequest, JobState, TokenEvent
+from tokenfleet.shared.scripts import Scripts
+from tokenfleet.shared.settings import Settings, get_settings
 
 
 class FleetClient:

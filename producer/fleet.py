@@ -7,8 +7,8 @@ from typing import Any
 
 from redis.exceptions import ResponseError
 
-from shared.keys import GROUP, PRIORITIES, level_queue
-from shared.serialization import loads
+from tokenfleet.shared.keys import GROUP, PRIORITIES, level_queue
+from tokenfleet.shared.serialization import loads
 
 
 def fleet_status(client: Any) -> dict[str, Any]:

@@ -5,7 +5,7 @@
 - ``POST /v1/jobs``, ``GET /v1/jobs/{id}``, ``DELETE /v1/jobs/{id}``: submit, read, cancel;
 - ``GET /v1/jobs/{id}/events``: the job's tokens as Server-Sent Events, resumable with
   ``Last-Event-ID``;
-- ``POST /v1/completions``: OpenAI-compatible completions (``producer.openai_compat``);
+- ``POST /v1/completions``: OpenAI-compatible completions (``tokenfleet.openai_compat``);
 - ``GET /healthz``: whether Redis answers.
 
 One ``AsyncFleetClient`` per app, opened in the lifespan and closed at shutdown.
@@ -26,11 +26,11 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from producer import openai_compat
-from producer.aio import AsyncFleetClient
-from shared.errors import JobNotFound, QueueFull
-from shared.schemas import GenerationRequest, JobState
-from shared.settings import Settings, get_settings
+from tokenfleet import openai_compat
+from tokenfleet.aio import AsyncFleetClient
+from tokenfleet.shared.errors import JobNotFound, QueueFull
+from tokenfleet.shared.schemas import GenerationRequest, JobState
+from tokenfleet.shared.settings import Settings, get_settings
 
 # What a 429 asks a client to wait: queues drain at the fleet's pace, and a client
 # that retries at once only adds load.

@@ -22,9 +22,9 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 from redis.exceptions import RedisError
 
-from producer.aio import AsyncFleetClient
-from shared.errors import QueueFull, TokenfleetError
-from shared.schemas import FinishReason, GenerationRequest, JobState, JobStatus
+from tokenfleet.aio import AsyncFleetClient
+from tokenfleet.shared.errors import QueueFull, TokenfleetError
+from tokenfleet.shared.schemas import FinishReason, GenerationRequest, JobState, JobStatus
 
 # OpenAI's names for the fields of a GenerationRequest, to name the right ``param``.
 PARAMS = {("sampling", "max_new_tokens"): "max_tokens", ("sampling", "temperature"): "temperature",

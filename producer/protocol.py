@@ -9,9 +9,9 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from shared.errors import JobNotFound, QueueFull
-from shared.keys import GROUP, PRIORITIES, Keys, level_queue
-from shared.schemas import (
+from tokenfleet.shared.errors import JobNotFound, QueueFull
+from tokenfleet.shared.keys import GROUP, PRIORITIES, Keys, level_queue
+from tokenfleet.shared.schemas import (
     EndEvent,
     FinishReason,
     GenerationRequest,
@@ -21,8 +21,8 @@ from shared.schemas import (
     SamplingParams,
     TokenEvent,
 )
-from shared.serialization import dumps, end_event, parse_event
-from shared.settings import Settings
+from tokenfleet.shared.serialization import dumps, end_event, parse_event
+from tokenfleet.shared.settings import Settings
 
 SAMPLING_FIELDS = frozenset(SamplingParams.model_fields)
 REQUEST_FIELDS = frozenset(GenerationRequest.model_fields) - {"prompt", "sampling"}

@@ -12,7 +12,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from shared import tiny
+from tokenfleet.shared import tiny
 
 BUILTIN = ("tiny", *tiny.VARIANTS)
 

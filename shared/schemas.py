@@ -1,7 +1,7 @@
 """Wire types: everything that crosses Redis is one of these, as JSON.
 
 Limits that depend on deployment (prompt size, max_new_tokens, payload size)
-come from :class:`shared.settings.Settings`; pass ``context={"settings": s}`` to
+come from :class:`tokenfleet.shared.settings.Settings`; pass ``context={"settings": s}`` to
 ``model_validate`` to check against other limits than the process-wide ones.
 """
 
@@ -21,7 +21,7 @@ from pydantic import (
     model_validator,
 )
 
-from shared.settings import Settings, get_settings
+from tokenfleet.shared.settings import Settings, get_settings
 
 QUEUE_NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
 

@@ -15,7 +15,7 @@ NAMES = ("submit", "cancel", "start", "emit", "finish", "requeue")
 
 @cache
 def source(name: str) -> str:
-    return resources.files("shared").joinpath(f"lua/{name}.lua").read_text(encoding="utf-8")
+    return resources.files("tokenfleet.shared").joinpath(f"lua/{name}.lua").read_text(encoding="utf-8")
 
 
 class Scripts:

@@ -13,7 +13,7 @@ from typing import Any
 
 import orjson
 
-from shared.schemas import EndEvent, FinishReason, JobStatus, TokenEvent
+from tokenfleet.shared.schemas import EndEvent, FinishReason, JobStatus, TokenEvent
 
 dumps = orjson.dumps
 

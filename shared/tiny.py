@@ -1,7 +1,7 @@
 """Small models the project makes itself, offline and deterministically.
 
 ``tiny`` is the trained model shipped in ``shared/tiny_model`` (see
-``shared.train_tiny``). The ``tiny-random`` and ``tiny-wide`` variants share its
+``tokenfleet.shared.train_tiny``). The ``tiny-random`` and ``tiny-wide`` variants share its
 tokenizer but have fixed-seed random weights: the first for tests that only
 need a real forward pass, the second (4x wider) for benchmarks.
 """

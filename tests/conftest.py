@@ -38,7 +38,7 @@ def namespace() -> str:
 
 @pytest.fixture
 def settings(redis_server: RedisServer, namespace: str) -> Any:
-    from shared.settings import Settings
+    from tokenfleet.shared.settings import Settings
 
     return Settings(redis_url=redis_server.url, namespace=namespace, block_ms=20,
                     heartbeat_s=0.5, max_batch=16, prefetch=4)
@@ -53,7 +53,7 @@ def r(redis_server: RedisServer) -> Iterator[redis.Redis]:
 
 @pytest.fixture
 def client(settings: Any) -> Iterator[Any]:
-    from producer import FleetClient
+    from tokenfleet import FleetClient
 
     with FleetClient(settings=settings) as c:
         yield c
@@ -63,14 +63,14 @@ def client(settings: Any) -> Iterator[Any]:
 def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The built-in tiny model, exported the way a user would: `tokenfleet export-model`."""
     out = tmp_path_factory.mktemp("models") / "tiny"
-    subprocess.run([sys.executable, "-m", "workers.cli", "export-model", "tiny", str(out)],
+    subprocess.run([sys.executable, "-m", "tokenfleet.workers.cli", "export-model", "tiny", str(out)],
                    check=True, cwd=ROOT, timeout=120)
     return out
 
 
 @pytest.fixture(scope="session")
 def loaded_tiny(tiny_dir: Path) -> tuple[Any, Any]:
-    from shared import models
+    from tokenfleet.shared import models
 
     return models.load(str(tiny_dir))
 
@@ -78,8 +78,8 @@ def loaded_tiny(tiny_dir: Path) -> tuple[Any, Any]:
 @pytest.fixture
 def start_worker(settings: Any, loaded_tiny: tuple[Any, Any]) -> Iterator[Callable[..., Any]]:
     """Start an in-process worker (the engine a Celery process runs) on the tiny model."""
-    from workers.runner import HFRunner
-    from workers.service import Worker
+    from tokenfleet.workers.runner import HFRunner
+    from tokenfleet.workers.service import Worker
 
     started: list[Any] = []
 
@@ -99,7 +99,7 @@ def start_worker(settings: Any, loaded_tiny: tuple[Any, Any]) -> Iterator[Callab
 
 
 class CeleryWorker:
-    """`celery -A workers.app worker -P solo` as a child process."""
+    """`celery -A tokenfleet.workers.app worker -P solo` as a child process."""
 
     def __init__(self, settings: Any, node: str, model: str, extra_env: dict[str, str]) -> None:
         self.node = node
@@ -107,7 +107,7 @@ class CeleryWorker:
                "TOKENFLEET_NAMESPACE": settings.namespace, "TOKENFLEET_MODEL": model,
                "TOKENFLEET_BLOCK_MS": "20", "TOKENFLEET_HEARTBEAT_S": "0.5",
                "TOKENFLEET_TORCH_THREADS": "1", "PYTHONUNBUFFERED": "1", **extra_env}
-        from workers.pinning import celery_command
+        from tokenfleet.workers.pinning import celery_command
 
         self.log = tempfile.NamedTemporaryFile(prefix=f"celery-{node}-", suffix=".log",
                                                delete=False)
@@ -134,7 +134,7 @@ class CeleryWorker:
 
 @pytest.fixture
 def celery_workers(settings: Any, tiny_dir: Path, r: redis.Redis) -> Iterator[Callable[..., CeleryWorker]]:
-    from shared.keys import Keys
+    from tokenfleet.shared.keys import Keys
 
     procs: list[CeleryWorker] = []
     keys = Keys(settings.namespace)

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import redis
 
-from workers.bench.procs import free_port  # noqa: F401  (the tests use it too)
+from tokenfleet.workers.bench.procs import free_port  # noqa: F401  (the tests use it too)
 
 
 # Figures the fault-injection suite prints at the end of the run (name, figures).

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from workers.scheduler import Batch
-from workers.sequence import Sequence
+from tokenfleet.workers.scheduler import Batch
+from tokenfleet.workers.sequence import Sequence
 
 
 class ScriptedRunner:

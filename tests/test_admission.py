@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from workers.admission import _fast_encoder
+from tokenfleet.workers.admission import _fast_encoder
 
 TEXTS = ["The function returns", "", " leading space", "tabs\tand\nnewlines\r\n",
          "ünïcödé — “quotes” 漢字 🙂", "<|eos|> in the middle <|bos|>", "x" * 300, "1234567890"]

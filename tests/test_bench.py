@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from workers.bench.report import judge, ratios
-from workers.bench.workload import FIELDS, Trace, make_jobs, percentile, summarize
+from tokenfleet.workers.bench.report import judge, ratios
+from tokenfleet.workers.bench.workload import FIELDS, Trace, make_jobs, percentile, summarize
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parent.parent
 def test_bench_runs_every_mode_and_writes_every_field(tmp_path: Path) -> None:
     out, png = tmp_path / "bench.json", tmp_path / "bench.png"
     result = subprocess.run(
-        [sys.executable, "-m", "workers.cli", "bench", "--jobs", "6", "--concurrency", "2",
+        [sys.executable, "-m", "tokenfleet.workers.cli", "bench", "--jobs", "6", "--concurrency", "2",
          "--max-new-tokens", "4", "--probe-jobs", "3", "--overhead-jobs", "40",
          "--json", str(out), "--plot", str(png)],
         cwd=ROOT, env={**os.environ, "COLUMNS": "160"}, capture_output=True, text=True,

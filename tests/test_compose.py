@@ -10,7 +10,7 @@ import click
 import pytest
 import yaml
 
-from workers.cli import main
+from tokenfleet.workers.cli import main
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -44,7 +44,7 @@ def test_tokenfleet_commands_use_real_cli_options(compose: dict, service: str) -
 
 def test_flower_runs_against_the_celery_app(compose: dict) -> None:  # type: ignore[type-arg]
     command = compose["services"]["flower"]["command"]
-    assert command[:4] == ["celery", "-A", "workers.app", "flower"]
+    assert command[:4] == ["celery", "-A", "tokenfleet.workers.app", "flower"]
 
 
 def test_docker_compose_accepts_the_file_where_it_is_installed() -> None:

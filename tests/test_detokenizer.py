@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from shared.tiny import byte_level_tokenizer
-from workers.detokenizer import TextStream
+from tokenfleet.shared.tiny import byte_level_tokenizer
+from tokenfleet.workers.detokenizer import TextStream
 
 
 @pytest.fixture(scope="module")

@@ -7,14 +7,14 @@ from typing import Any
 
 import torch
 
-from shared.schemas import SamplingParams
+from tokenfleet.shared.schemas import SamplingParams
 from tests.test_runner import reference
-from workers.detokenizer import TextStream
-from workers.engine import Engine
-from workers.kv_cache import SlotLayer
-from workers.runner import HFRunner
-from workers.scheduler import Scheduler
-from workers.sequence import Sequence
+from tokenfleet.workers.detokenizer import TextStream
+from tokenfleet.workers.engine import Engine
+from tokenfleet.workers.kv_cache import SlotLayer
+from tokenfleet.workers.runner import HFRunner
+from tokenfleet.workers.scheduler import Scheduler
+from tokenfleet.workers.sequence import Sequence
 
 HEADS, DIM = 2, 3
 

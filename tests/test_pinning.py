@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from workers.pinning import GpuSpecError, celery_command, parse_gpus, plan, visible_gpus
+from tokenfleet.workers.pinning import GpuSpecError, celery_command, parse_gpus, plan, visible_gpus
 
 
 def test_gpu_lists_all_and_none() -> None:
@@ -43,7 +43,7 @@ def test_visible_gpus_honours_a_preset_cuda_visible_devices() -> None:
 
 def test_each_process_is_a_solo_celery_worker_of_the_app() -> None:
     cmd = celery_command("gpu1@h")
-    assert cmd[:5] == ["celery", "-A", "workers.app", "worker", "-P"]
+    assert cmd[:5] == ["celery", "-A", "tokenfleet.workers.app", "worker", "-P"]
     assert "solo" in cmd and ["-n", "gpu1@h"] == cmd[cmd.index("-n"):cmd.index("-n") + 2]
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from workers.feeder import Turns
+from tokenfleet.workers.feeder import Turns
 
 
 def test_turns_deal_four_two_one_round_after_round() -> None:

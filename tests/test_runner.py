@@ -7,13 +7,13 @@ from typing import Any
 
 import torch
 
-from shared.schemas import SamplingParams
-from workers.detokenizer import TextStream
-from workers.engine import Engine
-from workers.runner import HFRunner
-from workers.sampler import sample
-from workers.scheduler import Scheduler
-from workers.sequence import Sequence
+from tokenfleet.shared.schemas import SamplingParams
+from tokenfleet.workers.detokenizer import TextStream
+from tokenfleet.workers.engine import Engine
+from tokenfleet.workers.runner import HFRunner
+from tokenfleet.workers.sampler import sample
+from tokenfleet.workers.scheduler import Scheduler
+from tokenfleet.workers.sequence import Sequence
 
 PROMPTS = ["The function returns", "A", "In Python, a list is a mutable sequence of",
            "Errors should never pass silently.", "x = 1", "Once upon a time"]

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from shared.schemas import FinishReason, JobStatus, SamplingParams
-from shared.tiny import byte_level_tokenizer
-from workers.detokenizer import TextStream
-from workers.engine import Engine
-from workers.scheduler import Scheduler
-from workers.sequence import Sequence
+from tokenfleet.shared.schemas import FinishReason, JobStatus, SamplingParams
+from tokenfleet.shared.tiny import byte_level_tokenizer
+from tokenfleet.workers.detokenizer import TextStream
+from tokenfleet.workers.engine import Engine
+from tokenfleet.workers.scheduler import Scheduler
+from tokenfleet.workers.sequence import Sequence
 
 from scripted import ScriptedRunner
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from shared.schemas import GenerationRequest, JobState, JobStatus, SamplingParams
-from shared.settings import Settings
+from tokenfleet.shared.schemas import GenerationRequest, JobState, JobStatus, SamplingParams
+from tokenfleet.shared.settings import Settings
 
 
 def test_a_minimal_request_gets_sane_defaults() -> None:

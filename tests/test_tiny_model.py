@@ -23,7 +23,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 # reading this model, not importing the library.
 from transformers import LlamaForCausalLM, PreTrainedTokenizerFast  # noqa: F401
 
-from shared.readability import readable_ratio, real_word_ratio
+from readability import readable_ratio, real_word_ratio
 
 MODEL_DIR = Path(__file__).resolve().parent.parent / "shared" / "tiny_model"
 

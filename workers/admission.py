@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from shared.schemas import GenerationRequest, QueueEntry
-from shared.settings import Settings
-from workers.detokenizer import TextStream
-from workers.sequence import Sequence
+from tokenfleet.shared.schemas import GenerationRequest, QueueEntry
+from tokenfleet.shared.settings import Settings
+from tokenfleet.workers.detokenizer import TextStream
+from tokenfleet.workers.sequence import Sequence
 
 
 class Rejected(Exception):

@@ -1,8 +1,8 @@
-"""The Celery app: ``celery -A workers.app worker -P solo -c 1 -n gpu0@%h``.
+"""The Celery app: ``celery -A tokenfleet.workers.app worker -P solo -c 1 -n gpu0@%h``.
 
 Celery gives the fleet its process model, node names, remote control and
 monitoring events; the jobs themselves flow through the engine's own stream
-(see ``workers.feeder``), not through Celery tasks. Only JSON is accepted.
+(see ``tokenfleet.workers.feeder``), not through Celery tasks. Only JSON is accepted.
 """
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ from urllib.parse import parse_qs, urlparse
 
 from celery import Celery
 
-from shared.keys import Keys
-from shared.settings import get_settings
-from workers.bootstep import EngineStep
+from tokenfleet.shared.keys import Keys
+from tokenfleet.shared.settings import get_settings
+from tokenfleet.workers.bootstep import EngineStep
 
 _settings = get_settings()
 
@@ -55,4 +55,4 @@ app.conf.update(
 )
 app.steps["worker"].add(EngineStep)
 
-import workers.control  # noqa: E402,F401  (registers the inspect/control commands)
+import tokenfleet.workers.control  # noqa: E402,F401  (registers the inspect/control commands)

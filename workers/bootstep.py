@@ -7,7 +7,7 @@ from typing import Any
 
 from celery import bootsteps
 
-from shared.settings import get_settings
+from tokenfleet.shared.settings import get_settings
 
 log = logging.getLogger(__name__)
 
@@ -27,7 +27,7 @@ class EngineStep(bootsteps.StartStopStep):
         self.worker: Any = None
 
     def start(self, parent: Any) -> None:
-        from workers.build import build_worker
+        from tokenfleet.workers.build import build_worker
 
         self.worker = build_worker(get_settings(), name=parent.hostname)
         parent.tokenfleet = self.worker  # for the remote-control commands

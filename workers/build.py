@@ -6,11 +6,11 @@ import logging
 import os
 from typing import Any
 
-from shared import models
-from shared.settings import Settings
-from workers.null_runner import NULL_MODEL, NullRunner, null_tokenizer
-from workers.runner import HFRunner
-from workers.service import Worker
+from tokenfleet.shared import models
+from tokenfleet.shared.settings import Settings
+from tokenfleet.workers.null_runner import NULL_MODEL, NullRunner, null_tokenizer
+from tokenfleet.workers.runner import HFRunner
+from tokenfleet.workers.service import Worker
 
 log = logging.getLogger(__name__)
 

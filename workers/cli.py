@@ -25,7 +25,7 @@ ENV_OPTIONS = {  # CLI option -> setting, passed on through the environment
 
 def _apply_env(**options: Any) -> None:
     """Options override the environment, so settings (and child processes) see them."""
-    from shared.settings import get_settings
+    from tokenfleet.shared.settings import get_settings
 
     for name, value in options.items():
         if value is not None and name in ENV_OPTIONS:
@@ -51,7 +51,7 @@ def main() -> None:
 def demo(redis_url: str | None, max_new_tokens: int, temperature: float,
          prompts: tuple[str, ...]) -> None:
     """Run a worker and stream a few prompts, all in this process."""
-    from workers.demo import PROMPTS, run_demo
+    from tokenfleet.workers.demo import PROMPTS, run_demo
 
     run_demo(redis_url, list(prompts) or PROMPTS, max_new_tokens, temperature)
 
@@ -69,7 +69,7 @@ def demo(redis_url: str | None, max_new_tokens: int, temperature: float,
 @click.option("--loglevel", default="INFO", show_default=True)
 def worker(gpus: str | None, loglevel: str, metrics_port: int | None, **options: Any) -> None:
     """Start this host's workers: one GPU-pinned Celery process per GPU."""
-    from workers.pinning import GpuSpecError, celery_command, parse_gpus, plan, visible_gpus
+    from tokenfleet.workers.pinning import GpuSpecError, celery_command, parse_gpus, plan, visible_gpus
 
     _apply_env(**options)
     try:
@@ -110,7 +110,7 @@ def submit(prompt: str, max_new_tokens: int, temperature: float, queue: str, str
     """Enqueue one job; print its id (or its tokens with --stream)."""
     from pydantic import ValidationError
 
-    from producer import FleetClient, QueueFull
+    from tokenfleet import FleetClient, QueueFull
 
     _apply_env(redis_url=redis_url)
     with FleetClient() as client:
@@ -139,8 +139,8 @@ def submit(prompt: str, max_new_tokens: int, temperature: float, queue: str, str
 @redis_option
 def status(job_id: str | None, as_json: bool, watch: bool, redis_url: str | None) -> None:
     """One job's state, or the fleet's queues and workers."""
-    from producer import FleetClient, JobNotFound
-    from producer.fleet import fleet_status
+    from tokenfleet import FleetClient, JobNotFound
+    from tokenfleet.fleet import fleet_status
 
     _apply_env(redis_url=redis_url)
     with FleetClient() as client:
@@ -151,7 +151,7 @@ def status(job_id: str | None, as_json: bool, watch: bool, redis_url: str | None
                 raise click.ClickException(str(exc)) from exc
             return
         if watch:
-            from producer.fleet import watch as watch_fleet
+            from tokenfleet.fleet import watch as watch_fleet
 
             watch_fleet(client)
             return
@@ -159,7 +159,7 @@ def status(job_id: str | None, as_json: bool, watch: bool, redis_url: str | None
         if as_json:
             click.echo(json.dumps(report, indent=2))
         else:
-            from producer.fleet import render
+            from tokenfleet.fleet import render
 
             render(report)
 
@@ -173,7 +173,7 @@ def gateway(host: str, port: int, redis_url: str | None) -> None:
     try:
         import uvicorn
 
-        from producer.gateway import create_app
+        from tokenfleet.gateway import create_app
     except ImportError as exc:
         raise click.ClickException(
             f"the gateway needs FastAPI and uvicorn ({exc}): pip install 'tokenfleet[gateway]'"
@@ -228,9 +228,9 @@ def bench(model: str, jobs: int, concurrency: list[int], max_new_tokens: int,
     """Benchmark the fleet against the model in-process and naive Celery."""
     from rich.console import Console
 
-    from workers.bench.procs import BenchError
-    from workers.bench.report import plot, render
-    from workers.bench.run import BenchConfig, run_bench
+    from tokenfleet.workers.bench.procs import BenchError
+    from tokenfleet.workers.bench.report import plot, render
+    from tokenfleet.workers.bench.run import BenchConfig, run_bench
 
     cfg = BenchConfig(model=model, jobs=jobs, concurrency=concurrency,
                       max_new_tokens=max_new_tokens, rate=rate,
@@ -258,7 +258,7 @@ def bench(model: str, jobs: int, concurrency: list[int], max_new_tokens: int,
 @click.argument("directory", type=click.Path(file_okay=False, path_type=Path))
 def export_model(name: str, directory: Path) -> None:
     """Write a built-in model (e.g. 'tiny') as a Hugging Face directory."""
-    from shared.models import export
+    from tokenfleet.shared.models import export
 
     try:
         out = export(name, directory)

@@ -1,4 +1,4 @@
-"""Remote control: ``celery -A workers.app inspect engine_stats``, ``... control drain``."""
+"""Remote control: ``celery -A tokenfleet.workers.app inspect engine_stats``, ``... control drain``."""
 
 from __future__ import annotations
 

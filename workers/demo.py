@@ -17,8 +17,8 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
-from producer import FleetClient
-from shared.settings import Settings
+from tokenfleet import FleetClient
+from tokenfleet.shared.settings import Settings
 
 PROMPTS = [
     "The function returns",
@@ -61,7 +61,7 @@ def run_demo(
     console = console or Console()
     with embedded_redis() if redis_url is None else _given(redis_url) as url:
         settings = Settings(redis_url=url, namespace="tokenfleet-demo", block_ms=50)
-        from workers.build import build_worker
+        from tokenfleet.workers.build import build_worker
 
         started = time.perf_counter()
         worker = build_worker(settings, name="demo@local")

@@ -6,8 +6,8 @@ import logging
 import time
 from typing import Protocol
 
-from workers.scheduler import Batch, Scheduler, SeqOutput
-from workers.stats import WorkerStats
+from tokenfleet.workers.scheduler import Batch, Scheduler, SeqOutput
+from tokenfleet.workers.stats import WorkerStats
 
 log = logging.getLogger(__name__)
 

@@ -24,14 +24,14 @@ from typing import Any
 from pydantic import ValidationError
 from redis.exceptions import ConnectionError, ResponseError, TimeoutError
 
-from shared.keys import GROUP, PRIORITIES, Keys, level_queue
-from shared.schemas import FinishReason, JobStatus, QueueEntry
-from shared.scripts import Scripts
-from shared.serialization import loads
-from shared.settings import Settings
-from workers.admission import Admission, Rejected
-from workers.publisher import Ending, Publisher
-from workers.sequence import Sequence
+from tokenfleet.shared.keys import GROUP, PRIORITIES, Keys, level_queue
+from tokenfleet.shared.schemas import FinishReason, JobStatus, QueueEntry
+from tokenfleet.shared.scripts import Scripts
+from tokenfleet.shared.serialization import loads
+from tokenfleet.shared.settings import Settings
+from tokenfleet.workers.admission import Admission, Rejected
+from tokenfleet.workers.publisher import Ending, Publisher
+from tokenfleet.workers.sequence import Sequence
 
 log = logging.getLogger(__name__)
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from workers.scheduler import Batch
+from tokenfleet.workers.scheduler import Batch
 
 NULL_MODEL = "null"
 TOKEN_TEXT = "x"  # what every step emits: one character, never an end of sequence
@@ -37,6 +37,6 @@ def null_tokenizer() -> Any:
     """The built-in tiny model's tokenizer, without loading any weights."""
     from transformers import AutoTokenizer
 
-    from shared.models import resolve
+    from tokenfleet.shared.models import resolve
 
     return AutoTokenizer.from_pretrained(resolve("tiny"), local_files_only=True)

@@ -78,5 +78,5 @@ def plan(gpus: list[str], host: str = "%h") -> list[WorkerProcess]:
 
 def celery_command(node: str, loglevel: str = "INFO") -> list[str]:
     """The Celery worker one process runs (``-P solo``: the engine owns its threads)."""
-    return ["celery", "-A", "workers.app", "worker", "-P", "solo", "-c", "1", "-n", node,
+    return ["celery", "-A", "tokenfleet.workers.app", "worker", "-P", "solo", "-c", "1", "-n", node,
             "--without-mingle", "--without-gossip", "-l", loglevel]

@@ -20,13 +20,13 @@ from typing import Any
 
 from redis.exceptions import ConnectionError, NoScriptError, ResponseError, TimeoutError
 
-from shared.keys import GROUP, Keys
-from shared.schemas import FinishReason, JobStatus
-from shared.scripts import Scripts
-from shared.serialization import dumps, end_event, token_event
-from shared.settings import Settings
-from workers.scheduler import SeqOutput
-from workers.sequence import Sequence
+from tokenfleet.shared.keys import GROUP, Keys
+from tokenfleet.shared.schemas import FinishReason, JobStatus
+from tokenfleet.shared.scripts import Scripts
+from tokenfleet.shared.serialization import dumps, end_event, token_event
+from tokenfleet.shared.settings import Settings
+from tokenfleet.workers.scheduler import SeqOutput
+from tokenfleet.workers.sequence import Sequence
 
 hiredis: Any
 try:

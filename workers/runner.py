@@ -3,7 +3,7 @@
 Rows of the cache are sequences, left-padded to a common length. A prefill runs
 the new prompts together and adds their rows; a decode step feeds each row's
 last token. Rows of sequences that left are given up before the next forward
-(``workers.kv_cache`` keeps that cheap), so the cache stays as wide as the
+(``tokenfleet.workers.kv_cache`` keeps that cheap), so the cache stays as wide as the
 longest sequence still running. Rows are in the cache's order, not the
 scheduler's: inputs are gathered and tokens handed back by job id. The runner
 knows tensors and sequence ids only: no Redis, no Celery, no job states.
@@ -17,10 +17,10 @@ from typing import Any
 import torch
 from transformers import DynamicCache
 
-from workers.kv_cache import SlotCache
-from workers.sampler import sample
-from workers.scheduler import Batch
-from workers.sequence import Sequence
+from tokenfleet.workers.kv_cache import SlotCache
+from tokenfleet.workers.sampler import sample
+from tokenfleet.workers.scheduler import Batch
+from tokenfleet.workers.sequence import Sequence
 
 
 class HFRunner:

@@ -13,7 +13,7 @@ from collections.abc import Sequence as Seq
 
 import torch
 
-from workers.sequence import Sequence
+from tokenfleet.workers.sequence import Sequence
 
 
 def seeded_generator(seq: Sequence, vocab: int, device: torch.device) -> torch.Generator:

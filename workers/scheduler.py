@@ -13,8 +13,8 @@ from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from shared.schemas import FinishReason
-from workers.sequence import Sequence, SeqStatus
+from tokenfleet.shared.schemas import FinishReason
+from tokenfleet.workers.sequence import Sequence, SeqStatus
 
 
 @dataclass

@@ -7,8 +7,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from shared.schemas import FinishReason, JobStatus, SamplingParams
-from workers.detokenizer import TextStream
+from tokenfleet.shared.schemas import FinishReason, JobStatus, SamplingParams
+from tokenfleet.workers.detokenizer import TextStream
 
 
 class SeqStatus(enum.IntEnum):

@@ -8,7 +8,7 @@
 - the cancel listener: cancels of running jobs, applied between steps.
 
 Torch releases the GIL in its kernels, so Redis I/O overlaps the forward pass.
-Celery (``workers.bootstep``) and the embedded demo both run this class.
+Celery (``tokenfleet.workers.bootstep``) and the embedded demo both run this class.
 """
 
 from __future__ import annotations
@@ -23,18 +23,18 @@ from typing import Any
 
 from redis.exceptions import ConnectionError, TimeoutError
 
-from shared.keys import GROUP, PRIORITIES, Keys
-from shared.redis_conn import connect
-from shared.schemas import FinishReason
-from shared.serialization import dumps
-from shared.settings import Settings
-from workers.admission import Admission
-from workers.engine import Engine, Runner
-from workers.feeder import Feeder
-from workers.metrics import Metrics
-from workers.publisher import Publisher
-from workers.scheduler import Scheduler, SeqOutput
-from workers.sequence import Sequence
+from tokenfleet.shared.keys import GROUP, PRIORITIES, Keys
+from tokenfleet.shared.redis_conn import connect
+from tokenfleet.shared.schemas import FinishReason
+from tokenfleet.shared.serialization import dumps
+from tokenfleet.shared.settings import Settings
+from tokenfleet.workers.admission import Admission
+from tokenfleet.workers.engine import Engine, Runner
+from tokenfleet.workers.feeder import Feeder
+from tokenfleet.workers.metrics import Metrics
+from tokenfleet.workers.publisher import Publisher
+from tokenfleet.workers.scheduler import Scheduler, SeqOutput
+from tokenfleet.workers.sequence import Sequence
 
 log = logging.getLogger(__name__)
 

@@ -6,7 +6,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from workers.scheduler import Batch, SeqOutput
+from tokenfleet.workers.scheduler import Batch, SeqOutput
 
 
 @dataclass

@@ -11,11 +11,11 @@ import redis
 from hypothesis import HealthCheck, given, settings as hsettings, strategies as st
 from pydantic import ValidationError
 
-from producer import FleetClient
-from shared.keys import Keys
-from shared.schemas import JobStatus
-from shared.serialization import loads
-from workers.runner import HFRunner
+from tokenfleet import FleetClient
+from tokenfleet.shared.keys import Keys
+from tokenfleet.shared.schemas import JobStatus
+from tokenfleet.shared.serialization import loads
+from tokenfleet.workers.runner import HFRunner
 
 from helpers import FIGURES
 

@@ -12,15 +12,15 @@ from typing import Any
 import pytest
 import redis
 
-from producer import AsyncFleetClient, FleetClient
-from shared.keys import GROUP, Keys
-from shared.schemas import JobStatus, SamplingParams, TokenEvent
-from shared.serialization import loads
-from workers.detokenizer import TextStream
-from workers.engine import Engine
-from workers.runner import HFRunner
-from workers.scheduler import Scheduler
-from workers.sequence import Sequence
+from tokenfleet import AsyncFleetClient, FleetClient
+from tokenfleet.shared.keys import GROUP, Keys
+from tokenfleet.shared.schemas import JobStatus, SamplingParams, TokenEvent
+from tokenfleet.shared.serialization import loads
+from tokenfleet.workers.detokenizer import TextStream
+from tokenfleet.workers.engine import Engine
+from tokenfleet.workers.runner import HFRunner
+from tokenfleet.workers.scheduler import Scheduler
+from tokenfleet.workers.sequence import Sequence
 
 from helpers import wait_until
 
@@ -147,7 +147,7 @@ def test_kill_9_mid_batch_loses_nothing_and_runs_nothing_twice(
 def test_redis_restart_mid_run_every_accepted_job_finishes(
     aof_redis: Any, namespace: str, celery_workers: Any, report: dict[str, Any]
 ) -> None:
-    from shared.settings import Settings
+    from tokenfleet.shared.settings import Settings
 
     settings = Settings(redis_url=aof_redis.url, namespace=namespace)
     client = FleetClient(settings=settings)

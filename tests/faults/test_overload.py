@@ -11,9 +11,9 @@ from typing import Any
 import pytest
 import redis
 
-from producer import FleetClient, QueueFull
-from shared.keys import Keys
-from shared.serialization import loads
+from tokenfleet import FleetClient, QueueFull
+from tokenfleet.shared.keys import Keys
+from tokenfleet.shared.serialization import loads
 
 from helpers import wait_until
 

@@ -7,8 +7,8 @@ from typing import Any
 import pytest
 import redis
 
-from producer import FleetClient
-from shared.schemas import JobStatus
+from tokenfleet import FleetClient
+from tokenfleet.shared.schemas import JobStatus
 
 pytestmark = [pytest.mark.faults, pytest.mark.timeout(120)]
 

@@ -11,10 +11,10 @@ import redis
 import torch
 from pydantic import ValidationError
 
-from producer import AsyncFleetClient, FleetClient
-from shared.keys import GROUP, Keys
-from shared.schemas import GenerationRequest, JobStatus, SamplingParams
-from shared.serialization import loads
+from tokenfleet import AsyncFleetClient, FleetClient
+from tokenfleet.shared.keys import GROUP, Keys
+from tokenfleet.shared.schemas import GenerationRequest, JobStatus, SamplingParams
+from tokenfleet.shared.serialization import loads
 
 from helpers import wait_until
 

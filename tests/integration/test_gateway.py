@@ -13,9 +13,9 @@ import pytest
 import redis
 import uvicorn
 
-from producer import FleetClient
-from producer.gateway import create_app
-from shared.schemas import JobStatus
+from tokenfleet import FleetClient
+from tokenfleet.gateway import create_app
+from tokenfleet.shared.schemas import JobStatus
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -8,10 +8,10 @@ from typing import Any
 import pytest
 import redis
 
-from producer import FleetClient, QueueFull
-from shared.keys import Keys
-from shared.schemas import FinishReason, JobStatus
-from workers.runner import HFRunner
+from tokenfleet import FleetClient, QueueFull
+from tokenfleet.shared.keys import Keys
+from tokenfleet.shared.schemas import FinishReason, JobStatus
+from tokenfleet.workers.runner import HFRunner
 
 from helpers import wait_until
 

@@ -10,9 +10,9 @@ from typing import Any
 import pytest
 import redis
 
-from producer import FleetClient
-from shared.schemas import JobStatus
-from shared.settings import Settings
+from tokenfleet import FleetClient
+from tokenfleet.shared.schemas import JobStatus
+from tokenfleet.shared.settings import Settings
 
 from helpers import RedisServer, wait_until
 

@@ -3,10 +3,10 @@
 - ``Direct``: the runner, scheduler and engine in this process, no Redis: the
   model's own batched speed, the upper bound. Prompts are tokenized and tokens
   detokenized here too, as any server must.
-- ``FleetSession``: a real ``celery -A workers.app worker -P solo`` process
+- ``FleetSession``: a real ``celery -A tokenfleet.workers.app worker -P solo`` process
   (the model, or ``null`` for the overhead mode); jobs go in through
   ``FleetClient.submit`` and every event is timed as a subscriber hears it.
-- ``NaiveSession``: ``celery -A workers.bench.naive_app worker -P solo``, one
+- ``NaiveSession``: ``celery -A tokenfleet.workers.bench.naive_app worker -P solo``, one
   task per prompt, results through Celery's Redis result backend.
 - ``publish_cost``: the worker-side cost of streaming, ``Publisher.publish``
   timed on its own.
@@ -23,12 +23,12 @@ from typing import Any
 
 import redis
 
-from producer import FleetClient
-from shared.keys import Keys
-from shared.schemas import SamplingParams
-from shared.serialization import loads
-from shared.settings import Settings
-from workers.bench.procs import (
+from tokenfleet import FleetClient
+from tokenfleet.shared.keys import Keys
+from tokenfleet.shared.schemas import SamplingParams
+from tokenfleet.shared.serialization import loads
+from tokenfleet.shared.settings import Settings
+from tokenfleet.workers.bench.procs import (
     BenchError,
     CeleryProc,
     cpu_seconds,
@@ -36,8 +36,8 @@ from workers.bench.procs import (
     rss_bytes,
     wait_for,
 )
-from workers.bench.taps import EventTap, ResultTap
-from workers.bench.workload import Job, Trace, occupancy_from_stats, step_counts, summarize
+from tokenfleet.workers.bench.taps import EventTap, ResultTap
+from tokenfleet.workers.bench.workload import Job, Trace, occupancy_from_stats, step_counts, summarize
 
 Tick = Callable[[int], None]
 
@@ -81,7 +81,7 @@ class Direct:
     def __init__(self, model: str, device: str, threads: int, dtype: str = "auto") -> None:
         import torch
 
-        from shared import models
+        from tokenfleet.shared import models
 
         if device == "cpu":
             torch.set_num_threads(threads)
@@ -93,11 +93,11 @@ class Direct:
     def run(self, jobs: list[Job], max_batch: int, tick: Tick = _no_tick,
             closed_loop: bool = False) -> dict[str, Any]:
         """All of ``jobs`` through one engine; ``closed_loop``: one at a time."""
-        from workers.detokenizer import TextStream
-        from workers.engine import Engine
-        from workers.runner import HFRunner
-        from workers.scheduler import Scheduler
-        from workers.sequence import Sequence
+        from tokenfleet.workers.detokenizer import TextStream
+        from tokenfleet.workers.engine import Engine
+        from tokenfleet.workers.runner import HFRunner
+        from tokenfleet.workers.scheduler import Scheduler
+        from tokenfleet.workers.sequence import Sequence
 
         tok = self.tokenizer
         runner = HFRunner(self.model, tok)
@@ -170,7 +170,7 @@ class FleetSession:
         self.tap = EventTap(env.redis_url, self.keys, record=record)
         self.tap.on_end = self._ended
         self.client = FleetClient(env.redis_url, namespace=self.namespace)
-        self.worker = CeleryProc("workers.app", self.node,
+        self.worker = CeleryProc("tokenfleet.workers.app", self.node,
                                  env.worker_env(self.namespace, model, max_batch))
         self._count = 0
         self._target = 0
@@ -284,7 +284,7 @@ class FleetSession:
         if self._celery is None:
             from celery import Celery
 
-            from workers.app import broker_ssl
+            from tokenfleet.workers.app import broker_ssl
 
             self._celery = Celery("tokenfleet-bench", broker=self.url)
             self._celery.conf.update(
@@ -339,7 +339,7 @@ class NaiveSession:
     """The naive pattern's worker process and a client that times its results."""
 
     def __init__(self, env: BenchEnv, label: str = "naive") -> None:
-        from workers.bench.naive_app import make_app
+        from tokenfleet.workers.bench.naive_app import make_app
 
         namespace = env.namespace(label)
         self.app = make_app(env.redis_url, namespace)
@@ -347,7 +347,7 @@ class NaiveSession:
         self.tap = ResultTap(env.redis_url, prefix.decode() if isinstance(prefix, bytes) else prefix)
         self.tap.on_result = self._result
         self.node = f"{label}@bench"
-        self.worker = CeleryProc("workers.bench.naive_app", self.node,
+        self.worker = CeleryProc("tokenfleet.workers.bench.naive_app", self.node,
                                  env.worker_env(namespace, env.model, 1))
         self._count = 0
         self._target = 0
@@ -440,11 +440,11 @@ def publish_cost(redis_url: str, namespace: str, tokenizer: Any, batch: int,
     """Microseconds per token that ``Publisher.publish`` holds the engine for
     (building the script call, Redis appending to each log and publishing),
     for steps of ``batch`` tokens."""
-    from shared.redis_conn import connect
-    from workers.detokenizer import TextStream
-    from workers.publisher import Publisher
-    from workers.scheduler import SeqOutput
-    from workers.sequence import Sequence
+    from tokenfleet.shared.redis_conn import connect
+    from tokenfleet.workers.detokenizer import TextStream
+    from tokenfleet.workers.publisher import Publisher
+    from tokenfleet.workers.scheduler import SeqOutput
+    from tokenfleet.workers.sequence import Sequence
 
     client = connect(redis_url)
     keys = Keys(namespace)

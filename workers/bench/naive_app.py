@@ -1,6 +1,6 @@
 """The pattern people write first, for comparison: one Celery task per prompt.
 
-``celery -A workers.bench.naive_app worker -P solo``: each task runs
+``celery -A tokenfleet.workers.bench.naive_app worker -P solo``: each task runs
 ``model.generate()`` on its one prompt and returns the text through Celery's
 Redis result backend; ``worker_prefetch_multiplier=1``, JSON only. ``noop``
 takes the same request and does nothing, to measure Celery's own cost per job.
@@ -15,7 +15,7 @@ from typing import Any
 
 from celery import Celery
 
-from shared.settings import Settings, get_settings
+from tokenfleet.shared.settings import Settings, get_settings
 
 GENERATE = "naive.generate"
 NOOP = "naive.noop"
@@ -24,7 +24,7 @@ _loaded: tuple[Any, Any] | None = None
 
 
 def make_app(redis_url: str, namespace: str) -> Celery:
-    from workers.app import broker_ssl
+    from tokenfleet.workers.app import broker_ssl
 
     naive = Celery("tokenfleet-naive")
     prefix = {"global_keyprefix": f"{namespace}:naive:"}
@@ -56,8 +56,8 @@ def _model(settings: Settings) -> tuple[Any, Any]:
     if _loaded is None:
         import torch
 
-        from shared import models
-        from workers.build import cpu_threads
+        from tokenfleet.shared import models
+        from tokenfleet.workers.build import cpu_threads
 
         if settings.device == "cpu" or settings.torch_threads:
             torch.set_num_threads(cpu_threads(settings))

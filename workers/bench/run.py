@@ -29,11 +29,11 @@ from rich.progress import (
     TimeElapsedColumn,
 )
 
-from workers.bench.modes import BenchEnv, Direct, FleetSession, NaiveSession, Tick, publish_cost
-from workers.bench.procs import BenchError, RedisProc
-from workers.bench.report import judge, ratios
-from workers.bench.workload import Job, make_jobs
-from workers.null_runner import NULL_MODEL
+from tokenfleet.workers.bench.modes import BenchEnv, Direct, FleetSession, NaiveSession, Tick, publish_cost
+from tokenfleet.workers.bench.procs import BenchError, RedisProc
+from tokenfleet.workers.bench.report import judge, ratios
+from tokenfleet.workers.bench.workload import Job, make_jobs
+from tokenfleet.workers.null_runner import NULL_MODEL
 
 MODES = ("direct", "fleet", "naive", "overhead")
 
@@ -84,8 +84,8 @@ class Ticker:
 
 def torch_threads(device: str) -> int:
     """The same intra-op thread count for the direct mode and every worker."""
-    from shared.settings import Settings
-    from workers.build import cpu_threads
+    from tokenfleet.shared.settings import Settings
+    from tokenfleet.workers.build import cpu_threads
 
     return cpu_threads(Settings(device=device))
 
@@ -322,7 +322,7 @@ def _slope(points: list[tuple[int, int]]) -> tuple[float, float]:
 
 
 def _tokenizer() -> Any:
-    from workers.null_runner import null_tokenizer
+    from tokenfleet.workers.null_runner import null_tokenizer
 
     return null_tokenizer()
 

@@ -15,8 +15,8 @@ from typing import Any
 
 import redis
 
-from shared.keys import Keys
-from shared.serialization import loads
+from tokenfleet.shared.keys import Keys
+from tokenfleet.shared.serialization import loads
 
 END_PREFIX = b'{"k":"end"'  # how a job's end event starts (orjson keeps the key order)
 

@@ -7,7 +7,7 @@ is small enough to commit (weights <= 8 MB) and reads as English-like prose.
 
 Usage::
 
-    python -m shared.train_tiny --out shared/tiny_model
+    python tests/tools/train_tiny.py --out shared/tiny_model
 
 Everything is seeded and the data order is fixed, so a rerun on the same Python, torch
 and transformers versions reproduces the run; docstrings differ between Python versions,
@@ -314,7 +314,7 @@ def save(model: LlamaForCausalLM, tok: PreTrainedTokenizerFast, args: argparse.N
     py = platform.python_version()
     lines = [
         "# tiny model", "",
-        f"Trained by `python -m shared.train_tiny --out {args.out}` (see it for the recipe).", "",
+        f"Trained by `python tests/tools/train_tiny.py --out {args.out}` (see it for the recipe).", "",
         f"- corpus: Python {py} standard library documentation (`pydoc_data.topics`) plus "
         f"docstrings and source comments of {len(MODULES)} stdlib modules, prose paragraphs "
         "only; licence: PSF License Agreement",
