@@ -25,7 +25,7 @@ def fleet_status(client: Any) -> dict[str, Any]:
         if not fields:
             continue
         stats = loads(fields.pop("stats", "{}"))
-        workers.append({**fields, "stats": stats,
+        workers.append({**_typed(fields), "stats": stats,
                         "age_s": round(now - float(fields.get("last_seen", now)), 2)})
     for q in queues:
         q["workers"] = sum(1 for w in workers if w.get("queue") == q["queue"])
@@ -36,6 +36,22 @@ def fleet_status(client: Any) -> dict[str, Any]:
         "tokens_per_s": round(sum(float(w["stats"].get("tokens_per_s", 0)) for w in workers), 2),
         "at": now,
     }
+
+
+def _typed(fields: dict[str, str]) -> dict[str, Any]:
+    """Heartbeat fields as they were meant: numbers as numbers (a hash holds strings)."""
+    out: dict[str, Any] = dict(fields)
+    for name, kind in _NUMBERS.items():
+        if name in out:
+            try:
+                out[name] = kind(out[name])
+            except ValueError:
+                pass  # not ours to fix here: shown as written
+    return out
+
+
+_NUMBERS: dict[str, type] = {"pid": int, "max_batch": int, "prefetch": int, "running": int,
+                             "waiting": int, "draining": int, "last_seen": float}
 
 
 def _queue(r: Any, keys: Any, model: str, now: float) -> dict[str, Any]:

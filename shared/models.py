@@ -39,6 +39,18 @@ def resolve(name: str) -> str:
     return name
 
 
+def local_tokenizer_file(name: str) -> Path | None:
+    """The ``tokenizer.json`` of a model already on this machine (never downloads
+    or builds one), so a client can count a prompt's tokens; None elsewhere."""
+    if name == "tiny":
+        path = tiny.SHIPPED / "tokenizer.json"
+    elif name in tiny.VARIANTS:
+        path = cache_dir() / name / "tokenizer.json"
+    else:
+        path = Path(name).expanduser() / "tokenizer.json"
+    return path if path.is_file() else None
+
+
 def export(name: str, out: Path) -> Path:
     """Write a built-in model as a standard Hugging Face directory."""
     if name not in BUILTIN:

@@ -46,11 +46,12 @@ def test_export_model_writes_a_hugging_face_directory(tmp_path: Path) -> None:
 def test_submit_wait_and_status(settings: Any, start_worker: Any) -> None:
     start_worker()
     env = {"TOKENFLEET_REDIS_URL": settings.redis_url, "TOKENFLEET_NAMESPACE": settings.namespace}
-    result = tokenfleet("submit", "Hello there", "--max-new-tokens", "6", "--wait", env=env)
+    result = tokenfleet("submit", "Hello there", "--max-new-tokens", "6", "--wait", "--json",
+                        env=env)
     assert result.returncode == 0, result.stderr
     state = json.loads(result.stdout)
     assert state["status"] == JobStatus.SUCCEEDED.value
-    one = tokenfleet("status", state["id"], env=env)
+    one = tokenfleet("status", state["id"], "--json", env=env)
     assert json.loads(one.stdout)["text"] == state["text"]
     fleet = json.loads(tokenfleet("status", "--json", env=env).stdout)
     assert [q["queue"] for q in fleet["queues"]] == ["default"]

@@ -24,15 +24,15 @@ def test_bad_gpu_specs_say_why(spec: str, message: str) -> None:
 
 
 def test_each_gpu_gets_its_own_process_node_and_device() -> None:
-    procs = plan(["0", "3"], host="h")
-    assert [p.node for p in procs] == ["gpu0@h", "gpu3@h"]
+    procs = plan(["0", "3"], base="llama", host="h")
+    assert [p.node for p in procs] == ["llama-gpu0@h", "llama-gpu3@h"]
     assert [p.env["CUDA_VISIBLE_DEVICES"] for p in procs] == ["0", "3"]
     assert all(p.env["TOKENFLEET_DEVICE"] == "cuda" for p in procs)
 
 
 def test_the_cpu_plan_hides_every_gpu() -> None:
     (proc,) = plan([], host="h")
-    assert proc.node == "cpu@h" and proc.env == {"CUDA_VISIBLE_DEVICES": "",
+    assert proc.node == "default-cpu@h" and proc.env == {"CUDA_VISIBLE_DEVICES": "",
                                                    "TOKENFLEET_DEVICE": "cpu"}
 
 
@@ -41,9 +41,16 @@ def test_visible_gpus_honours_a_preset_cuda_visible_devices() -> None:
     assert visible_gpus({"CUDA_VISIBLE_DEVICES": ""}) == []
 
 
-def test_each_process_is_a_solo_celery_worker_of_the_app() -> None:
+def test_node_names_tell_the_workers_of_one_host_apart() -> None:
+    assert plan([], base="a", host="h")[0].node != plan([], base="b", host="h")[0].node
+    assert plan(["1"], base="mine@box", host="h")[0].node == "mine-gpu1@box"
+
+
+def test_each_process_is_a_solo_celery_worker_of_the_app_under_this_interpreter() -> None:
+    import sys
+
     cmd = celery_command("gpu1@h")
-    assert cmd[:5] == ["celery", "-A", "tokenfleet.workers.app", "worker", "-P"]
+    assert cmd[:7] == [sys.executable, "-m", "celery", "-A", "tokenfleet.workers.app", "worker", "-P"]
     assert "solo" in cmd and ["-n", "gpu1@h"] == cmd[cmd.index("-n"):cmd.index("-n") + 2]
 
 

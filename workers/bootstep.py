@@ -27,9 +27,16 @@ class EngineStep(bootsteps.StartStopStep):
         self.worker: Any = None
 
     def start(self, parent: Any) -> None:
+        from tokenfleet.shared.keys import Keys
+        from tokenfleet.shared.redis_conn import connect
         from tokenfleet.workers.build import build_worker
+        from tokenfleet.workers.identity import check_name
 
-        self.worker = build_worker(get_settings(), name=parent.hostname)
+        settings = get_settings()
+        # Before the model loads: a second process under a live name is refused at once.
+        check_name(connect(settings.redis_url), Keys(settings.namespace), parent.hostname,
+                   stale_after_s=3 * settings.heartbeat_s)
+        self.worker = build_worker(settings, name=parent.hostname)
         parent.tokenfleet = self.worker  # for the remote-control commands
         self.worker.start()
 

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -22,6 +20,51 @@ ENV_OPTIONS = {  # CLI option -> setting, passed on through the environment
     "namespace": "TOKENFLEET_NAMESPACE",
 }
 
+# Exit codes, by outcome (README, "Command line").
+EXIT_OK = 0
+EXIT_JOB_FAILED = 1  # the job ended failed, cancelled or expired
+EXIT_USAGE = 2  # click's own, for bad options
+EXIT_REFUSED = 3  # not enqueued: invalid request, queue full, no worker, idempotency conflict
+EXIT_REDIS = 4  # Redis unreachable, refused the credentials, or a bad URL
+EXIT_TIMEOUT = 5  # --wait / --stream gave up waiting; the job goes on
+
+
+class Failure(click.ClickException):
+    """An everyday failure: one line on stderr, no traceback, an exit code by outcome."""
+
+    def __init__(self, message: str, exit_code: int) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+class Group(click.Group):
+    def invoke(self, ctx: click.Context) -> Any:
+        from redis.exceptions import AuthenticationError, RedisError
+
+        try:
+            return super().invoke(ctx)
+        except AuthenticationError as exc:
+            raise Failure(f"Redis at {_shown_url()} refused the credentials: {exc}",
+                          EXIT_REDIS) from None
+        except RedisError as exc:
+            raise Failure(f"cannot reach Redis at {_shown_url()}: {exc}", EXIT_REDIS) from None
+        except ValueError as exc:
+            if "redis" in str(exc).lower() and "url" in str(exc).lower():
+                raise Failure(f"bad Redis URL {_shown_url()}: {exc}", EXIT_REDIS) from None
+            raise
+
+
+def _shown_url() -> str:
+    """The Redis URL in use, without its password."""
+    from urllib.parse import urlsplit
+
+    url = os.environ.get("TOKENFLEET_REDIS_URL", "redis://127.0.0.1:6379/0")
+    parts = urlsplit(url)
+    if parts.password:
+        netloc = parts.netloc.replace(f":{parts.password}@", ":***@")
+        return parts._replace(netloc=netloc).geturl()
+    return url
+
 
 def _apply_env(**options: Any) -> None:
     """Options override the environment, so settings (and child processes) see them."""
@@ -37,7 +80,7 @@ redis_option = click.option("--redis-url", default=None,
                             help="Redis URL (default: $TOKENFLEET_REDIS_URL)")
 
 
-@click.group()
+@click.group(cls=Group)
 def main() -> None:
     """tokenfleet: an LLM inference fleet behind Redis Streams."""
 
@@ -60,76 +103,233 @@ def demo(redis_url: str | None, max_new_tokens: int, temperature: float,
 @click.option("--gpus", default=None,
               help="GPU ids '0,1', 'all' or 'none' (default: all if any GPU is seen)")
 @click.option("--model", default=None, help="'tiny' or a Hugging Face model directory")
-@click.option("--queue", default=None, help="queue (model name) to serve")
+@click.option("--queue", default=None,
+              help="the queue this worker serves: what clients pass as model= (default: "
+                   "$TOKENFLEET_QUEUE or 'default')")
+@click.option("--name", default=None,
+              help="worker name base; each process is <name>-gpu<i>@<host> or <name>-cpu@<host> "
+                   "(default: the queue)")
 @click.option("--max-batch", type=int, default=None)
 @click.option("--prefetch", type=int, default=None)
 @click.option("--metrics-port", type=int, default=None,
               help="serve Prometheus metrics; the worker of the i-th GPU uses PORT+i")
+@click.option("--max-restarts", default=5, show_default=True,
+              help="give up on a worker process that dies this many times in 5 minutes")
 @redis_option
 @click.option("--loglevel", default="INFO", show_default=True)
-def worker(gpus: str | None, loglevel: str, metrics_port: int | None, **options: Any) -> None:
+def worker(gpus: str | None, name: str | None, loglevel: str, metrics_port: int | None,
+           max_restarts: int, **options: Any) -> None:
     """Start this host's workers: one GPU-pinned Celery process per GPU."""
+    import socket
+
+    from tokenfleet.shared.settings import get_settings
     from tokenfleet.workers.pinning import GpuSpecError, celery_command, parse_gpus, plan, visible_gpus
+    from tokenfleet.workers.supervisor import Child, Supervisor
 
     _apply_env(**options)
+    settings = get_settings()
+    _check_model(settings.model)
     try:
         chosen = parse_gpus(gpus, visible_gpus())
     except GpuSpecError as exc:
         raise click.UsageError(str(exc)) from exc
+    procs = plan(chosen, base=name or settings.queue, host=socket.gethostname())
+    _check_names([p.node for p in procs])
     children = []
-    for index, proc in enumerate(plan(chosen)):
+    for index, proc in enumerate(procs):
         env = {**os.environ, **proc.env}
         if metrics_port is not None:
             env["TOKENFLEET_METRICS_PORT"] = str(metrics_port + index)
-        cmd = celery_command(proc.node, loglevel)
-        click.echo(f"starting {proc.node}: {' '.join(cmd)}", err=True)
-        children.append(subprocess.Popen(cmd, env=env))
+        children.append(Child(proc.node, celery_command(proc.node, loglevel), env))
+        click.echo(f"starting {proc.node}: queue {settings.queue!r} (clients submit with "
+                   f"model={settings.queue!r}), model {settings.model}", err=True)
+    supervisor = Supervisor(children, max_restarts=max_restarts,
+                            say=lambda line: click.echo(f"tokenfleet worker: {line}", err=True))
+    sys.exit(supervisor.run())
 
-    def forward(signum: int, _frame: Any) -> None:
-        for child in children:
-            if child.poll() is None:
-                child.send_signal(signum)
 
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, forward)
-    codes = [child.wait() for child in children]
-    sys.exit(max(codes, default=0))
+def _check_model(model: str) -> None:
+    """A model path that does not exist fails here, in one line, not in each child."""
+    from tokenfleet.shared.models import BUILTIN
+
+    if model in BUILTIN or Path(model).expanduser().is_dir():
+        return
+    if model.startswith(("/", ".", "~")) or os.sep in model.strip("/").replace("/", os.sep, 1):
+        raise Failure(f"model {model!r}: no such directory; give 'tiny' or the directory of a "
+                      "Hugging Face model", EXIT_USAGE)
+    if Path(model).exists():
+        raise Failure(f"model {model!r} is a file; give a model directory", EXIT_USAGE)
+
+
+def _check_names(nodes: list[str]) -> None:
+    from tokenfleet.shared.keys import Keys
+    from tokenfleet.shared.redis_conn import connect
+    from tokenfleet.shared.settings import get_settings
+    from tokenfleet.workers.identity import NameTaken, check_name
+
+    settings = get_settings()
+    redis = connect(settings.redis_url)
+    try:
+        for node in nodes:
+            check_name(redis, Keys(settings.namespace), node, stale_after_s=3 * settings.heartbeat_s)
+    except NameTaken as exc:
+        raise Failure(str(exc), EXIT_USAGE) from None
+    finally:
+        redis.close()
 
 
 @main.command()
-@click.argument("prompt")
+@click.argument("prompt", required=False)
+@click.option("--file", "prompt_file", type=click.File("r"), default=None,
+              help="read the prompt from this file ('-' for standard input)")
 @click.option("--max-new-tokens", default=64, show_default=True)
-@click.option("--temperature", default=1.0, show_default=True)
-@click.option("--model", "queue", default="default", show_default=True, help="queue name")
+@click.option("--temperature", default=0.0, show_default=True, help="0 is greedy")
+@click.option("--top-p", type=float, default=None)
+@click.option("--top-k", type=int, default=None)
+@click.option("--seed", type=int, default=None)
+@click.option("--stop", multiple=True, help="a stop string (repeatable)")
+@click.option("--model", "queue", default="default", show_default=True,
+              help="the queue a worker serves (see `tokenfleet status`)")
+@click.option("--priority", type=click.Choice(["high", "normal", "low"]), default="normal",
+              show_default=True)
+@click.option("--queue-ahead", is_flag=True,
+              help="enqueue even if no live worker serves the queue yet")
 @click.option("--stream", is_flag=True, help="print tokens as they come")
 @click.option("--wait", is_flag=True, help="wait for the result and print it")
-@click.option("--timeout", default=300.0, show_default=True)
+@click.option("--json", "as_json", is_flag=True, help="with --wait: the final state as JSON")
+@click.option("--timeout", default=300.0, show_default=True,
+              help="seconds --wait / --stream wait for the end")
 @redis_option
-def submit(prompt: str, max_new_tokens: int, temperature: float, queue: str, stream: bool,
-           wait: bool, timeout: float, redis_url: str | None) -> None:
-    """Enqueue one job; print its id (or its tokens with --stream)."""
+def submit(prompt: str | None, prompt_file: Any, queue: str, priority: str, queue_ahead: bool,
+           stream: bool, wait: bool, as_json: bool, timeout: float, redis_url: str | None,
+           **sampling: Any) -> None:
+    """Enqueue one job; print its id, or its tokens (--stream), or its result (--wait).
+
+    PROMPT '-' reads the prompt from standard input. Exit codes: 0 done, 1 the
+    job failed, was cancelled or expired, 3 refused (nothing enqueued), 4 Redis
+    unreachable, 5 timed out waiting (the job goes on).
+    """
     from pydantic import ValidationError
 
-    from tokenfleet import FleetClient, QueueFull
+    from tokenfleet import FleetClient
+    from tokenfleet.shared.errors import TokenfleetError
 
+    text = _prompt_text(prompt, prompt_file)
+    sampling = {k: v for k, v in sampling.items() if v not in (None, ())}
+    if "stop" in sampling:
+        sampling["stop"] = list(sampling["stop"])
     _apply_env(redis_url=redis_url)
     with FleetClient() as client:
         try:
-            job_id = client.submit(prompt, max_new_tokens=max_new_tokens,
-                                   temperature=temperature, model=queue)
-        except (ValidationError, QueueFull) as exc:
-            raise click.ClickException(str(exc)) from exc
-        if stream:
-            for event in client.stream(job_id, timeout=timeout):
-                click.echo(event.text, nl=False)
-            click.echo()
-            state = client.status(job_id)
-            click.echo(f"[{state.status.value}: {state.finish_reason.value if state.finish_reason else '-'}]", err=True)
-        elif wait:
-            state = client.wait(job_id, timeout=timeout)
-            click.echo(state.model_dump_json(indent=2))
-        else:
-            click.echo(job_id)
+            _check_prompt_tokens(client, queue, text)
+            job_id = client.submit(text, model=queue, priority=priority,
+                                   require_worker=not queue_ahead, **sampling)
+        except ValidationError as exc:
+            raise Failure(_validation_line(exc), EXIT_REFUSED) from None
+        except TokenfleetError as exc:
+            raise Failure(str(exc), EXIT_REFUSED) from None
+        try:
+            if stream:
+                for event in client.stream(job_id, timeout=timeout):
+                    click.echo(event.text, nl=False)
+                click.echo()
+                state = client.status(job_id)
+            elif wait:
+                state = client.wait(job_id, timeout=timeout)
+                click.echo(_state_json(state) if as_json else state.text)
+            else:
+                click.echo(job_id)
+                return
+        except TimeoutError:
+            raise Failure(f"job {job_id} did not end within {timeout:g}s; it goes on: "
+                          f"`tokenfleet status {job_id}`", EXIT_TIMEOUT) from None
+    if state.status.value != "succeeded":
+        raise Failure(f"job {job_id} {state.status.value}"
+                      + (f" ({state.finish_reason.value})" if state.finish_reason else "")
+                      + (f": {state.error}" if state.error else ""), EXIT_JOB_FAILED)
+    if stream:
+        reason = state.finish_reason.value if state.finish_reason else "-"
+        click.echo(f"[{state.status.value}: {reason}, {len(state.token_ids)} tokens]", err=True)
+
+
+def _prompt_text(prompt: str | None, prompt_file: Any) -> str:
+    if prompt_file is not None:
+        if prompt is not None:
+            raise click.UsageError("give the prompt as an argument or with --file, not both")
+        return str(prompt_file.read())
+    if prompt == "-":
+        return sys.stdin.read()
+    if prompt is None:
+        raise click.UsageError("give a PROMPT, '-' for standard input, or --file PATH")
+    return prompt
+
+
+def _validation_line(exc: Any) -> str:
+    """A pydantic error in one line: where, what."""
+    parts = []
+    for err in exc.errors():
+        where = ".".join(str(x) for x in err["loc"]) or "request"
+        parts.append(f"{where}: {err['msg']}")
+    return "invalid request: " + "; ".join(parts)
+
+
+def _check_prompt_tokens(client: Any, queue: str, prompt: str) -> None:
+    """Where the model a live worker of ``queue`` serves is on this machine (the
+    built-in one, or a directory here), count the prompt's tokens now rather than
+    let the worker refuse it later."""
+    from tokenfleet.shared.models import local_tokenizer_file
+
+    if len(prompt) > client.settings.max_prompt_chars:
+        return  # validation refuses it, naming its own limit
+    limit = client.settings.max_prompt_tokens
+    for model in _served_models(client, queue):
+        path = local_tokenizer_file(model)
+        if path is None:
+            continue
+        try:
+            from tokenizers import Tokenizer
+        except ImportError:
+            return  # the bare client: the worker checks it
+        count = len(Tokenizer.from_file(str(path)).encode(prompt).ids)
+        if count > limit:
+            raise Failure(f"the prompt is {count:,} tokens of model {model}; the limit is "
+                          f"{limit:,} (TOKENFLEET_MAX_PROMPT_TOKENS)", EXIT_REFUSED)
+        return
+
+
+def _served_models(client: Any, queue: str) -> list[str]:
+    import time as _time
+
+    names = client.redis.zrangebyscore(client.keys.queue_workers(queue), _time.time() - 10, "+inf")
+    models = [client.redis.hget(client.keys.worker(n.decode()), "model") for n in names]
+    return sorted({m.decode() for m in models if m})
+
+
+def _state_json(state: Any) -> str:
+    """The state as JSON, one field a line (token ids stay on one line)."""
+    data = state.model_dump(mode="json")
+    return "{\n" + ",\n".join(f"  {json.dumps(k)}: {json.dumps(v)}" for k, v in data.items()) + "\n}"
+
+
+def _state_text(state: Any) -> str:
+    """One job's state for a person to read."""
+    def when(t: float | None) -> str:
+        return "-" if t is None else time.strftime("%H:%M:%S", time.localtime(t)) + f".{int(t % 1 * 1000):03d}"
+
+    lines = [f"job {state.id}: {state.status.value}"
+             + (f" ({state.finish_reason.value})" if state.finish_reason else ""),
+             f"  queue {state.model}, attempts {state.attempts}, worker {state.worker or '-'}",
+             f"  created {when(state.created_at)}, started {when(state.started_at)}, "
+             f"first token {when(state.first_token_at)}, finished {when(state.finished_at)}",
+             f"  prompt tokens {state.num_prompt_tokens if state.num_prompt_tokens is not None else '-'}"
+             f", generated tokens {len(state.token_ids)}"]
+    if state.error:
+        lines.append(f"  error: {state.error}")
+    if state.metadata:
+        lines.append(f"  metadata: {json.dumps(state.metadata)}")
+    lines.append("")
+    lines.append(state.text)
+    return "\n".join(lines)
 
 
 @main.command()
@@ -146,9 +346,10 @@ def status(job_id: str | None, as_json: bool, watch: bool, redis_url: str | None
     with FleetClient() as client:
         if job_id:
             try:
-                click.echo(client.status(job_id).model_dump_json(indent=2))
+                state = client.status(job_id)
             except JobNotFound as exc:
-                raise click.ClickException(str(exc)) from exc
+                raise Failure(str(exc), EXIT_JOB_FAILED) from None
+            click.echo(_state_json(state) if as_json else _state_text(state))
             return
         if watch:
             from tokenfleet.fleet import watch as watch_fleet

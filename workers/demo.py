@@ -13,6 +13,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+from rich import box
 from rich.console import Console
 from rich.live import Live
 from rich.table import Table
@@ -83,7 +84,8 @@ def _given(url: str) -> Iterator[str]:
 
 def _stream_all(client: FleetClient, prompts: list[str], max_new_tokens: int,
                 temperature: float, console: Console) -> dict[str, str]:
-    job_ids = [client.submit(p, max_new_tokens=max_new_tokens, temperature=temperature)
+    job_ids = [client.submit(p, max_new_tokens=max_new_tokens, temperature=temperature,
+                             require_worker=False)
                for p in prompts]
     texts = {j: "" for j in job_ids}
     done: set[str] = set()
@@ -96,23 +98,54 @@ def _stream_all(client: FleetClient, prompts: list[str], max_new_tokens: int,
     threads = [threading.Thread(target=follow, args=(j,), daemon=True) for j in job_ids]
     for t in threads:
         t.start()
-    with Live(_table(prompts, job_ids, texts, done), console=console, refresh_per_second=12,
-              transient=False) as live:
-        while len(done) < len(job_ids) and any(t.is_alive() for t in threads):
-            time.sleep(1 / 12)  # the screen's refresh rate, not synchronisation
-            live.update(_table(prompts, job_ids, texts, done))
-        live.update(_table(prompts, job_ids, texts, done))
+    # The tiny model writes a job's tokens in a fraction of a second. On a
+    # terminal the text is revealed at reading speed, as a chat window does, so
+    # the stream can be seen; the timings printed after it are the fleet's own.
+    pace = READING_CHARS_PER_S if console.is_terminal else None
+    shown = dict.fromkeys(job_ids, 0)
+    started = time.monotonic()
+    with Live(console=console, refresh_per_second=FPS, transient=True) as live:
+        while True:
+            elapsed = time.monotonic() - started
+            for j in job_ids:
+                shown[j] = len(texts[j]) if pace is None else min(len(texts[j]), int(elapsed * pace))
+            revealed = {j: texts[j][:shown[j]] for j in job_ids}
+            finished = {j for j in done if shown[j] >= len(texts[j])}
+            live.update(_table(prompts, job_ids, revealed, finished, console.width))
+            if len(finished) == len(job_ids) or not any(t.is_alive() for t in threads) and \
+                    len(done) < len(job_ids):
+                break
+            time.sleep(1 / FPS)  # the screen's refresh rate, not synchronisation
     for t in threads:
         t.join(timeout=5)
-    return {p: client.status(j).text for p, j in zip(prompts, job_ids)}
+    states = [client.status(j) for j in job_ids]
+    timings = {s.id: f"[dim]{len(s.token_ids)} tokens, first {_ms(s.created_at, s.first_token_at)}"
+                     f", last {_ms(s.created_at, s.finished_at)}[/dim]" for s in states}
+    console.print(_table(prompts, job_ids, texts, done, console.width, timings=timings))
+    return {p: s.text for p, s in zip(prompts, states)}
 
 
-def _table(prompts: list[str], job_ids: list[str], texts: dict[str, str],
-           done: set[str]) -> Table:
-    table = Table(title="tokenfleet demo: tokens streaming from the fleet", expand=True)
-    table.add_column("prompt", style="bold cyan", ratio=1)
-    table.add_column("generated", ratio=4)
-    table.add_column("", width=2)
+FPS = 12
+READING_CHARS_PER_S = 120
+
+
+def _ms(start: float | None, end: float | None) -> str:
+    return "-" if start is None or end is None else f"{(end - start) * 1000:.0f} ms"
+
+
+def _table(prompts: list[str], job_ids: list[str], texts: dict[str, str], done: set[str],
+           width: int, timings: dict[str, str] | None = None) -> Table:
+    """One line per job while streaming (the newest text, so it fits an 80x24
+    terminal); at the end the whole text, and the fleet's timings of each job."""
+    full = timings is not None
+    table = Table(title="tokenfleet demo: tokens streaming from the fleet", box=box.SIMPLE,
+                  expand=True, show_header=False, pad_edge=False)
+    table.add_column("prompt", style="bold cyan", width=min(24, width // 4), no_wrap=not full)
+    table.add_column("generated", ratio=1, no_wrap=not full)
+    table.add_column("", width=1)
+    room = max(10, width - min(24, width // 4) - 8)
     for prompt, job_id in zip(prompts, job_ids):
-        table.add_row(prompt, texts[job_id].replace("\n", " "), "✓" if job_id in done else "…")
+        text = texts[job_id].replace("\n", " ")
+        label = f"{prompt}\n{timings[job_id]}" if timings else prompt
+        table.add_row(label, text if full else text[-room:], "✓" if job_id in done else "…")
     return table

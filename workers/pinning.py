@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import sys
 from dataclasses import dataclass, field
 
 
@@ -65,18 +66,37 @@ class WorkerProcess:
     env: dict[str, str] = field(default_factory=dict)
 
 
-def plan(gpus: list[str], host: str = "%h") -> list[WorkerProcess]:
+def node_name(base: str, device: str, host: str = "%h") -> str:
+    """``<base>-<device>@<host>``: unique per host as long as the bases differ.
+
+    The base defaults to the queue, so two workers of one host serving two
+    queues never share a name (a shared name is one consumer in the stream's
+    group: the second process would take over the first one's jobs). A base
+    with an ``@`` names the host part too.
+    """
+    name, at, given_host = base.partition("@")
+    return f"{name}-{device}@{given_host if at else host}"
+
+
+def plan(gpus: list[str], base: str = "default", host: str = "%h") -> list[WorkerProcess]:
     if not gpus:
-        return [WorkerProcess(f"cpu@{host}", {"CUDA_VISIBLE_DEVICES": "",
-                                               "TOKENFLEET_DEVICE": "cpu"})]
+        return [WorkerProcess(node_name(base, "cpu", host),
+                              {"CUDA_VISIBLE_DEVICES": "", "TOKENFLEET_DEVICE": "cpu"})]
     # Inside each child the pinned GPU is cuda:0, whatever its host id.
     return [
-        WorkerProcess(f"gpu{g}@{host}", {"CUDA_VISIBLE_DEVICES": g, "TOKENFLEET_DEVICE": "cuda"})
+        WorkerProcess(node_name(base, f"gpu{g}", host),
+                      {"CUDA_VISIBLE_DEVICES": g, "TOKENFLEET_DEVICE": "cuda"})
         for g in gpus
     ]
 
 
 def celery_command(node: str, loglevel: str = "INFO") -> list[str]:
-    """The Celery worker one process runs (``-P solo``: the engine owns its threads)."""
-    return ["celery", "-A", "tokenfleet.workers.app", "worker", "-P", "solo", "-c", "1", "-n", node,
-            "--without-mingle", "--without-gossip", "-l", loglevel]
+    """The Celery worker one process runs (``-P solo``: the engine owns its threads).
+
+    Celery runs under this interpreter (``python -m celery``), not whatever
+    ``celery`` is first on PATH: a venv's ``tokenfleet`` started by its full
+    path, as systemd or supervisor do, finds its own Celery and its own code.
+    """
+    return [sys.executable, "-m", "celery", "-A", "tokenfleet.workers.app", "worker",
+            "-P", "solo", "-c", "1", "-n", node, "--without-mingle", "--without-gossip",
+            "-l", loglevel]

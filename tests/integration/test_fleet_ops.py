@@ -92,7 +92,7 @@ def test_metrics_count_jobs_tokens_and_latency(
 def celery_cli(settings: Any, *args: str) -> str:
     env = {**os.environ, "TOKENFLEET_REDIS_URL": settings.redis_url,
            "TOKENFLEET_NAMESPACE": settings.namespace}
-    out = subprocess.run(["celery", "-A", "tokenfleet.workers.app", *args], env=env, cwd=ROOT,
+    out = subprocess.run([sys.executable, "-m", "celery", "-A", "tokenfleet.workers.app", *args], env=env, cwd=ROOT,
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     return out.stdout
@@ -148,7 +148,7 @@ def test_flower_lists_the_workers(settings: Any, celery_workers: Any) -> None:
     port = free_port()
     env = {**os.environ, "TOKENFLEET_REDIS_URL": settings.redis_url,
            "TOKENFLEET_NAMESPACE": settings.namespace, "FLOWER_UNAUTHENTICATED_API": "true"}
-    flower = subprocess.Popen(["celery", "-A", "tokenfleet.workers.app", "flower", f"--port={port}",
+    flower = subprocess.Popen([sys.executable, "-m", "celery", "-A", "tokenfleet.workers.app", "flower", f"--port={port}",
                                "--address=127.0.0.1"], env=env, cwd=ROOT,
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:

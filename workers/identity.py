@@ -1,0 +1,55 @@
+"""One live process per worker name.
+
+A worker's name is its consumer in the stream's group: two live processes
+under one name would read each other's pending entries, and the second one's
+start re-takes (and so fences) every job the first one is running. So a
+process refuses a name whose heartbeat is fresh, unless that heartbeat is its
+own predecessor's on this host (a crashed process restarted under its name,
+which must re-read its entries: that is how crash recovery resumes them).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from typing import Any
+
+from tokenfleet.shared.keys import Keys
+
+
+class NameTaken(RuntimeError):
+    """Another live process already serves under this worker name."""
+
+
+def check_name(redis: Any, keys: Keys, name: str, stale_after_s: float) -> None:
+    """Raise ``NameTaken`` if a live process other than this one holds ``name``."""
+    fields = {k.decode(): v.decode() for k, v in redis.hgetall(keys.worker(name)).items()}
+    if not fields:
+        return
+    try:
+        age = time.time() - float(fields.get("last_seen", "0"))
+        pid = int(fields.get("pid", "0"))
+    except ValueError:
+        return  # not a heartbeat we wrote: nothing to protect
+    if age > stale_after_s:
+        return
+    host = fields.get("host", "")
+    if host == socket.gethostname() and (pid == os.getpid() or not _alive(pid)):
+        return
+    raise NameTaken(
+        f"worker name {name!r} is in use by process {pid} on {host or 'another host'} "
+        f"(heartbeat {age:.1f}s ago): give this worker another name (--name)"
+    )
+
+
+def _alive(pid: int) -> bool:
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # someone else's process: alive
+    return True
