@@ -1,12 +1,15 @@
 # One image for workers, the gateway and Flower (see compose.yaml).
-# CPU by default; on NVIDIA hosts build FROM a CUDA runtime image and install the
-# torch build for that CUDA instead of the CPU one.
+# CPU by default: torch comes from PyTorch's CPU index first, so that installing
+# the worker extra finds it satisfied and never pulls a CUDA build. On NVIDIA
+# hosts build FROM a CUDA runtime image and take torch from the index of that
+# CUDA version instead (https://pytorch.org/get-started/locally/).
 FROM python:3.11-slim
 WORKDIR /app
+ARG TORCH_INDEX=https://download.pytorch.org/whl/cpu
+RUN pip install --no-cache-dir --index-url "$TORCH_INDEX" "torch==2.13.0"
 COPY pyproject.toml README.md ./
 COPY shared ./shared
 COPY producer ./producer
 COPY workers ./workers
-RUN pip install --no-cache-dir "torch==2.13.0" && pip install --no-cache-dir ".[gateway]" flower
-ENV TOKENFLEET_REDIS_URL=redis://redis:6379/0
+RUN pip install --no-cache-dir ".[worker,gateway]" flower
 CMD ["tokenfleet", "worker", "--gpus", "none"]

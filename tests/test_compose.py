@@ -30,7 +30,8 @@ def test_services_are_redis_workers_gateway_and_flower(compose: dict) -> None:  
     assert "--appendonly" in compose["services"]["redis"]["command"]
     for name in ("worker", "gateway", "flower"):
         service = compose["services"][name]
-        assert service["environment"]["TOKENFLEET_REDIS_URL"].startswith("redis://redis:")
+        url = service["environment"]["TOKENFLEET_REDIS_URL"]
+        assert url.startswith("redis://:${REDIS_PASSWORD") and url.endswith("@redis:6379/0")
         assert service["depends_on"]["redis"]["condition"] == "service_healthy"
 
 
@@ -40,6 +41,15 @@ def test_tokenfleet_commands_use_real_cli_options(compose: dict, service: str) -
     assert command[0] == "tokenfleet" and command[1] in main.commands  # type: ignore[attr-defined]
     used = {arg for arg in command[2:] if arg.startswith("--")}
     assert used <= options_of(command[1]), used - options_of(command[1])
+
+
+def test_redis_and_flower_are_not_open_to_the_world(compose: dict) -> None:  # type: ignore[type-arg]
+    redis = compose["services"]["redis"]
+    assert "ports" not in redis
+    assert "--requirepass" in redis["command"]
+    flower = compose["services"]["flower"]
+    assert any(arg.startswith("--basic-auth=") for arg in flower["command"])
+    assert all(port.startswith("127.0.0.1:") for port in flower["ports"])
 
 
 def test_flower_runs_against_the_celery_app(compose: dict) -> None:  # type: ignore[type-arg]
