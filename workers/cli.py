@@ -20,21 +20,29 @@ ENV_OPTIONS = {  # CLI option -> setting, passed on through the environment
     "namespace": "TOKENFLEET_NAMESPACE",
 }
 
-# Exit codes, by outcome (README, "Command line").
-EXIT_OK = 0
-EXIT_JOB_FAILED = 1  # the job ended failed, cancelled or expired
-EXIT_USAGE = 2  # click's own, for bad options
-EXIT_REFUSED = 3  # not enqueued: invalid request, queue full, no worker, idempotency conflict
-EXIT_REDIS = 4  # Redis unreachable, refused the credentials, or a bad URL
-EXIT_TIMEOUT = 5  # --wait / --stream gave up waiting; the job goes on
-
-
 class Failure(click.ClickException):
-    """An everyday failure: one line on stderr, no traceback, an exit code by outcome."""
+    """An everyday failure: one line on stderr, no traceback. Each kind has its
+    exit code, so scripts can tell outcomes apart (README, "Exit codes")."""
 
-    def __init__(self, message: str, exit_code: int) -> None:
-        super().__init__(message)
-        self.exit_code = exit_code
+
+class JobFailed(Failure):
+    exit_code = 1  # the job ended failed, cancelled or expired; or no such job
+
+
+class BadSetup(Failure):
+    exit_code = 2  # as click's usage errors: a model that is not there, a name in use
+
+
+class Refused(Failure):
+    exit_code = 3  # nothing enqueued: invalid request, queue full, no worker, conflict
+
+
+class RedisUnavailable(Failure):
+    exit_code = 4  # unreachable, wrong credentials, or a malformed URL
+
+
+class TimedOut(Failure):
+    exit_code = 5  # --wait / --stream gave up; the job goes on
 
 
 class Group(click.Group):
@@ -44,13 +52,13 @@ class Group(click.Group):
         try:
             return super().invoke(ctx)
         except AuthenticationError as exc:
-            raise Failure(f"Redis at {_shown_url()} refused the credentials: {exc}",
-                          EXIT_REDIS) from None
+            raise RedisUnavailable(f"Redis at {_shown_url()} refused the credentials: "
+                                   f"{exc}") from None
         except RedisError as exc:
-            raise Failure(f"cannot reach Redis at {_shown_url()}: {exc}", EXIT_REDIS) from None
+            raise RedisUnavailable(f"cannot reach Redis at {_shown_url()}: {exc}") from None
         except ValueError as exc:
             if "redis" in str(exc).lower() and "url" in str(exc).lower():
-                raise Failure(f"bad Redis URL {_shown_url()}: {exc}", EXIT_REDIS) from None
+                raise RedisUnavailable(f"bad Redis URL {_shown_url()}: {exc}") from None
             raise
 
 
@@ -155,10 +163,10 @@ def _check_model(model: str) -> None:
     if model in BUILTIN or Path(model).expanduser().is_dir():
         return
     if model.startswith(("/", ".", "~")) or os.sep in model.strip("/").replace("/", os.sep, 1):
-        raise Failure(f"model {model!r}: no such directory; give 'tiny' or the directory of a "
-                      "Hugging Face model", EXIT_USAGE)
+        raise BadSetup(f"model {model!r}: no such directory; give 'tiny' or the directory of a "
+                       "Hugging Face model")
     if Path(model).exists():
-        raise Failure(f"model {model!r} is a file; give a model directory", EXIT_USAGE)
+        raise BadSetup(f"model {model!r} is a file; give a model directory")
 
 
 def _check_names(nodes: list[str]) -> None:
@@ -173,7 +181,7 @@ def _check_names(nodes: list[str]) -> None:
         for node in nodes:
             check_name(redis, Keys(settings.namespace), node, stale_after_s=3 * settings.heartbeat_s)
     except NameTaken as exc:
-        raise Failure(str(exc), EXIT_USAGE) from None
+        raise BadSetup(str(exc)) from None
     finally:
         redis.close()
 
@@ -225,9 +233,9 @@ def submit(prompt: str | None, prompt_file: Any, queue: str, priority: str, queu
             job_id = client.submit(text, model=queue, priority=priority,
                                    require_worker=not queue_ahead, **sampling)
         except ValidationError as exc:
-            raise Failure(_validation_line(exc), EXIT_REFUSED) from None
+            raise Refused(_validation_line(exc)) from None
         except TokenfleetError as exc:
-            raise Failure(str(exc), EXIT_REFUSED) from None
+            raise Refused(str(exc)) from None
         try:
             if stream:
                 for event in client.stream(job_id, timeout=timeout):
@@ -241,12 +249,12 @@ def submit(prompt: str | None, prompt_file: Any, queue: str, priority: str, queu
                 click.echo(job_id)
                 return
         except TimeoutError:
-            raise Failure(f"job {job_id} did not end within {timeout:g}s; it goes on: "
-                          f"`tokenfleet status {job_id}`", EXIT_TIMEOUT) from None
+            raise TimedOut(f"job {job_id} did not end within {timeout:g}s; it goes on: "
+                           f"`tokenfleet status {job_id}`") from None
     if state.status.value != "succeeded":
-        raise Failure(f"job {job_id} {state.status.value}"
-                      + (f" ({state.finish_reason.value})" if state.finish_reason else "")
-                      + (f": {state.error}" if state.error else ""), EXIT_JOB_FAILED)
+        raise JobFailed(f"job {job_id} {state.status.value}"
+                        + (f" ({state.finish_reason.value})" if state.finish_reason else "")
+                        + (f": {state.error}" if state.error else ""))
     if stream:
         reason = state.finish_reason.value if state.finish_reason else "-"
         click.echo(f"[{state.status.value}: {reason}, {len(state.token_ids)} tokens]", err=True)
@@ -292,8 +300,8 @@ def _check_prompt_tokens(client: Any, queue: str, prompt: str) -> None:
             return  # the bare client: the worker checks it
         count = len(Tokenizer.from_file(str(path)).encode(prompt).ids)
         if count > limit:
-            raise Failure(f"the prompt is {count:,} tokens of model {model}; the limit is "
-                          f"{limit:,} (TOKENFLEET_MAX_PROMPT_TOKENS)", EXIT_REFUSED)
+            raise Refused(f"the prompt is {count:,} tokens of model {model}; the limit is "
+                          f"{limit:,} (TOKENFLEET_MAX_PROMPT_TOKENS)")
         return
 
 
@@ -348,7 +356,7 @@ def status(job_id: str | None, as_json: bool, watch: bool, redis_url: str | None
             try:
                 state = client.status(job_id)
             except JobNotFound as exc:
-                raise Failure(str(exc), EXIT_JOB_FAILED) from None
+                raise JobFailed(str(exc)) from None
             click.echo(_state_json(state) if as_json else _state_text(state))
             return
         if watch:
