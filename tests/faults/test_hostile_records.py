@@ -1,12 +1,9 @@
-"""Hostile records, entries and token logs at the intake: each one that cannot be
-started is dead-lettered alone with its reason; the rest of the read runs.
+"""Hostile records at the intake: an entry that cannot be started is
+dead-lettered alone with its reason, and the rest of the read runs.
 
-- a job record with an unknown status, a non-integer ``attempts``, or a key that
+- job records with an unknown status, a non-integer ``attempts``, or a key that
   is a string instead of a hash, read in the same XREADGROUP as good jobs;
-- an unexpected error while admitting one entry;
-- a second stream entry for a job that is already running, and a worker whose
-  own running entries go idle (its reclaim must leave them alone);
-- a resumed job whose token log has a gap.
+- an unexpected error while admitting one entry of a read.
 """
 
 from __future__ import annotations
@@ -20,22 +17,12 @@ import redis
 from tokenfleet import FleetClient
 from tokenfleet.shared.keys import GROUP, Keys, level_queue
 from tokenfleet.shared.schemas import JobStatus
-from tokenfleet.shared.serialization import loads, token_event
-from tokenfleet.workers.runner import HFRunner
+from tokenfleet.shared.serialization import loads
+from tokenfleet.workers.admission import Admission
 
 from helpers import wait_until
 
 pytestmark = [pytest.mark.faults, pytest.mark.timeout(120)]
-
-
-class SlowRunner(HFRunner):
-    """The real model at a big model's pace, so a job is still running while the test acts."""
-
-    step_s = 0.05
-
-    def run(self, batch):  # type: ignore[no-untyped-def]
-        time.sleep(self.step_s)  # simulated compute time, not synchronisation
-        return super().run(batch)
 
 
 def dead_letters(r: redis.Redis, keys: Keys) -> list[dict[str, Any]]:
@@ -91,19 +78,20 @@ def test_three_hostile_records_in_one_read_are_dead_lettered_alone_and_ten_good_
 
 def test_an_error_admitting_one_entry_fails_that_job_alone(
     client: FleetClient, start_worker: Any, r: redis.Redis, settings: Any,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     keys = Keys(settings.namespace)
     job_ids = [client.submit(f"batch {i}", max_new_tokens=5, priority="high") for i in range(6)]
     poisoned = job_ids[2]
-    worker = start_worker(max_batch=32, prefetch=4)
-    sequence = worker.feeder.admission.sequence
+    sequence = Admission.sequence
 
-    def admit(entry: Any, entry_id: str, attempt: int) -> Any:
+    def admit(self: Admission, entry: Any, entry_id: str, attempt: int) -> Any:
         if entry.job_id == poisoned:
             raise RuntimeError("tokenizer crashed (simulated)")
-        return sequence(entry, entry_id, attempt)
+        return sequence(self, entry, entry_id, attempt)
 
-    worker.feeder.admission.sequence = admit  # before the feeder's first read lands
+    monkeypatch.setattr(Admission, "sequence", admit)  # before the worker's first read
+    start_worker(max_batch=32, prefetch=4)
     states = {j: client.wait(j, timeout=60) for j in job_ids}
     bad = states.pop(poisoned)
     assert bad.status is JobStatus.FAILED and "tokenizer crashed" in (bad.error or "")
