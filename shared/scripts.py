@@ -6,16 +6,25 @@ write before the acknowledgement); see the comment at the top of each file.
 
 from __future__ import annotations
 
+import re
 from functools import cache
 from importlib import resources
 from typing import Any
 
-NAMES = ("submit", "cancel", "start", "emit", "finish", "requeue")
+NAMES = ("submit", "cancel", "start", "emit", "finish", "requeue", "resume")
+
+# A line '-- include: NAME.lua' is replaced by that fragment (Lua has no
+# require in Redis): a rule several scripts share is written once.
+_INCLUDE = re.compile(r"^-- include: ([a-z_]+)\.lua$", re.MULTILINE)
+
+
+def _read(filename: str) -> str:
+    return resources.files("tokenfleet.shared").joinpath(f"lua/{filename}").read_text(encoding="utf-8")
 
 
 @cache
 def source(name: str) -> str:
-    return resources.files("tokenfleet.shared").joinpath(f"lua/{name}.lua").read_text(encoding="utf-8")
+    return _INCLUDE.sub(lambda m: _read(f"{m.group(1)}.lua"), _read(f"{name}.lua"))
 
 
 class Scripts:
@@ -35,3 +44,4 @@ class Scripts:
     emit: Any
     finish: Any
     requeue: Any
+    resume: Any

@@ -1,4 +1,4 @@
-"""The intake: reads a queue's streams through the consumer group, with credits.
+"""The feeder: reads a queue's streams through the consumer group, with credits.
 
 A worker asks for at most ``credits`` entries: its free batch slots plus
 ``prefetch``. So it never hoards jobs another worker could start now, and the
@@ -11,6 +11,9 @@ dealt in turns from the cycle ``TURNS``: of every 7 jobs a busy worker takes, 4
 come from high, 2 from normal and 1 from low, so a flood of high-priority work
 slows the lower levels but never stops them. A level with nothing waiting
 leaves its turns to the others, highest first.
+
+What it reads goes to the intake (``tokenfleet.workers.intake``), which owns,
+checks and hands over each entry.
 """
 
 from __future__ import annotations
@@ -21,21 +24,16 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from pydantic import ValidationError
 from redis.exceptions import ConnectionError, ResponseError, TimeoutError
 
 from tokenfleet.shared.keys import GROUP, PRIORITIES, Keys, level_queue
-from tokenfleet.shared.schemas import FinishReason, JobStatus, QueueEntry
-from tokenfleet.shared.scripts import Scripts
-from tokenfleet.shared.serialization import loads
 from tokenfleet.shared.settings import Settings
-from tokenfleet.workers.admission import Admission, Rejected
-from tokenfleet.workers.publisher import Ending, Publisher
+from tokenfleet.workers.admission import Admission
+from tokenfleet.workers.intake import Intake
+from tokenfleet.workers.publisher import Publisher
 from tokenfleet.workers.sequence import Sequence
 
 log = logging.getLogger(__name__)
-
-Entry = tuple[bytes, dict[bytes, bytes] | None]
 
 TURNS = ("high", "normal", "high", "low", "high", "normal", "high")
 
@@ -83,11 +81,10 @@ class Feeder:
         # (not one by one) starves nothing and halves the reads under load.
         self._least = max(1, settings.prefetch // 2)
         self.admission = admission
-        self.publisher = publisher
-        self.sink = sink
         self.credits = credits
-        self.holds = holds
-        self.scripts = Scripts(redis)
+        self.intake = Intake(redis, keys, settings, consumer, queue, admission, publisher,
+                             sink, holds)
+        self.take = self.intake.take
         self.slots_freed = threading.Event()
         self.paused = threading.Event()  # set: read nothing new (drain)
         self._last_reclaim = 0.0
@@ -201,117 +198,34 @@ class Feeder:
                 start = entries[-1][0]
 
     def _reclaim(self, credits: int) -> bool:
-        """Take over entries a dead consumer left idle; True if any came."""
+        """Take over entries a dead consumer left idle; True if any came.
+
+        The idle entries are listed first (XPENDING ... IDLE) and only those
+        this worker does not run are claimed. An entry this worker runs goes
+        idle only when the heartbeat, which touches it every ``heartbeat_s``,
+        could not (Redis away, a stall). Claiming it to ourselves would change
+        nothing but its delivery count, again at every pass; starting it again
+        would fence our own attempt. So it is left alone: the heartbeat owns
+        its liveness, and if this worker really is stuck, another worker's
+        reclaim takes the entry (for it, it is a dead consumer's) and fences
+        this one, which is the recovery we want.
+        """
         idle_ms = int(self.settings.claim_idle_s * 1000)
         found = False
         for name, stream in self.levels:
-            reply = self.redis.xautoclaim(stream, GROUP, self.consumer, idle_ms,
-                                          start_id="0-0", count=credits)
-            entries = reply[1] if reply else []
+            mine = self.intake.running_entries(stream)
+            pending = self.redis.xpending_range(stream, GROUP, min="-", max="+",
+                                                count=credits + len(mine), idle=idle_ms)
+            ids = [p["message_id"] for p in pending
+                   if p["message_id"].decode() not in mine][:credits]
+            if not ids:
+                continue
+            # With the idle time again: an entry another worker claimed since
+            # the listing has a fresh idle time and stays with it.
+            entries = self.redis.xclaim(stream, GROUP, self.consumer, idle_ms, ids)
             if entries:
                 log.info("reclaimed %d idle entries of %s", len(entries), stream)
                 self.take(name, entries)
                 found = True
         return found
 
-    def take(self, queue: str, entries: list[Entry]) -> None:
-        """Own, check and hand over entries read from the stream of ``queue``."""
-        parsed: list[tuple[str, QueueEntry, bytes]] = []
-        for raw_id, fields in entries:
-            entry_id = raw_id.decode()
-            if fields is None:  # deleted while pending (a cancel): nothing left to run
-                self.redis.xack(self.keys.queue(queue), GROUP, entry_id)
-                continue
-            try:
-                data = fields[b"data"]
-                entry = QueueEntry.model_validate_json(data)
-            except (KeyError, ValueError, ValidationError) as exc:
-                self.publisher.dead_letter(queue, entry_id, fields, _reason(exc))
-                continue
-            # Already running here (an entry of ours that XAUTOCLAIM found idle
-            # through an outage): taking it again would fence our own attempt.
-            if not self.holds(entry.job_id):
-                parsed.append((entry_id, entry, data))
-        if not parsed:
-            return
-        verdicts = self.scripts.start(
-            keys=[self.keys.backlog(self.queue), *(self.keys.job(e.job_id) for _, e, _ in parsed)],
-            args=[self.consumer, repr(time.time())],
-        )
-        ready: list[Sequence] = []
-        endings: list[Ending] = []
-        for (entry_id, entry, data), verdict in zip(parsed, verdicts):
-            outcome = self._admit(queue, entry_id, entry, data, verdict)
-            if isinstance(outcome, Sequence):
-                ready.append(outcome)
-            elif outcome is not None:
-                endings.append(outcome)
-        if endings:
-            self.publisher.end(endings)
-        if ready:
-            self.sink(ready)
-
-    def _admit(self, queue: str, entry_id: str, entry: QueueEntry, data: bytes,
-               verdict: list[Any]) -> Sequence | Ending | None:
-        status = verdict[0].decode()
-        end = _EndingFor(queue, entry, entry_id)
-        if status == "missing":
-            self.publisher.dead_letter(queue, entry_id, {"data": entry.model_dump_json()},
-                                       "no job record: it expired or was never written")
-            return None
-        if status != "run":
-            return end(None, JobStatus(status))  # ended while queued: just acknowledge
-        attempt, cancel, handbacks = int(verdict[1]), verdict[2] == b"1", int(verdict[3])
-        if cancel:
-            return end(attempt, JobStatus.CANCELLED, FinishReason.CANCELLED)
-        if attempt - handbacks > self.settings.max_attempts:
-            # Each earlier take ended without a result or a hand-back: its worker died.
-            error = f"gave up after {attempt - 1 - handbacks} attempts (its worker died each time)"
-            return end(attempt, JobStatus.FAILED, FinishReason.ERROR, error, dead=error)
-        if entry.deadline_at is not None and entry.deadline_at <= time.time():
-            return end(attempt, JobStatus.EXPIRED, FinishReason.DEADLINE,
-                       "deadline passed before the job started")
-        try:
-            seq = self.admission.sequence(entry, entry_id, attempt)
-        except (Rejected, ValidationError) as exc:
-            return end(attempt, JobStatus.FAILED, FinishReason.ERROR, _reason(exc),
-                       dead=_reason(exc))
-        seq.entry_json = data.decode()  # as read: a hand-back queues it again unchanged
-        seq.queue = queue  # the level's stream it came from: where it is acknowledged
-        if attempt > 1:
-            seq.restore(self._streamed_tokens(entry.job_id))
-        return seq
-
-    def _streamed_tokens(self, job_id: str) -> list[int]:
-        """Tokens an earlier attempt already put in the job's log."""
-        ids: list[int] = []
-        for _id, fields in self.redis.xrange(self.keys.out(job_id), "0-1", "0-18446744073709551615"):
-            ids.extend(loads(fields[b"e"])["token_ids"])
-        return ids
-
-
-class _EndingFor:
-    def __init__(self, queue: str, entry: QueueEntry, entry_id: str) -> None:
-        self.queue, self.entry, self.entry_id = queue, entry, entry_id
-
-    def __call__(
-        self,
-        attempt: int | None,
-        status: JobStatus,
-        reason: FinishReason | None = None,
-        error: str | None = None,
-        dead: str | None = None,
-    ) -> Ending:
-        return Ending(job_id=self.entry.job_id, queue=self.queue,
-                      entry_id=self.entry_id, attempt=attempt, status=status,
-                      finish_reason=reason, error=error, dead_letter=dead)
-
-
-def _reason(exc: Exception) -> str:
-    if isinstance(exc, ValidationError):
-        first = exc.errors()[0]
-        where = ".".join(str(x) for x in first["loc"]) or "entry"
-        return f"invalid request: {where}: {first['msg']} ({exc.error_count()} error(s))"
-    if isinstance(exc, KeyError):
-        return f"malformed entry: missing field {exc.args[0]!r}"
-    return f"{type(exc).__name__}: {exc}"

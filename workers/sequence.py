@@ -65,9 +65,10 @@ class Sequence:
         return FINAL_STATUS.get(self.finish_reason, JobStatus.SUCCEEDED)
 
     def restore(self, token_ids: list[int]) -> None:
-        """Resume after a reclaim: take the tokens a previous attempt already
-        streamed. Replaying them through the detokenizer releases the same text,
-        so the next delta continues exactly where the stream stopped."""
+        """Resume after a reclaim or a hand-back: take the tokens earlier
+        attempts logged (the log's contiguous prefix, see resume.lua).
+        Replaying them through the detokenizer releases the same text, so the
+        next delta continues exactly where the stream stopped."""
         for token_id in token_ids:
             self.generated.append(token_id)
             self.text.push(token_id)
