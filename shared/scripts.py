@@ -10,7 +10,7 @@ from functools import cache
 from importlib import resources
 from typing import Any
 
-NAMES = ("submit", "cancel", "start", "emit", "finish", "requeue")
+NAMES = ("submit", "cancel", "start", "emit", "finish", "requeue", "expire", "forget_queue")
 
 
 @cache
@@ -35,3 +35,5 @@ class Scripts:
     emit: Any
     finish: Any
     requeue: Any
+    expire: Any
+    forget_queue: Any
