@@ -87,7 +87,7 @@ class _FailFastRetry(Retry):
 
     def call_with_retry(self, do: Any, fail: Any, is_retryable: Any = None,
                         with_failure_count: bool = False) -> Any:
-        self._backoff.reset()
+        self._backoff.reset()  # type: ignore[no-untyped-call]
         failures = 0
         while True:
             try:
@@ -123,7 +123,7 @@ class _AsyncFailFastRetry(AsyncRetry):
                               with_failure_count: bool = False) -> Any:
         import asyncio
 
-        self._backoff.reset()
+        self._backoff.reset()  # type: ignore[no-untyped-call]
         failures = 0
         while True:
             try:
