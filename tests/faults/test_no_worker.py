@@ -237,6 +237,22 @@ def test_a_wrong_password_fails_at_once_and_is_never_retried(
     report.update(auth_error_after_s=round(seconds, 3))
 
 
+def test_credentials_refused_on_a_reconnect_are_not_retried_either(
+    redis_server: RedisServer, acl_user: str, settings: Any, r: redis.Redis
+) -> None:
+    """A client that was up, whose password was changed under it: one clear error at
+    once, not a minute of backoff (retries are for dropped connections)."""
+    url = f"redis://{acl_user}:right-password@127.0.0.1:{redis_server.port}/0"
+    with FleetClient(url, settings=settings) as c:
+        job_id = c.submit("hi", require_worker=False)
+        r.execute_command("ACL", "SETUSER", acl_user, "resetpass", ">rotated")
+        r.execute_command("CLIENT", "KILL", "USER", acl_user)  # its connections drop
+        started = time.monotonic()
+        with pytest.raises(RedisAuthFailed):
+            c.status(job_id)
+        assert time.monotonic() - started < 2.0
+
+
 async def test_the_async_client_fails_at_once_on_a_wrong_password(
     redis_server: RedisServer, acl_user: str, settings: Any
 ) -> None:
