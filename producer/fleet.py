@@ -63,7 +63,6 @@ def _forget(r: Any, keys: Any, models: list[str]) -> None:
             return  # a read-only user: leaving them is harmless, they are not shown
 
 
-
 def _queue(r: Any, keys: Any, model: str, now: float) -> dict[str, Any]:
     """One model's queue: its priority levels added up."""
     info: dict[str, Any] = {"queue": model, "depth": 0, "lag": 0, "pending": 0,

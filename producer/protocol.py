@@ -269,7 +269,11 @@ def time_slice(deadline: float | None, job_expires_at: float | None = None) -> f
     if deadline is not None:
         wait = max(0.0, min(wait, deadline - time.monotonic()))
     if job_expires_at is not None:
-        wait = min(wait, max(0.0, job_expires_at - time.time()) + EXPIRE_SLACK_S)
+        until = job_expires_at - time.time()
+        # Once past (the reader could not expire it: a read-only user), the
+        # ordinary recheck period applies again rather than a busy loop.
+        if until >= 0:
+            wait = min(wait, until + EXPIRE_SLACK_S)
     return wait
 
 

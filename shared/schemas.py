@@ -157,9 +157,10 @@ class GenerationRequest(_Wire):
 def json_problem(value: Any, where: str) -> str | None:
     """What keeps ``value`` from being plain JSON (named by its path), or None.
 
-    orjson would write some values that are not JSON (NaN as null, tuples as
-    arrays are fine) and raise a bare TypeError on others (sets, bytes, objects);
-    this names the first offending value instead, iteratively (no recursion limit).
+    orjson writes NaN as null and raises a bare TypeError on sets, bytes and
+    other objects; this names the first offending value by its path instead
+    (iteratively: deep nesting cannot hit the recursion limit). Tuples pass:
+    they are written as arrays.
     """
     stack: list[tuple[Any, str, int]] = [(value, where, 0)]
     while stack:
