@@ -11,7 +11,15 @@ lives in ``tokenfleet.workers`` and needs the ``worker`` extra (torch, Celery).
 
 from tokenfleet.aio import AsyncFleetClient
 from tokenfleet.client import FleetClient
-from tokenfleet.shared.errors import JobNotFound, NoWorker, QueueFull
+from tokenfleet.shared.errors import (
+    IdempotencyConflict,
+    JobNotFound,
+    NoWorker,
+    QueueFull,
+    RedisAuthFailed,
+    RedisUnavailable,
+    TokenfleetError,
+)
 from tokenfleet.shared.schemas import (
     ChatMessage,
     FinishReason,
@@ -28,11 +36,15 @@ __all__ = [
     "FinishReason",
     "FleetClient",
     "GenerationRequest",
+    "IdempotencyConflict",
     "JobNotFound",
     "JobState",
     "JobStatus",
     "NoWorker",
     "QueueFull",
+    "RedisAuthFailed",
+    "RedisUnavailable",
     "SamplingParams",
     "TokenEvent",
+    "TokenfleetError",
 ]

@@ -7,16 +7,23 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-from tokenfleet.subscriptions import Subscriptions
+from redis.exceptions import NoPermissionError
+
 from tokenfleet.protocol import (
+    CANCEL_WAIT_S,
     EventCursor,
     build_request,
-    check_deadline,
     cancel_args,
-    cancelled,
+    cancel_verdict,
+    check_deadline,
+    expire_args,
+    expires_at,
     is_end_payload,
-    live_worker_args,
+    is_overdue,
+    live_since,
     parse_state,
+    require_worker_for,
+    served_queues,
     submission,
     submitted_id,
     time_slice,
@@ -24,9 +31,10 @@ from tokenfleet.protocol import (
 from tokenfleet.shared.errors import JobNotFound, NoWorker
 from tokenfleet.shared.keys import Keys
 from tokenfleet.shared.redis_conn import connect_async
-from tokenfleet.shared.schemas import GenerationRequest, JobState, TokenEvent
+from tokenfleet.shared.schemas import GenerationRequest, JobState, JobStatus, TokenEvent
 from tokenfleet.shared.scripts import Scripts
 from tokenfleet.shared.settings import Settings, get_settings
+from tokenfleet.subscriptions import Subscriptions
 
 
 class AsyncFleetClient:
@@ -57,27 +65,57 @@ class AsyncFleetClient:
         await self.redis.aclose()
 
     async def submit(self, prompt: str | GenerationRequest | None = None, /, *,
-                     require_worker: bool = False, **kwargs: Any) -> str:
+                     require_worker: bool | None = None, **kwargs: Any) -> str:
+        """See ``FleetClient.submit``: ``NoWorker`` unless a live worker serves the
+        queue or ``require_worker=False``; ``IdempotencyConflict``; ``QueueFull``."""
         request = build_request(prompt, kwargs, self.settings)
-        if require_worker:
-            key, since = live_worker_args(request.model, self.keys)
-            if not await self.redis.zcount(key, since, "+inf"):
-                raise NoWorker(request.model)
-        sub = submission(request, self.keys, self.settings)
-        result = await self._scripts.submit(keys=sub.keys, args=sub.args)
-        return submitted_id(result, request.model, self.settings)
+        sub = submission(request, self.keys, self.settings,
+                         require_worker_for(require_worker, self.settings))
+        job_id = submitted_id(await self._scripts.submit(keys=sub.keys, args=sub.args),
+                              request, self.settings)
+        if job_id is None:
+            raise NoWorker(request.model, await self.served_queues())
+        return job_id
+
+    async def served_queues(self) -> list[str]:
+        """The queues at least one live worker serves now."""
+        names = [n async for n in self.redis.scan_iter(match=self.keys.served_pattern(),
+                                                        count=500)]
+        pipe = self.redis.pipeline(transaction=False)
+        since = live_since()
+        for name in names:
+            pipe.zcount(name, since, "+inf")
+        return served_queues(names, await pipe.execute() if names else [], self.keys)
 
     async def status(self, job_id: str) -> JobState:
-        return parse_state(job_id, await self.redis.hgetall(self.keys.job(job_id)))
+        """See ``FleetClient.status``: a job queued past its deadline ends here."""
+        state = parse_state(job_id, await self.redis.hgetall(self.keys.job(job_id)))
+        if is_overdue(state):
+            keys, args = expire_args(state, self.keys, self.settings)
+            try:
+                await self._scripts.expire(keys=keys, args=args)
+            except NoPermissionError:
+                return state  # a read-only user: the workers expire it when they take it
+            state = parse_state(job_id, await self.redis.hgetall(self.keys.job(job_id)))
+        return state
 
-    async def cancel(self, job_id: str) -> bool:
+    async def cancel(self, job_id: str, timeout: float = CANCEL_WAIT_S) -> bool:
+        """See ``FleetClient.cancel``: True only if the job ended ``cancelled``; a
+        running job is waited for up to ``timeout`` seconds."""
         # The queue's key goes to the script with the others (declared keys only).
         model, priority = await self.redis.hmget(self.keys.job(job_id), ["model", "priority"])
         if model is None:
             raise JobNotFound(job_id)
         keys, args = cancel_args(job_id, model.decode(), (priority or b"normal").decode(),
                                  self.keys, self.settings)
-        return cancelled(await self._scripts.cancel(keys=keys, args=args), job_id)
+        verdict = cancel_verdict(await self._scripts.cancel(keys=keys, args=args), job_id)
+        if verdict != "requested":
+            return verdict == "cancelled"
+        try:
+            state = await self.wait(job_id, timeout=timeout)
+        except TimeoutError:
+            return False
+        return state.status is JobStatus.CANCELLED
 
     async def wait(self, job_id: str, timeout: float | None = None) -> JobState:
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -87,9 +125,11 @@ class AsyncFleetClient:
                 if state.status.is_terminal:
                     return state
                 # Token messages do not change the status: listen on until the
-                # end message or a quiet interval, then read the record again.
+                # end message or a quiet interval (or a queued job's deadline),
+                # then read the record again.
+                wake = expires_at(state)
                 while True:
-                    payload = await _next(messages, deadline)
+                    payload = await _next(messages, deadline, wake)
                     if payload is None or is_end_payload(payload):
                         break
                 check_deadline(deadline, job_id)
@@ -102,7 +142,7 @@ class AsyncFleetClient:
             for event in cursor.take():
                 yield event
             while not cursor.ended:
-                payload = await _next(messages, deadline)
+                payload = await _next(messages, deadline, cursor.expires_at)
                 if payload is None or not cursor.feed(payload):
                     await self._catch_up(job_id, cursor)
                 for event in cursor.take():
@@ -115,15 +155,17 @@ class AsyncFleetClient:
         cursor.feed_log(await self.redis.xrange(log, cursor.log_after(), "+"))
         if cursor.ended:
             return
-        state = await self.status(job_id)
+        state = await self.status(job_id)  # expires an overdue job
+        cursor.expires_at = expires_at(state)
         if state.status.is_terminal:
             cursor.feed_log(await self.redis.xrange(log, cursor.log_after(), "+"))
             cursor.ended = True
 
 
-async def _next(messages: asyncio.Queue[bytes], deadline: float | None) -> bytes | None:
-    """The next message, or None after a quiet interval."""
+async def _next(messages: asyncio.Queue[bytes], deadline: float | None,
+                wake: float | None = None) -> bytes | None:
+    """The next message, or None after a quiet interval (see ``time_slice``)."""
     try:
-        return await asyncio.wait_for(messages.get(), timeout=time_slice(deadline))
+        return await asyncio.wait_for(messages.get(), timeout=time_slice(deadline, wake))
     except asyncio.TimeoutError:
         return None

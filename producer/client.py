@@ -6,15 +6,23 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+from redis.exceptions import NoPermissionError
+
 from tokenfleet.protocol import (
+    CANCEL_WAIT_S,
     EventCursor,
     build_request,
-    check_deadline,
     cancel_args,
-    cancelled,
+    cancel_verdict,
+    check_deadline,
+    expire_args,
+    expires_at,
     is_end,
-    live_worker_args,
+    is_overdue,
+    live_since,
     parse_state,
+    require_worker_for,
+    served_queues,
     submission,
     submitted_id,
     time_slice,
@@ -22,7 +30,7 @@ from tokenfleet.protocol import (
 from tokenfleet.shared.errors import JobNotFound, NoWorker
 from tokenfleet.shared.keys import Keys
 from tokenfleet.shared.redis_conn import connect
-from tokenfleet.shared.schemas import GenerationRequest, JobState, TokenEvent
+from tokenfleet.shared.schemas import GenerationRequest, JobState, JobStatus, TokenEvent
 from tokenfleet.shared.scripts import Scripts
 from tokenfleet.shared.settings import Settings, get_settings
 
@@ -56,36 +64,76 @@ class FleetClient:
         self.redis.close()
 
     def submit(self, prompt: str | GenerationRequest | None = None, /, *,
-               require_worker: bool = False, **kwargs: Any) -> str:
+               require_worker: bool | None = None, **kwargs: Any) -> str:
         """Validate, then enqueue atomically; returns the job id.
 
         Keyword arguments are the fields of ``SamplingParams`` and of
         ``GenerationRequest``. Raises ``pydantic.ValidationError`` for bad input
-        (nothing is written), ``QueueFull`` when the model's queue is full, and
-        with ``require_worker=True`` ``NoWorker`` when no live worker serves it.
+        (nothing is written), ``QueueFull`` when the model's queue is full,
+        ``IdempotencyConflict`` when the ``idempotency_key`` was used for another
+        request (the same request again returns the first job's id), and
+        ``NoWorker`` when no live worker serves the queue. To queue ahead of the
+        workers (they start later) pass ``require_worker=False`` or set
+        ``TOKENFLEET_REQUIRE_WORKER=0``; give such jobs a ``deadline_s``.
         """
         request = build_request(prompt, kwargs, self.settings)
-        if require_worker:
-            key, since = live_worker_args(request.model, self.keys)
-            if not self.redis.zcount(key, since, "+inf"):
-                raise NoWorker(request.model)
-        sub = submission(request, self.keys, self.settings)
-        result = self._scripts.submit(keys=sub.keys, args=sub.args)
-        return submitted_id(result, request.model, self.settings)
+        sub = submission(request, self.keys, self.settings,
+                         require_worker_for(require_worker, self.settings))
+        job_id = submitted_id(self._scripts.submit(keys=sub.keys, args=sub.args),
+                              request, self.settings)
+        if job_id is None:
+            raise NoWorker(request.model, self.served_queues())
+        return job_id
+
+    def served_queues(self) -> list[str]:
+        """The queues at least one live worker serves now."""
+        names = list(self.redis.scan_iter(match=self.keys.served_pattern(), count=500))
+        pipe = self.redis.pipeline(transaction=False)
+        since = live_since()
+        for name in names:
+            pipe.zcount(name, since, "+inf")
+        return served_queues(names, pipe.execute() if names else [], self.keys)
 
     def status(self, job_id: str) -> JobState:
-        """The job's stored state, read once; never blocks."""
-        return parse_state(job_id, self.redis.hgetall(self.keys.job(job_id)))
+        """The job's stored state, read once; never blocks.
 
-    def cancel(self, job_id: str) -> bool:
-        """Cancel a queued or running job; False if it had already ended."""
+        A job still queued past its deadline is ended here (``expired``, finish
+        reason ``deadline``) and taken off its queue: with no live worker nobody
+        else would end it.
+        """
+        state = parse_state(job_id, self.redis.hgetall(self.keys.job(job_id)))
+        if is_overdue(state):
+            keys, args = expire_args(state, self.keys, self.settings)
+            try:
+                self._scripts.expire(keys=keys, args=args)
+            except NoPermissionError:
+                return state  # a read-only user: the workers expire it when they take it
+            state = parse_state(job_id, self.redis.hgetall(self.keys.job(job_id)))
+        return state
+
+    def cancel(self, job_id: str, timeout: float = CANCEL_WAIT_S) -> bool:
+        """Cancel a job; True only if it ended ``cancelled``.
+
+        A queued job ends at once. A running job's worker is told to stop it
+        before its next step, but the job may still end otherwise first (it
+        finishes, fails or expires): this waits up to ``timeout`` seconds for the
+        job to end and returns True only if it ended cancelled. False: it had
+        ended already, it ended otherwise, or it was still running after
+        ``timeout`` (the request stands; ``status`` tells how it ends).
+        """
         # The queue's key goes to the script with the others (declared keys only).
         model, priority = self.redis.hmget(self.keys.job(job_id), ["model", "priority"])
         if model is None:
             raise JobNotFound(job_id)
         keys, args = cancel_args(job_id, model.decode(), (priority or b"normal").decode(),
                                  self.keys, self.settings)
-        return cancelled(self._scripts.cancel(keys=keys, args=args), job_id)
+        verdict = cancel_verdict(self._scripts.cancel(keys=keys, args=args), job_id)
+        if verdict != "requested":
+            return verdict == "cancelled"
+        try:
+            return self.wait(job_id, timeout=timeout).status is JobStatus.CANCELLED
+        except TimeoutError:
+            return False
 
     def wait(self, job_id: str, timeout: float | None = None) -> JobState:
         """Block until the job ends; ``TimeoutError`` after ``timeout`` seconds."""
@@ -97,9 +145,11 @@ class FleetClient:
                 if state.status.is_terminal:
                     return state
                 # Token messages do not change the status: listen on until the
-                # end message or a quiet interval, then read the record again.
+                # end message or a quiet interval (or a queued job's deadline),
+                # then read the record again.
+                wake = expires_at(state)
                 while True:
-                    message = pubsub.get_message(timeout=time_slice(deadline))
+                    message = pubsub.get_message(timeout=time_slice(deadline, wake))
                     if message is None or is_end(message):
                         break
                 check_deadline(deadline, job_id)
@@ -117,7 +167,7 @@ class FleetClient:
             self._catch_up(job_id, cursor)
             yield from cursor.take()
             while not cursor.ended:
-                message = pubsub.get_message(timeout=time_slice(deadline))
+                message = pubsub.get_message(timeout=time_slice(deadline, cursor.expires_at))
                 if not cursor.feed_message(message):
                     self._catch_up(job_id, cursor)
                 yield from cursor.take()
@@ -129,7 +179,8 @@ class FleetClient:
         cursor.feed_log(self.redis.xrange(self.keys.out(job_id), cursor.log_after(), "+"))
         if cursor.ended:
             return
-        state = self.status(job_id)  # raises JobNotFound
+        state = self.status(job_id)  # raises JobNotFound; expires an overdue job
+        cursor.expires_at = expires_at(state)
         if state.status.is_terminal:
             # Ended between the two reads: the log now holds every token.
             cursor.feed_log(self.redis.xrange(self.keys.out(job_id), cursor.log_after(), "+"))

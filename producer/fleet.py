@@ -5,14 +5,22 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from redis.exceptions import ResponseError
+from redis.exceptions import NoPermissionError, ResponseError
 
+from tokenfleet.protocol import live_since
 from tokenfleet.shared.keys import GROUP, PRIORITIES, level_queue
+from tokenfleet.shared.scripts import Scripts
 from tokenfleet.shared.serialization import loads
 
 
 def fleet_status(client: Any) -> dict[str, Any]:
-    """Read every queue's depth and group state and every live worker's heartbeat."""
+    """Read every queue's depth and group state and every live worker's heartbeat.
+
+    A queue with nothing waiting or pending and no live worker is left out: a
+    model name submitted once (mistyped, or queued ahead and expired) would
+    otherwise show for good. If no worker ever served it (no consumer group),
+    its keys are deleted too (``forget_queue.lua``, atomic against a submit).
+    """
     r, keys = client.redis, client.keys
     now = time.time()
     prefix = keys.queue("")
@@ -30,6 +38,11 @@ def fleet_status(client: Any) -> dict[str, Any]:
     for q in queues:
         q["workers"] = sum(1 for w in workers if w.get("queue") == q["queue"])
         q["unserved"] = q["workers"] == 0
+    unused = [q["queue"] for q in queues
+              if q["unserved"] and q["depth"] == 0 and q["pending"] == 0]
+    if unused:
+        _forget(r, keys, unused)
+        queues = [q for q in queues if q["queue"] not in unused]
     return {
         "queues": queues,
         "workers": workers,
@@ -52,6 +65,16 @@ def _typed(fields: dict[str, str]) -> dict[str, Any]:
 
 _NUMBERS: dict[str, type] = {"pid": int, "max_batch": int, "prefetch": int, "running": int,
                              "waiting": int, "draining": int, "last_seen": float}
+def _forget(r: Any, keys: Any, models: list[str]) -> None:
+    """Delete the keys of unused queues that no worker ever served; the script
+    checks again, atomically, so a submit or a worker in between keeps its queue."""
+    forget, since = Scripts(r).forget_queue, repr(live_since())
+    for model in models:
+        try:
+            forget(keys=[*(keys.queue(level_queue(model, p)) for p in PRIORITIES),
+                         keys.backlog(model), keys.queue_workers(model)], args=[since])
+        except NoPermissionError:
+            return  # a read-only user: leaving them is harmless, they are not shown
 
 
 def _queue(r: Any, keys: Any, model: str, now: float) -> dict[str, Any]:

@@ -9,7 +9,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from tokenfleet.shared.errors import JobNotFound, QueueFull
+from tokenfleet.shared.errors import IdempotencyConflict, JobNotFound, QueueFull
 from tokenfleet.shared.keys import GROUP, PRIORITIES, Keys, level_queue
 from tokenfleet.shared.schemas import (
     EndEvent,
@@ -31,6 +31,14 @@ REQUEST_FIELDS = frozenset(GenerationRequest.model_fields) - {"prompt", "samplin
 # record, so a lost pub/sub message (a dropped connection, a Redis restart)
 # delays it by at most this much and never loses a token.
 RECHECK_S = 1.0
+# A reader waiting on a queued job wakes this long after its deadline, so the
+# deadline has surely passed by its own clock when it looks (expire.lua).
+EXPIRE_SLACK_S = 0.005
+EXPIRED_ERROR = "deadline passed before the job started"
+# How long cancel() waits for a running job to end before it answers.
+CANCEL_WAIT_S = 5.0
+# A worker whose last heartbeat is older than this is taken for gone.
+LIVE_WORKER_S = 10.0
 
 
 def build_request(
@@ -61,7 +69,15 @@ class Submission:
     args: list[Any]
 
 
-def submission(request: GenerationRequest, keys: Keys, settings: Settings) -> Submission:
+def require_worker_for(require_worker: bool | None, settings: Settings) -> bool:
+    """The caller's choice, else the fleet's (``TOKENFLEET_REQUIRE_WORKER``, on by default)."""
+    return settings.require_worker if require_worker is None else require_worker
+
+
+def submission(request: GenerationRequest, keys: Keys, settings: Settings,
+               require_worker: bool = True) -> Submission:
+    """The keys and arguments of submit.lua for one request. With ``require_worker``
+    the script refuses a queue no live worker serves (``NoWorker``)."""
     job_id = uuid.uuid4().hex
     now = time.time()
     deadline_at = now + request.deadline_s if request.deadline_s else None
@@ -89,6 +105,7 @@ def submission(request: GenerationRequest, keys: Keys, settings: Settings) -> Su
             keys.idempotency(idem or "-"),
             *(keys.queue(level_queue(model, p)) for p in PRIORITIES),
             keys.backlog(model),
+            keys.queue_workers(model),
         ],
         args=[
             job_id,
@@ -97,17 +114,16 @@ def submission(request: GenerationRequest, keys: Keys, settings: Settings) -> Su
             settings.idempotency_ttl_s,
             "1" if idem else "0",
             backlog_weight(request),
+            request.fingerprint() if idem else "",
+            repr(now - LIVE_WORKER_S) if require_worker else "",
             *flat,
         ],
     )
 
 
-# A worker whose last heartbeat is older than this is taken for gone.
-LIVE_WORKER_S = 10.0
-
-
-def live_worker_args(model: str, keys: Keys) -> tuple[str, float]:
-    return keys.queue_workers(model), time.time() - LIVE_WORKER_S
+def live_since() -> float:
+    """The heartbeat score (wall clock) a live worker has at least."""
+    return time.time() - LIVE_WORKER_S
 
 
 def backlog_weight(request: GenerationRequest) -> int:
@@ -117,11 +133,24 @@ def backlog_weight(request: GenerationRequest) -> int:
     return -(-len(text.encode()) // 4) + request.sampling.max_new_tokens
 
 
-def submitted_id(result: list[bytes], queue: str, settings: Settings) -> str:
+def submitted_id(result: list[bytes], request: GenerationRequest,
+                 settings: Settings) -> str | None:
+    """The id of the job that runs ('ok' or 'dup'), None when no live worker serves
+    the queue (the caller lists the served ones in its ``NoWorker``)."""
     verdict, value = result[0].decode(), result[1].decode()
     if verdict == "full":
-        raise QueueFull(queue, int(value), settings.max_queue)
-    return value  # 'ok' or 'dup': the id of the job that runs
+        raise QueueFull(request.model, int(value), settings.max_queue)
+    if verdict == "conflict":
+        raise IdempotencyConflict(request.idempotency_key or "")
+    if verdict == "noworker":
+        return None
+    return value
+
+
+def served_queues(names: list[bytes], live_counts: list[int], keys: Keys) -> list[str]:
+    """Queue names from ``<ns>:served:<model>`` keys that have a live worker."""
+    prefix = len(keys.queue_workers(""))
+    return sorted(name.decode()[prefix:] for name, n in zip(names, live_counts) if n)
 
 
 def cancel_args(job_id: str, model: str, priority: str, keys: Keys,
@@ -140,11 +169,38 @@ def cancel_args(job_id: str, model: str, priority: str, keys: Keys,
     )
 
 
-def cancelled(result: bytes | str, job_id: str) -> bool:
+def cancel_verdict(result: bytes | str, job_id: str) -> str:
+    """'cancelled' (it was queued: ended now), 'requested' (it is running: its worker
+    was told, the job may still end otherwise) or 'ended' (nothing to cancel)."""
     verdict = result.decode() if isinstance(result, bytes) else result
     if verdict == "missing":
         raise JobNotFound(job_id)
-    return verdict in ("cancelled", "requested")
+    return verdict
+
+
+def is_overdue(state: JobState) -> bool:
+    """Queued past its deadline: a reader ends it (expire.lua), a worker may be none."""
+    return (state.status is JobStatus.QUEUED and state.deadline_at is not None
+            and state.deadline_at <= time.time())
+
+
+def expires_at(state: JobState) -> float | None:
+    """When a reader of this job should look again to expire it (wall clock), or None."""
+    return state.deadline_at if state.status is JobStatus.QUEUED else None
+
+
+def expire_args(state: JobState, keys: Keys, settings: Settings) -> tuple[list[str], list[Any]]:
+    return (
+        [keys.job(state.id), keys.out(state.id), keys.events(state.id),
+         keys.queue(level_queue(state.model, state.priority)), keys.backlog(state.model)],
+        [
+            repr(time.time()),
+            settings.result_ttl_s,
+            end_event(JobStatus.EXPIRED, FinishReason.DEADLINE, EXPIRED_ERROR),
+            GROUP,
+            EXPIRED_ERROR,
+        ],
+    )
 
 
 def parse_state(job_id: str, fields: dict[bytes, bytes]) -> JobState:
@@ -160,6 +216,7 @@ class EventCursor:
 
     next_index: int = 0
     ended: bool = False
+    expires_at: float | None = None  # a queued job's deadline: look again then
     pending: list[TokenEvent] = field(default_factory=list)
 
     def log_after(self) -> str:
@@ -204,11 +261,20 @@ def is_end_payload(payload: bytes) -> bool:
     return b'"k":"end"' in payload
 
 
-def time_slice(deadline: float | None) -> float:
-    """How long one wait for a message may block: until the next recheck or the deadline."""
-    if deadline is None:
-        return RECHECK_S
-    return max(0.0, min(RECHECK_S, deadline - time.monotonic()))
+def time_slice(deadline: float | None, job_expires_at: float | None = None) -> float:
+    """How long one wait for a message may block: until the next recheck, the
+    caller's timeout (``deadline``, monotonic) or the moment a queued job's own
+    deadline passes (``job_expires_at``, wall clock), whichever comes first."""
+    wait = RECHECK_S
+    if deadline is not None:
+        wait = max(0.0, min(wait, deadline - time.monotonic()))
+    if job_expires_at is not None:
+        until = job_expires_at - time.time()
+        # Once past (the reader could not expire it: a read-only user), the
+        # ordinary recheck period applies again rather than a busy loop.
+        if until >= 0:
+            wait = min(wait, until + EXPIRE_SLACK_S)
+    return wait
 
 
 def check_deadline(deadline: float | None, job_id: str) -> None:

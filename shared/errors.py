@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from redis.exceptions import AuthenticationError, ConnectionError
+
 
 class TokenfleetError(Exception):
     """Base of the fleet's own errors."""
@@ -27,9 +29,49 @@ class JobNotFound(TokenfleetError):
 
 
 class NoWorker(TokenfleetError):
-    """``require_worker=True`` and no live worker serves the queue."""
+    """No live worker serves the queue, and the submit asked for one (the default);
+    nothing was enqueued."""
 
-    def __init__(self, queue: str) -> None:
-        super().__init__(f"no live worker serves queue {queue!r}; start one with "
-                         f"`tokenfleet worker --queue {queue}`")
-        self.queue = queue
+    def __init__(self, queue: str, served: list[str] | None = None) -> None:
+        now = ", ".join(repr(q) for q in served) if served else "none"
+        super().__init__(
+            f"no live worker serves queue {queue!r} (queues served now: {now}); nothing was "
+            f"enqueued: start one with `tokenfleet worker --queue {queue}`, or pass "
+            "require_worker=False (TOKENFLEET_REQUIRE_WORKER=0) to queue ahead of the workers"
+        )
+        self.queue, self.served = queue, list(served or [])
+
+
+class IdempotencyConflict(TokenfleetError):
+    """The idempotency key was already used for a different request; nothing was enqueued.
+
+    The message does not name the other job: its id is read and cancel access.
+    """
+
+    def __init__(self, key: str) -> None:
+        super().__init__(
+            f"idempotency key {key!r} was already used for a different request (another "
+            "model, prompt or parameters); nothing was enqueued: use a new key for a new request"
+        )
+        self.key = key
+
+
+class RedisUnavailable(TokenfleetError, ConnectionError):
+    """The first connection to Redis failed: nothing to ride out, so not retried.
+
+    A ``redis.exceptions.ConnectionError`` too, so code that catches those keeps working.
+    """
+
+    def __init__(self, url: str, cause: BaseException) -> None:
+        super().__init__(f"cannot connect to Redis at {url}: {cause} "
+                         "(check TOKENFLEET_REDIS_URL and that redis-server runs there)")
+        self.url = url
+
+
+class RedisAuthFailed(TokenfleetError, AuthenticationError):
+    """Redis refused the credentials of the URL; never retried (they will not change)."""
+
+    def __init__(self, url: str, cause: BaseException) -> None:
+        super().__init__(f"Redis at {url} refused the credentials: {cause} "
+                         "(check the user and password in TOKENFLEET_REDIS_URL)")
+        self.url = url

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 # The consumer group every worker of a queue joins.
@@ -11,6 +12,16 @@ GROUP = "workers"
 # "normal" keeps the plain queue name, so the stream a KEDA scaler or a dashboard
 # watches by default is <ns>:q:<model>.
 PRIORITIES = ("high", "normal", "low")
+
+# A queue (model) name. Checked with fullmatch: with re.match and '^...$' a name
+# ending in a newline passed ('$' matches before a final '\n') and its jobs
+# waited forever on a stream no worker reads.
+QUEUE_NAME = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
+QUEUE_NAME_RULE = "1 to 64 letters, digits, '_', '.' or '-'"
+
+
+def is_queue_name(name: str) -> bool:
+    return QUEUE_NAME.fullmatch(name) is not None
 
 
 def level_queue(model: str, priority: str) -> str:
@@ -61,7 +72,11 @@ class Keys:
         """Sorted set: live workers of a model, scored by their last heartbeat."""
         return f"{self.namespace}:served:{model}"
 
+    def served_pattern(self) -> str:
+        return f"{self.namespace}:served:*"
+
     def idempotency(self, key: str) -> str:
+        """String with a TTL: '<job id> <fingerprint of the request>' of a key."""
         return f"{self.namespace}:idem:{key}"
 
     @property

@@ -1,26 +1,152 @@
-"""Redis clients that ride out a restart or a dropped connection.
+"""Redis clients that ride out a restart or a dropped connection, and fail fast
+when there was never a connection to ride out.
 
-Every command is retried with exponential backoff on connection errors and
-timeouts, so a producer or worker waits for Redis to come back instead of
-dying; callers with loops of their own (the feeder, subscribers) also back off.
+Commands are retried with exponential backoff on connection errors and timeouts
+once the client has been connected, so a producer or worker waits for a
+restarted Redis instead of dying; callers with loops of their own (the feeder,
+subscribers) also back off. Before the first successful connection nothing is
+retried: a wrong host or port, or a Redis that is not up, is one clear error
+(``RedisUnavailable``) within the connect timeout, not 13 s of backoff and a
+traceback. Refused credentials (``RedisAuthFailed``) and missing permissions are
+never retried: they do not change by waiting.
 ``rediss://`` and ``user:password@`` URLs work as redis-py parses them.
 """
 
 from __future__ import annotations
 
+import copy
 from typing import Any
+from urllib.parse import urlsplit, urlunsplit
 
 import redis
 import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry as AsyncRetry
 from redis.backoff import ExponentialBackoff
-from redis.exceptions import ConnectionError, TimeoutError
+from redis.exceptions import AuthenticationError, AuthorizationError, ConnectionError, TimeoutError
+from redis.retry import Retry
+
+from tokenfleet.shared.errors import RedisAuthFailed, RedisUnavailable, TokenfleetError
 
 # Ten retries with a backoff capped at 2 s ride out a restart of ~15 s.
 RETRIES = 10
 # Each live stream()/wait() holds a pub/sub connection of its own: a web backend
 # following hundreds of jobs needs more than redis-py's default of 100.
 MAX_CONNECTIONS = 2000
+# How long one TCP connect may take: also the bound on a first connect that fails.
+CONNECT_TIMEOUT_S = 3.0
 RETRY_ERRORS: list[type[Exception]] = [ConnectionError, TimeoutError, ConnectionResetError]
+
+
+def redacted(url: str) -> str:
+    """The URL with its password replaced by ``***``, fit for an error message."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    user = parts.username or ""
+    host = parts.hostname or ""
+    if ":" in host:
+        host = f"[{host}]"
+    port = f":{parts.port}" if parts.port else ""
+    return urlunsplit(parts._replace(netloc=f"{user}:***@{host}{port}"))
+
+
+class _Link:
+    """Whether a client has ever reached Redis; shared by all its connections.
+
+    redis-py deep-copies the retry policy into every connection of a pool, so
+    the policies below share one of these instead of each keeping its own.
+    """
+
+    def __init__(self, url: str) -> None:
+        self.url = redacted(url)
+        self.up = False
+
+
+def _give_up(link: _Link, error: Exception) -> Exception | None:
+    """The error to raise at once instead of retrying, or None to retry."""
+    if isinstance(error, TokenfleetError | AuthorizationError):
+        return error  # already explained (a nested retry), or a missing ACL permission
+    if isinstance(error, AuthenticationError):
+        return RedisAuthFailed(link.url, error)
+    if not link.up:
+        return RedisUnavailable(link.url, error)
+    return None
+
+
+class _FailFastRetry(Retry):
+    """redis-py's retry loop, except as :func:`_give_up` says."""
+
+    def __init__(self, link: _Link) -> None:
+        super().__init__(ExponentialBackoff(cap=2.0, base=0.05), RETRIES)
+        self.link = link
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> _FailFastRetry:
+        other = copy.copy(self)
+        other._backoff = copy.deepcopy(self._backoff, memo)
+        return other  # the link stays shared
+
+    def call_with_retry(self, do: Any, fail: Any, is_retryable: Any = None,
+                        with_failure_count: bool = False) -> Any:
+        self._backoff.reset()  # type: ignore[no-untyped-call]
+        failures = 0
+        while True:
+            try:
+                result = do()
+                self.link.up = True
+                return result
+            except self._supported_errors as error:
+                if is_retryable and not is_retryable(error):
+                    raise
+                failures += 1
+                fail(error, failures) if with_failure_count else fail(error)
+                now = _give_up(self.link, error)
+                if now is not None:
+                    raise now from (None if now is error else error)
+                if self._retries >= 0 and failures > self._retries:
+                    raise
+                _sleep(self._backoff.compute(failures))
+
+
+class _AsyncFailFastRetry(AsyncRetry):
+    """The asyncio twin of :class:`_FailFastRetry`."""
+
+    def __init__(self, link: _Link) -> None:
+        super().__init__(ExponentialBackoff(cap=2.0, base=0.05), RETRIES)
+        self.link = link
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> _AsyncFailFastRetry:
+        other = copy.copy(self)
+        other._backoff = copy.deepcopy(self._backoff, memo)
+        return other
+
+    async def call_with_retry(self, do: Any, fail: Any, is_retryable: Any = None,
+                              with_failure_count: bool = False) -> Any:
+        import asyncio
+
+        self._backoff.reset()  # type: ignore[no-untyped-call]
+        failures = 0
+        while True:
+            try:
+                result = await do()
+                self.link.up = True
+                return result
+            except self._supported_errors as error:
+                if is_retryable and not is_retryable(error):
+                    raise
+                failures += 1
+                await (fail(error, failures) if with_failure_count else fail(error))
+                now = _give_up(self.link, error)
+                if now is not None:
+                    raise now from (None if now is error else error)
+                if self._retries >= 0 and failures > self._retries:
+                    raise
+                await asyncio.sleep(self._backoff.compute(failures))
+
+
+def _sleep(seconds: float) -> None:
+    import time
+
+    time.sleep(seconds)  # the backoff between two tries of a dropped connection
 
 
 def _options() -> dict[str, Any]:
@@ -28,7 +154,7 @@ def _options() -> dict[str, Any]:
         "decode_responses": False,
         "health_check_interval": 30,
         "socket_keepalive": True,
-        "socket_connect_timeout": 5,
+        "socket_connect_timeout": CONNECT_TIMEOUT_S,
         # A half-open connection (a peer gone without a FIN) fails instead of
         # hanging a thread forever; far above any BLOCK the fleet uses.
         "socket_timeout": 60,
@@ -38,19 +164,11 @@ def _options() -> dict[str, Any]:
 
 
 def connect(url: str) -> redis.Redis:
-    from redis.retry import Retry
-
-    return redis.Redis.from_url(
-        url, retry=Retry(ExponentialBackoff(cap=2.0, base=0.05), RETRIES), **_options()
-    )
+    return redis.Redis.from_url(url, retry=_FailFastRetry(_Link(url)), **_options())
 
 
 def connect_async(url: str) -> aioredis.Redis:
-    from redis.asyncio.retry import Retry
-
-    return aioredis.Redis.from_url(
-        url, retry=Retry(ExponentialBackoff(cap=2.0, base=0.05), RETRIES), **_options()
-    )
+    return aioredis.Redis.from_url(url, retry=_AsyncFailFastRetry(_Link(url)), **_options())
 
 
 def text(value: bytes | str | None) -> str | None:

@@ -8,7 +8,8 @@ come from :class:`tokenfleet.shared.settings.Settings`; pass ``context={"setting
 from __future__ import annotations
 
 import enum
-import re
+import hashlib
+import math
 from typing import Any, Literal
 
 import orjson
@@ -21,9 +22,12 @@ from pydantic import (
     model_validator,
 )
 
+from tokenfleet.shared.keys import QUEUE_NAME_RULE, is_queue_name
 from tokenfleet.shared.settings import Settings, get_settings
 
-QUEUE_NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
+# How deep metadata may nest (orjson itself stops at 255; a bound here keeps the
+# check cheap and the message clear).
+MAX_METADATA_DEPTH = 32
 
 
 def _limits(info: ValidationInfo) -> Settings:
@@ -97,9 +101,18 @@ class GenerationRequest(_Wire):
     @field_validator("model")
     @classmethod
     def _queue_name(cls, value: str) -> str:
-        if not QUEUE_NAME.match(value):
+        if not is_queue_name(value):
+            raise ValueError(f"model (the queue name) must be {QUEUE_NAME_RULE}, got {value!r}")
+        return value
+
+    @field_validator("metadata")
+    @classmethod
+    def _metadata_is_json(cls, value: dict[str, Any]) -> dict[str, Any]:
+        problem = json_problem(value, "metadata")
+        if problem:
             raise ValueError(
-                "model (the queue name) must be 1 to 64 letters, digits, '_', '.' or '-'"
+                f"{problem}; metadata must be JSON: objects with string keys, arrays, "
+                "strings, finite numbers, true, false, null"
             )
         return value
 
@@ -118,7 +131,7 @@ class GenerationRequest(_Wire):
                 f"prompt is {chars} characters, above this fleet's limit of "
                 f"{limits.max_prompt_chars} (TOKENFLEET_MAX_PROMPT_CHARS)"
             )
-        meta_bytes = len(orjson.dumps(self.metadata))
+        meta_bytes = len(orjson.dumps(self.metadata))  # JSON-safe: checked above
         if meta_bytes > limits.max_metadata_bytes:
             raise ValueError(
                 f"metadata is {meta_bytes} bytes as JSON, above the limit of "
@@ -131,6 +144,58 @@ class GenerationRequest(_Wire):
                 f"{limits.max_payload_bytes} (TOKENFLEET_MAX_PAYLOAD_BYTES)"
             )
         return self
+
+    def fingerprint(self) -> str:
+        """What the request asks for, as a digest: the same for a retry of it, different
+        for any other request. Stored with an idempotency key, so that the key
+        coming back with another request is refused rather than answered with
+        someone else's job (and with it read and cancel access)."""
+        asked = self.model_dump(mode="json", exclude={"idempotency_key"})
+        return hashlib.sha256(orjson.dumps(asked, option=orjson.OPT_SORT_KEYS)).hexdigest()[:32]
+
+
+def json_problem(value: Any, where: str) -> str | None:
+    """What keeps ``value`` from being plain JSON (named by its path), or None.
+
+    orjson writes NaN as null and raises a bare TypeError on sets, bytes and
+    other objects; this names the first offending value by its path instead
+    (iteratively: deep nesting cannot hit the recursion limit). Tuples pass:
+    they are written as arrays.
+    """
+    stack: list[tuple[Any, str, int]] = [(value, where, 0)]
+    while stack:
+        item, path, depth = stack.pop()
+        if depth > MAX_METADATA_DEPTH:
+            return f"{path} nests more than {MAX_METADATA_DEPTH} levels deep"
+        if item is None or isinstance(item, bool):
+            continue
+        if isinstance(item, int):
+            if not -(2**63) <= item < 2**64:
+                return f"{path} is an integer outside the 64-bit range"
+        elif isinstance(item, float):
+            if not math.isfinite(item):
+                return f"{path} is {item}, not a finite number"
+        elif isinstance(item, str):
+            if not _utf8(item):
+                return f"{path} is a string that is not valid UTF-8 (a lone surrogate)"
+        elif isinstance(item, dict):
+            for key, sub in item.items():
+                if not isinstance(key, str) or not _utf8(key):
+                    return f"{path} has a key {key!r} that is not a string"
+                stack.append((sub, f"{path}[{key!r}]", depth + 1))
+        elif isinstance(item, list | tuple):
+            stack.extend((sub, f"{path}[{i}]", depth + 1) for i, sub in enumerate(item))
+        else:
+            return f"{path} is of type {type(item).__name__}, which JSON cannot hold"
+    return None
+
+
+def _utf8(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 class JobStatus(str, enum.Enum):

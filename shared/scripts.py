@@ -11,7 +11,8 @@ from functools import cache
 from importlib import resources
 from typing import Any
 
-NAMES = ("submit", "cancel", "start", "emit", "finish", "requeue", "resume")
+NAMES = ("submit", "cancel", "start", "emit", "finish", "requeue", "resume", "expire",
+         "forget_queue")
 
 # A line '-- include: NAME.lua' is replaced by that fragment (Lua has no
 # require in Redis): a rule several scripts share is written once.
@@ -45,3 +46,5 @@ class Scripts:
     finish: Any
     requeue: Any
     resume: Any
+    expire: Any
+    forget_queue: Any

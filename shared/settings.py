@@ -8,8 +8,10 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-from pydantic import Field
+from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from tokenfleet.shared.keys import QUEUE_NAME_RULE, is_queue_name
 
 
 class Settings(BaseSettings):
@@ -32,6 +34,10 @@ class Settings(BaseSettings):
     max_batch: int = Field(default=32, ge=1, le=4096)
     prefetch: int = Field(default=4, ge=0, le=4096)
     block_ms: int = Field(default=200, ge=1)
+
+    # submit() refuses (NoWorker) a queue no live worker serves, unless asked to
+    # queue ahead of the workers: submit(require_worker=False), or 0 here.
+    require_worker: bool = True
 
     # Admission limits, enforced by the producer and again by the worker.
     max_queue: int = Field(default=10_000, ge=1)
@@ -57,6 +63,13 @@ class Settings(BaseSettings):
     # How long finished records, token logs and idempotency keys stay readable.
     result_ttl_s: int = Field(default=24 * 3600, ge=1)
     idempotency_ttl_s: int = Field(default=24 * 3600, ge=1)
+
+    @field_validator("queue")
+    @classmethod
+    def _queue_name(cls, value: str) -> str:
+        if not is_queue_name(value):
+            raise ValueError(f"queue must be {QUEUE_NAME_RULE}, got {value!r}")
+        return value
 
 
 @lru_cache(maxsize=1)

@@ -91,6 +91,11 @@ def start_worker(settings: Any, loaded_tiny: tuple[Any, Any]) -> Iterator[Callab
                         max_model_len=HFRunner(model, tokenizer).max_model_len)
         worker.start()
         started.append(worker)
+        # Submits require a live worker by default: wait for its first heartbeat,
+        # which lists it as serving its queue (as a Celery worker's fixture does).
+        served = worker.keys.queue_workers(worker.queue)
+        wait_until(lambda: worker.redis.zscore(served, name) is not None, timeout=30,
+                   what=f"worker {name} to send its first heartbeat")
         return worker
 
     yield start

@@ -33,6 +33,10 @@ def test_limits_follow_the_settings_given_as_context() -> None:
         ({"prompt": "a", "messages": [{"role": "user", "content": "b"}]}, "exactly one"),
         ({"prompt": ""}, "prompt is empty"),
         ({"prompt": "a", "model": "no spaces allowed"}, "queue name"),
+        ({"prompt": "a", "model": "default\n"}, "queue name"),  # '$' matched before '\n'
+        ({"prompt": "a", "metadata": {"tags": {"x"}}}, "metadata\\['tags'\\] is of type set"),
+        ({"prompt": "a", "metadata": {"b": b"x"}}, "is of type bytes"),
+        ({"prompt": "a", "metadata": {"f": float("inf")}}, "not a finite number"),
         ({"prompt": "a", "sampling": {"temperature": -1}}, "greater than or equal to 0"),
         ({"prompt": "a", "sampling": {"top_p": 0}}, "greater than 0"),
         ({"prompt": "a", "sampling": {"stop": [""]}}, "1 to 128 characters"),
@@ -59,3 +63,23 @@ def test_terminal_statuses() -> None:
     assert not JobStatus.QUEUED.is_terminal and not JobStatus.RUNNING.is_terminal
     assert all(s.is_terminal for s in (JobStatus.SUCCEEDED, JobStatus.FAILED,
                                        JobStatus.CANCELLED, JobStatus.EXPIRED))
+
+
+def test_the_fingerprint_names_the_request_not_its_key_or_dict_order() -> None:
+    a = GenerationRequest(prompt="Hi", metadata={"x": 1, "y": 2}, idempotency_key="k1")
+    same = GenerationRequest(prompt="Hi", metadata={"y": 2, "x": 1}, idempotency_key="k2")
+    assert a.fingerprint() == same.fingerprint()
+    for other in ({"prompt": "Ho"}, {"model": "m"}, {"sampling": {"max_new_tokens": 5}},
+                  {"metadata": {"x": 1}}, {"priority": "low"}, {"deadline_s": 3.0}):
+        changed = GenerationRequest.model_validate({**a.model_dump(), **other})
+        assert changed.fingerprint() != a.fingerprint(), other
+
+
+def test_metadata_nested_too_deep_is_refused_without_a_recursion_error() -> None:
+    deep: dict = {}
+    inner = deep
+    for _ in range(10_000):
+        inner["k"] = {}
+        inner = inner["k"]
+    with pytest.raises(ValidationError, match="nests more than 32 levels"):
+        GenerationRequest(prompt="a", metadata=deep)

@@ -61,7 +61,9 @@ def run_demo(
 ) -> dict[str, str]:
     console = console or Console()
     with embedded_redis() if redis_url is None else _given(redis_url) as url:
-        settings = Settings(redis_url=url, namespace="tokenfleet-demo", block_ms=50)
+        # require_worker=False: the submits may come before the worker's first heartbeat.
+        settings = Settings(redis_url=url, namespace="tokenfleet-demo", block_ms=50,
+                            require_worker=False)
         from tokenfleet.workers.build import build_worker
 
         started = time.perf_counter()

@@ -1,24 +1,43 @@
--- Admit one job: idempotency check, bounded queue, then record + stream entry
--- together, so a reader never sees an entry without its record or the reverse.
+-- Admit one job: idempotency check, a live worker (unless queued ahead), bounded
+-- queue, then record + stream entry together, so a reader never sees an entry
+-- without its record or the reverse.
 -- KEYS: 1 the level's stream, 2 job hash, 3 idempotency key,
 --       4-6 every level's stream of the model (the depth counts them all),
---       7 the model's backlog counter
+--       7 the model's backlog counter, 8 the model's live workers (sorted set)
 -- ARGV: 1 job id, 2 entry JSON, 3 max queue depth, 4 idempotency TTL (s),
 --       5 '1' if an idempotency key is used, 6 backlog weight (tokens),
---       7.. record field/value pairs
+--       7 fingerprint of the request, 8 heartbeat score a live worker has at
+--       least ('' to queue ahead of the workers), 9.. record field/value pairs
+-- Returns {'ok', job id}, {'dup', id of the job the key made before},
+--         {'conflict', ''} (the key was used for another request),
+--         {'noworker', ''}, {'full', depth}
 if ARGV[5] == '1' then
   local existing = redis.call('GET', KEYS[3])
-  if existing then return {'dup', existing} end
+  if existing then
+    -- '<job id> <fingerprint>'; a bare id was stored before fingerprints were.
+    local id, fingerprint = string.match(existing, '^(%S+) (%S+)$')
+    if not id then return {'dup', existing} end
+    -- Another request under the same key gets nothing of the first job: its
+    -- id would give read and cancel access to someone else's job.
+    if fingerprint ~= ARGV[7] then return {'conflict', ''} end
+    return {'dup', id}
+  end
+end
+-- Checked here rather than by the client beforehand: no extra round trip.
+if ARGV[8] ~= '' and redis.call('ZCOUNT', KEYS[8], ARGV[8], '+inf') == 0 then
+  return {'noworker', ''}
 end
 -- Finished entries are deleted, so the length is what is waiting or running.
 local depth = redis.call('XLEN', KEYS[4]) + redis.call('XLEN', KEYS[5]) + redis.call('XLEN', KEYS[6])
 if depth >= tonumber(ARGV[3]) then return {'full', tostring(depth)} end
 local fields = {}
-for i = 7, #ARGV do fields[#fields + 1] = ARGV[i] end
+for i = 9, #ARGV do fields[#fields + 1] = ARGV[i] end
 redis.call('HSET', KEYS[2], unpack(fields))
 local entry = redis.call('XADD', KEYS[1], '*', 'data', ARGV[2])
 -- The record knows its entry, so a cancel can take it off the queue at once.
 redis.call('HSET', KEYS[2], 'entry', entry, 'weight', ARGV[6])
 redis.call('INCRBY', KEYS[7], ARGV[6])
-if ARGV[5] == '1' then redis.call('SET', KEYS[3], ARGV[1], 'EX', ARGV[4]) end
+if ARGV[5] == '1' then
+  redis.call('SET', KEYS[3], ARGV[1] .. ' ' .. ARGV[7], 'EX', ARGV[4])
+end
 return {'ok', ARGV[1]}

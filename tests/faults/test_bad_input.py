@@ -11,7 +11,7 @@ import redis
 from hypothesis import HealthCheck, given, settings as hsettings, strategies as st
 from pydantic import ValidationError
 
-from tokenfleet import FleetClient
+from tokenfleet import FleetClient, IdempotencyConflict
 from tokenfleet.shared.keys import Keys
 from tokenfleet.shared.schemas import JobStatus
 from tokenfleet.shared.serialization import loads
@@ -48,7 +48,7 @@ entry_fields = st.one_of(
 
 
 class Tally:
-    refused = accepted = 0
+    refused = accepted = conflicts = 0
 
 
 @hsettings(max_examples=5000, deadline=None, database=None,
@@ -59,13 +59,18 @@ def test_5000_random_submits_are_accepted_or_refused_with_a_validation_error(
 ) -> None:
     prompt = kwargs.pop("prompt", "x")
     try:
-        job_id = client.submit(prompt, **kwargs)
+        job_id = client.submit(prompt, require_worker=False, **kwargs)
     except (ValidationError, TypeError) as exc:
         assert str(exc)  # a message a user can read
         Tally.refused += 1
         return
+    except IdempotencyConflict as exc:  # a key drawn twice for two different requests
+        assert "was already used for a different request" in str(exc)
+        Tally.conflicts += 1
+        return
     Tally.accepted += 1
-    assert client.status(job_id).status is JobStatus.QUEUED  # accepted means stored
+    # Accepted means stored (and a deadline already past ends it on the first read).
+    assert client.status(job_id).status in (JobStatus.QUEUED, JobStatus.EXPIRED)
 
 
 class Dead:
@@ -100,8 +105,8 @@ def dlq_worker(start_worker: Any, r: redis.Redis, settings: Any) -> Any:
 def tallies() -> Any:
     yield
     FIGURES.append(("random input", {
-        "submits": Tally.refused + Tally.accepted, "refused": Tally.refused,
-        "accepted": Tally.accepted, "entries": Dead.count, "dead_lettered": Dead.count,
+        "submits": Tally.refused + Tally.accepted + Tally.conflicts, "refused": Tally.refused,
+        "idempotency_conflicts": Tally.conflicts, "accepted": Tally.accepted, "entries": Dead.count, "dead_lettered": Dead.count,
         "worker_crashes": 0}))
 
 
@@ -120,8 +125,9 @@ def test_a_poison_job_fails_alone_and_its_31_batch_mates_succeed(
     client: FleetClient, start_worker: Any, loaded_tiny: Any, r: redis.Redis, settings: Any,
     report: dict[str, Any],
 ) -> None:
-    job_ids = [client.submit(f"batch mate {i}", max_new_tokens=12, temperature=0.0)
-               for i in range(32)]
+    # Queued ahead of the worker, so that all 32 share its first batch.
+    job_ids = [client.submit(f"batch mate {i}", max_new_tokens=12, temperature=0.0,
+                             require_worker=False) for i in range(32)]
     poison = job_ids[13]
     runner = PoisonRunner(*loaded_tiny)
     runner.poison = {poison}

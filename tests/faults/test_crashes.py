@@ -103,7 +103,9 @@ def test_kill_9_mid_batch_loses_nothing_and_runs_nothing_twice(
 ) -> None:
     keys = Keys(settings.namespace)
     jobs = prompts(200)
-    job_ids = [client.submit(p, max_new_tokens=n, temperature=0.0) for p, n in jobs]
+    # Queued ahead of the workers: the whole batch waits when the first one starts.
+    job_ids = [client.submit(p, max_new_tokens=n, temperature=0.0, require_worker=False)
+               for p, n in jobs]
     tally = ChannelTally(settings.redis_url, keys)
     consumers, seen = follow_all(settings, job_ids)
     first = celery_workers("cpu@first", TOKENFLEET_MAX_BATCH="32", TOKENFLEET_CLAIM_IDLE_S="2")
@@ -154,7 +156,7 @@ def test_redis_restart_mid_run_every_accepted_job_finishes(
     r = redis.Redis.from_url(aof_redis.url)
     keys = Keys(namespace)
     job_ids = [client.submit(f"restart {i} {' '.join(WORDS[:i % 9])}", max_new_tokens=60,
-                             temperature=0.0) for i in range(60)]
+                             temperature=0.0, require_worker=False) for i in range(60)]
     worker = _celery_on(celery_workers, settings, "cpu@survivor")
     wait_until(lambda: r.hget(keys.job(job_ids[5]), "status") == b"succeeded", timeout=60,
                what="a few jobs to finish before the restart")
@@ -192,8 +194,8 @@ def test_a_drained_worker_finishes_or_hands_back_its_jobs(
     report: dict[str, Any],
 ) -> None:
     keys = Keys(settings.namespace)
-    job_ids = [client.submit(f"drain {i}", max_new_tokens=300, temperature=0.0)
-               for i in range(24)]
+    job_ids = [client.submit(f"drain {i}", max_new_tokens=300, temperature=0.0,
+                             require_worker=False) for i in range(24)]
     consumers, seen = follow_all(settings, job_ids)
     first = celery_workers("cpu@leaving", TOKENFLEET_MAX_BATCH="8", TOKENFLEET_DRAIN_GRACE_S="0.5")
     wait_until(lambda: r.hget(keys.job(job_ids[0]), "first_token_at"), timeout=60,

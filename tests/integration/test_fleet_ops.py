@@ -36,7 +36,7 @@ def test_jobs_route_to_the_worker_of_their_model_and_unserved_queues_show(
     assert client.wait(b, timeout=60).worker == "beta@test"
     with pytest.raises(NoWorker, match="no live worker serves queue 'gamma'"):
         client.submit("nobody", model="gamma", require_worker=True)
-    waiting = client.submit("nobody yet", model="gamma")
+    waiting = client.submit("nobody yet", model="gamma", require_worker=False)
     from tokenfleet.fleet import fleet_status
 
     report = fleet_status(client)
@@ -48,8 +48,9 @@ def test_jobs_route_to_the_worker_of_their_model_and_unserved_queues_show(
 def test_higher_priorities_go_first_without_starving_the_lower(
     client: FleetClient, start_worker: Any
 ) -> None:
-    jobs = {p: [client.submit(f"{p} {i}", max_new_tokens=2, priority=p) for i in range(12)]
-            for p in ("low", "normal", "high")}
+    # Queued ahead of the worker, so that every level has work waiting when it starts.
+    jobs = {p: [client.submit(f"{p} {i}", max_new_tokens=2, priority=p, require_worker=False)
+                for i in range(12)] for p in ("low", "normal", "high")}
     start_worker(max_batch=1, prefetch=0)
     states = [client.wait(j, timeout=120) for js in jobs.values() for j in js]
     order = [s.priority for s in sorted(states, key=lambda s: s.started_at or 0)]
@@ -119,7 +120,8 @@ def test_three_workers_two_models_share_the_load_and_status_shows_them_all(
     celery_workers("cpu@host1", TOKENFLEET_QUEUE="alpha", TOKENFLEET_MAX_BATCH="4")
     celery_workers("cpu@host2", TOKENFLEET_QUEUE="alpha", TOKENFLEET_MAX_BATCH="4")
     alpha = [client.submit(f"alpha {i}", max_new_tokens=40, model="alpha") for i in range(24)]
-    beta = [client.submit(f"beta {i}", max_new_tokens=20, model="beta") for i in range(6)]
+    beta = [client.submit(f"beta {i}", max_new_tokens=20, model="beta", require_worker=False)
+            for i in range(6)]  # queued ahead: their worker comes next
     # A worker added mid-run picks up the queued beta jobs at once.
     celery_workers("cpu@host3", model="tiny-random", TOKENFLEET_QUEUE="beta")
     env = {**os.environ, "TOKENFLEET_REDIS_URL": settings.redis_url,

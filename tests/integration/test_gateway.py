@@ -116,7 +116,7 @@ def test_a_bad_body_is_422_naming_the_field_and_nothing_is_enqueued(
 def test_a_body_over_the_payload_limit_is_413_with_or_without_a_length(
     gateway: Any, r: redis.Redis, settings: Any
 ) -> None:
-    http = gateway(max_payload_bytes=1000)
+    http = gateway(max_payload_bytes=1000, require_worker=False)  # no worker: queue ahead
     big = orjson.dumps({"prompt": "x" * 2000})
     response = http.post("/v1/jobs", content=big)
     assert response.status_code == 413 and "1000 bytes" in response.json()["detail"]
@@ -128,7 +128,7 @@ def test_a_body_over_the_payload_limit_is_413_with_or_without_a_length(
 
 
 def test_a_full_queue_is_429_with_retry_after(gateway: Any) -> None:
-    http = gateway(max_queue=1)
+    http = gateway(max_queue=1, require_worker=False)  # queues ahead of any worker
     body = {"prompt": "waits forever", "model": UNSERVED}
     assert http.post("/v1/jobs", json=body).status_code == 202
     response = http.post("/v1/jobs", json=body)
@@ -173,7 +173,7 @@ def test_sse_events_concatenate_to_the_final_text_and_resume_after_last_event_id
 def test_delete_cancels_a_queued_job_and_unknown_ids_are_404(
     gateway: Any, client: FleetClient
 ) -> None:
-    http = gateway()
+    http = gateway(require_worker=False)  # jobs wait on a queue no worker serves
     job_id = http.post("/v1/jobs", json={"prompt": "never runs", "model": UNSERVED}).json()["id"]
     response = http.delete(f"/v1/jobs/{job_id}")
     assert response.status_code == 200 and response.json() == {"id": job_id, "cancelled": True}
@@ -259,7 +259,7 @@ def test_completion_errors_are_400_in_openai_shape_naming_the_param(gateway: Any
 def test_a_client_that_leaves_a_completion_stream_cancels_its_job(
     gateway: Any, client: FleetClient, r: redis.Redis, settings: Any
 ) -> None:
-    http = gateway()
+    http = gateway(require_worker=False)  # jobs wait on a queue no worker serves
     with http.stream("POST", "/v1/completions",
                      json={"model": UNSERVED, "prompt": "nobody reads this", "stream": True}
                      ) as response:
@@ -272,7 +272,7 @@ def test_a_client_that_leaves_a_completion_stream_cancels_its_job(
 def test_a_client_that_gives_up_on_a_completion_cancels_its_job(
     gateway: Any, client: FleetClient, r: redis.Redis, settings: Any
 ) -> None:
-    http = gateway()
+    http = gateway(require_worker=False)  # jobs wait on a queue no worker serves
     with pytest.raises(httpx.ReadTimeout):  # the client's own timeout: it hangs up
         http.post("/v1/completions", json={"model": UNSERVED, "prompt": "nobody waits"},
                   timeout=httpx.Timeout(60, read=0.5))

@@ -51,7 +51,7 @@ def test_cancelling_a_running_job_ends_it_within_a_step_and_frees_its_slot(
 def test_a_job_still_queued_past_its_deadline_expires_without_touching_the_model(
     client: FleetClient, start_worker: Any
 ) -> None:
-    job_id = client.submit("too late", max_new_tokens=5, deadline_s=0.05)
+    job_id = client.submit("too late", max_new_tokens=5, deadline_s=0.05, require_worker=False)
     wait_until(lambda: time.time() > client.status(job_id).deadline_at, timeout=5,  # type: ignore[operator]
                what="the deadline to pass")
     worker = start_worker()
@@ -75,7 +75,8 @@ def test_a_running_job_stops_at_its_deadline_with_its_text_so_far(
 def test_a_full_queue_refuses_at_once_and_drops_nothing(
     settings: Any, r: redis.Redis
 ) -> None:
-    with FleetClient(settings=settings.model_copy(update={"max_queue": 3})) as small:
+    with FleetClient(settings=settings.model_copy(update={"max_queue": 3,
+                                                          "require_worker": False})) as small:
         accepted = [small.submit("fits", max_new_tokens=2) for _ in range(3)]
         started = time.monotonic()
         with pytest.raises(QueueFull, match="queue 'default' is full .*limit 3"):
@@ -88,8 +89,10 @@ def test_a_full_queue_refuses_at_once_and_drops_nothing(
 def test_the_same_idempotency_key_returns_the_same_job_which_runs_once(
     client: FleetClient, start_worker: Any, r: redis.Redis, settings: Any
 ) -> None:
-    first = client.submit("charge the card", max_new_tokens=4, idempotency_key="order-42")
-    again = client.submit("charge the card", max_new_tokens=4, idempotency_key="order-42")
+    first = client.submit("charge the card", max_new_tokens=4, idempotency_key="order-42",
+                          require_worker=False)
+    again = client.submit("charge the card", max_new_tokens=4, idempotency_key="order-42",
+                          require_worker=False)
     assert first == again
     assert r.xlen(Keys(settings.namespace).queue("default")) == 1
     start_worker()

@@ -87,7 +87,9 @@ def run_one_job(url: str, namespace: str, celery_workers: Any) -> None:
     settings = Settings(redis_url=url, namespace=namespace)
     celery_workers("cpu@secure", TOKENFLEET_REDIS_URL=url, wait=False)
     with FleetClient(settings=settings) as client:
-        job_id = client.submit("over a guarded connection", max_new_tokens=5)
+        # The worker is still starting: queue ahead of it.
+        job_id = client.submit("over a guarded connection", max_new_tokens=5,
+                               require_worker=False)
         state = client.wait(job_id, timeout=120)
         assert state.status is JobStatus.SUCCEEDED and state.worker == "cpu@secure"
 

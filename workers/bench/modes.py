@@ -27,7 +27,7 @@ from tokenfleet import FleetClient
 from tokenfleet.shared.keys import Keys
 from tokenfleet.shared.schemas import SamplingParams
 from tokenfleet.shared.serialization import loads
-from tokenfleet.shared.settings import Settings
+from tokenfleet.shared.settings import Settings, get_settings
 from tokenfleet.workers.bench.procs import (
     BenchError,
     CeleryProc,
@@ -169,7 +169,10 @@ class FleetSession:
         self.redis = redis.Redis.from_url(env.redis_url)
         self.tap = EventTap(env.redis_url, self.keys, record=record)
         self.tap.on_end = self._ended
-        self.client = FleetClient(env.redis_url, namespace=self.namespace)
+        # Jobs may be submitted before the worker's first heartbeat: queue ahead.
+        self.client = FleetClient(env.redis_url, namespace=self.namespace,
+                                  settings=get_settings().model_copy(
+                                      update={"require_worker": False}))
         self.worker = CeleryProc("tokenfleet.workers.app", self.node,
                                  env.worker_env(self.namespace, model, max_batch))
         self._count = 0

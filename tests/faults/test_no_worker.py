@@ -1,0 +1,310 @@
+"""Waiting with nobody to wait for: a queue no live worker serves, deadlines of
+jobs queued ahead of the workers, queues nobody uses, and a Redis that was never
+reachable (wrong port, wrong password). Each fails fast and clearly, or ends."""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import redis
+from redis.exceptions import AuthenticationError, ConnectionError
+
+from tokenfleet import (
+    AsyncFleetClient,
+    FleetClient,
+    JobState,
+    NoWorker,
+    RedisAuthFailed,
+    RedisUnavailable,
+)
+from tokenfleet.fleet import fleet_status
+from tokenfleet.shared.keys import Keys
+from tokenfleet.shared.schemas import FinishReason, JobStatus
+
+from helpers import RedisServer, free_port, wait_until
+
+pytestmark = [pytest.mark.faults, pytest.mark.timeout(120)]
+
+
+def test_a_submit_to_a_queue_no_live_worker_serves_is_refused_at_once(
+    client: FleetClient, start_worker: Any, r: redis.Redis, settings: Any,
+    report: dict[str, Any]
+) -> None:
+    with pytest.raises(NoWorker, match=r"queues served now: none"):
+        client.submit("hi")  # nobody at all
+    start_worker(name="w1@test")
+    start_worker(name="w2@test", queue="fast")
+    started = time.monotonic()
+    with pytest.raises(NoWorker) as info:
+        client.submit("hi", model="defualt")  # a typo of the model name
+    seconds = time.monotonic() - started
+    message = str(info.value)
+    assert "'defualt'" in message and "queues served now: 'default', 'fast'" in message
+    assert "\n" not in message and "require_worker=False" in message
+    assert info.value.served == ["default", "fast"]
+    assert seconds < 0.5
+    # Nothing was written for the refused job: no stream, no record, no backlog.
+    keys = Keys(settings.namespace)
+    assert not r.exists(keys.queue("defualt"), keys.backlog("defualt"))
+    assert list(r.scan_iter(match=keys.job("*"))) == []
+    # The served queues take the same call.
+    job_id = client.submit("hi", model="fast", max_new_tokens=2)
+    assert client.wait(job_id, timeout=30).status is JobStatus.SUCCEEDED
+    report.update(refused_in_s=round(seconds, 4), served_listed=len(info.value.served))
+
+
+async def test_the_async_client_refuses_an_unserved_queue_too(settings: Any) -> None:
+    async with AsyncFleetClient(settings=settings) as c:
+        with pytest.raises(NoWorker, match="no live worker serves queue 'default'"):
+            await c.submit("hi")
+        assert await c.submit("hi", require_worker=False)
+
+
+def test_queueing_ahead_of_the_workers_is_an_explicit_opt_in(
+    settings: Any, start_worker: Any
+) -> None:
+    with FleetClient(settings=settings.model_copy(update={"require_worker": False})) as ahead:
+        job_id = ahead.submit("hi", max_new_tokens=2)  # TOKENFLEET_REQUIRE_WORKER=0
+        with pytest.raises(NoWorker):
+            ahead.submit("hi", require_worker=True)  # the argument wins over the setting
+        assert ahead.status(job_id).status is JobStatus.QUEUED
+        start_worker()
+        assert ahead.wait(job_id, timeout=30).status is JobStatus.SUCCEEDED
+
+
+def _queued_ahead(client: FleetClient, deadline_s: float = 1.0, model: str = "default") -> str:
+    job_id = client.submit("nobody will run this", max_new_tokens=4, deadline_s=deadline_s,
+                           model=model, require_worker=False)
+    assert client.status(job_id).status is JobStatus.QUEUED
+    return job_id
+
+
+def _assert_expired_and_gone(state: JobState, r: redis.Redis, settings: Any,
+                             model: str = "default") -> None:
+    keys = Keys(settings.namespace)
+    assert state.status is JobStatus.EXPIRED and state.finish_reason is FinishReason.DEADLINE
+    assert state.error == "deadline passed before the job started"
+    assert r.xlen(keys.queue(model)) == 0  # off the queue
+    assert int(r.get(keys.backlog(model)) or 0) == 0  # out of the backlog
+
+
+def test_wait_reports_expired_at_the_deadline_with_no_worker_alive(
+    client: FleetClient, r: redis.Redis, settings: Any, report: dict[str, Any]
+) -> None:
+    job_id = _queued_ahead(client)
+    deadline_at = client.status(job_id).deadline_at
+    assert deadline_at is not None
+    state = client.wait(job_id, timeout=10)  # wakes at the deadline, not at its timeout
+    late = time.time() - deadline_at
+    _assert_expired_and_gone(state, r, settings)
+    assert 0 <= late < 0.5, late
+    report.update(wait_returned_after_deadline_s=round(late, 3))
+
+
+def test_stream_ends_at_the_deadline_with_no_worker_alive(
+    client: FleetClient, r: redis.Redis, settings: Any, report: dict[str, Any]
+) -> None:
+    job_id = _queued_ahead(client)
+    deadline_at = client.status(job_id).deadline_at
+    assert deadline_at is not None
+    assert list(client.stream(job_id, timeout=10)) == []
+    late = time.time() - deadline_at
+    _assert_expired_and_gone(client.status(job_id), r, settings)
+    assert 0 <= late < 0.5, late
+    report.update(stream_ended_after_deadline_s=round(late, 3))
+
+
+def test_status_reports_expired_once_the_deadline_passes(
+    client: FleetClient, r: redis.Redis, settings: Any, report: dict[str, Any]
+) -> None:
+    job_id = _queued_ahead(client)
+    state = wait_until(lambda: (s := client.status(job_id)).status.is_terminal and s,
+                       timeout=5, what="the job to expire")
+    assert state.deadline_at is not None
+    late = time.time() - state.deadline_at
+    _assert_expired_and_gone(state, r, settings)
+    assert late < 0.5
+    # Another reader now sees the end too, from the record and the job's token log.
+    with FleetClient(settings=settings) as other:
+        assert other.wait(job_id, timeout=1).status is JobStatus.EXPIRED
+        assert list(other.stream(job_id, timeout=1)) == []
+    report.update(status_expired_after_deadline_s=round(late, 3))
+
+
+async def test_the_async_wait_and_stream_report_expired_at_the_deadline(
+    settings: Any, r: redis.Redis
+) -> None:
+    async with AsyncFleetClient(settings=settings) as c:
+        waited = await c.submit("x", deadline_s=1.0, require_worker=False)
+        streamed = await c.submit("y", deadline_s=1.0, require_worker=False)
+        started = time.monotonic()
+        state = await c.wait(waited, timeout=10)
+        assert [e async for e in c.stream(streamed, timeout=10)] == []
+        assert time.monotonic() - started < 1.5
+        _assert_expired_and_gone(state, r, settings)
+        assert (await c.status(streamed)).status is JobStatus.EXPIRED
+
+
+def test_a_worker_that_comes_after_the_deadline_never_runs_the_expired_job(
+    client: FleetClient, start_worker: Any, r: redis.Redis, settings: Any
+) -> None:
+    """The reader expired the job and took it off the queue: a later worker never sees it."""
+    job_id = _queued_ahead(client, deadline_s=0.2)
+    assert client.wait(job_id, timeout=5).status is JobStatus.EXPIRED
+    worker = start_worker()
+    after = client.submit("after", max_new_tokens=2)
+    assert client.wait(after, timeout=30).status is JobStatus.SUCCEEDED
+    assert client.status(job_id).status is JobStatus.EXPIRED
+    assert worker.engine.stats.jobs == {"succeeded": 1}
+
+
+def test_a_queue_nobody_uses_leaves_the_fleet_status(
+    client: FleetClient, start_worker: Any, r: redis.Redis, settings: Any,
+    report: dict[str, Any]
+) -> None:
+    keys = Keys(settings.namespace)
+    start_worker()
+    job_id = _queued_ahead(client, deadline_s=0.3, model="defualt")
+    shown = {q["queue"]: q for q in fleet_status(client)["queues"]}
+    # While a job waits on it, the unserved queue shows, marked as such.
+    assert shown["defualt"]["depth"] == 1 and shown["defualt"]["unserved"]
+    assert client.wait(job_id, timeout=5).status is JobStatus.EXPIRED
+    shown = {q["queue"]: q for q in fleet_status(client)["queues"]}
+    assert "defualt" not in shown
+    assert shown["default"]["workers"] == 1  # a served queue shows, empty or not
+    # No worker ever served it: its stream and backlog counter are gone too.
+    assert not r.exists(*(keys.queue(f"defualt{p}") for p in ("", ":high", ":low")),
+                        keys.backlog("defualt"), keys.queue_workers("defualt"))
+    # And a later submit to it (queued ahead) makes it again, counted from zero.
+    again = _queued_ahead(client, deadline_s=30, model="defualt")
+    shown = {q["queue"]: q for q in fleet_status(client)["queues"]}
+    assert shown["defualt"]["depth"] == 1
+    assert int(r.get(keys.backlog("defualt")) or 0) > 0
+    assert client.cancel(again) is True
+    report.update(unused_queue_shown_after_expiry=False, keys_left=0)
+
+
+def test_an_empty_queue_whose_workers_left_is_hidden_but_keeps_its_group(
+    client: FleetClient, start_worker: Any, r: redis.Redis, settings: Any
+) -> None:
+    keys = Keys(settings.namespace)
+    worker = start_worker(queue="gone")
+    job_id = client.submit("hi", model="gone", max_new_tokens=2)
+    assert client.wait(job_id, timeout=30).status is JobStatus.SUCCEEDED
+    worker.stop(grace_s=0)  # a warm shutdown takes it off the served list
+    assert "gone" not in {q["queue"] for q in fleet_status(client)["queues"]}
+    # Its consumer group (a worker's or a KEDA scaler's read position) stays.
+    assert r.xinfo_groups(keys.queue("gone"))
+
+
+# -- a Redis that was never reachable ----------------------------------------------
+
+
+@pytest.fixture
+def acl_user(r: redis.Redis, redis_server: RedisServer) -> Iterator[str]:
+    name = f"u{uuid.uuid4().hex[:8]}"
+    r.execute_command("ACL", "SETUSER", name, "on", ">right-password", "~*", "&*", "+@all")
+    yield name
+    r.execute_command("ACL", "DELUSER", name)
+
+
+def test_a_wrong_password_fails_at_once_and_is_never_retried(
+    redis_server: RedisServer, acl_user: str, settings: Any, report: dict[str, Any]
+) -> None:
+    url = f"redis://{acl_user}:wrong-password@127.0.0.1:{redis_server.port}/0"
+    with FleetClient(url, settings=settings) as c:
+        started = time.monotonic()
+        with pytest.raises(RedisAuthFailed) as info:
+            c.submit("hi", require_worker=False)
+        seconds = time.monotonic() - started
+        # Not retried even once the client has been up: the password will not change.
+        with pytest.raises(RedisAuthFailed):
+            c.status("x")
+    message = str(info.value)
+    assert isinstance(info.value, AuthenticationError)  # what redis-py users catch
+    assert "wrong-password" not in message and f"{acl_user}:***@127.0.0.1" in message
+    assert "\n" not in message
+    assert seconds < 2.0
+    # The right password works through the same code.
+    good = f"redis://{acl_user}:right-password@127.0.0.1:{redis_server.port}/0"
+    with FleetClient(good, settings=settings) as c:
+        assert c.submit("hi", require_worker=False)
+    report.update(auth_error_after_s=round(seconds, 3))
+
+
+def test_credentials_refused_on_a_reconnect_are_not_retried_either(
+    redis_server: RedisServer, acl_user: str, settings: Any, r: redis.Redis
+) -> None:
+    """A client that was up, whose password was changed under it: one clear error at
+    once, not a minute of backoff (retries are for dropped connections)."""
+    url = f"redis://{acl_user}:right-password@127.0.0.1:{redis_server.port}/0"
+    with FleetClient(url, settings=settings) as c:
+        job_id = c.submit("hi", require_worker=False)
+        r.execute_command("ACL", "SETUSER", acl_user, "resetpass", ">rotated")
+        r.execute_command("CLIENT", "KILL", "USER", acl_user)  # its connections drop
+        started = time.monotonic()
+        with pytest.raises(RedisAuthFailed):
+            c.status(job_id)
+        assert time.monotonic() - started < 2.0
+
+
+async def test_the_async_client_fails_at_once_on_a_wrong_password(
+    redis_server: RedisServer, acl_user: str, settings: Any
+) -> None:
+    url = f"redis://{acl_user}:nope@127.0.0.1:{redis_server.port}/0"
+    started = time.monotonic()
+    async with AsyncFleetClient(url, settings=settings) as c:
+        with pytest.raises(RedisAuthFailed, match=r":\*\*\*@"):
+            await c.status("x")
+    assert time.monotonic() - started < 2.0
+
+
+def test_an_unreachable_redis_fails_at_once_naming_the_url(
+    settings: Any, report: dict[str, Any]
+) -> None:
+    url = f"redis://127.0.0.1:{free_port()}/0"  # nothing listens there
+    with FleetClient(url, settings=settings) as c:
+        started = time.monotonic()
+        with pytest.raises(RedisUnavailable) as info:
+            c.submit("hi", require_worker=False)
+        seconds = time.monotonic() - started
+    assert isinstance(info.value, ConnectionError)
+    assert url in str(info.value) and "\n" not in str(info.value)
+    assert seconds < 3.0
+    report.update(unreachable_error_after_s=round(seconds, 3))
+
+
+async def test_the_async_client_fails_at_once_on_an_unreachable_redis(settings: Any) -> None:
+    url = f"redis://127.0.0.1:{free_port()}/0"
+    started = time.monotonic()
+    async with AsyncFleetClient(url, settings=settings) as c:
+        with pytest.raises(RedisUnavailable, match="cannot connect to Redis at redis://"):
+            await c.submit("hi", require_worker=False)
+    assert time.monotonic() - started < 3.0
+
+
+def test_a_connection_that_was_up_is_still_retried_through_a_restart(
+    aof_redis: RedisServer, report: dict[str, Any]
+) -> None:
+    """Fail-fast is for the first connect only: a dropped connection rides out a restart."""
+    from tokenfleet.shared.settings import Settings
+
+    settings = Settings(redis_url=aof_redis.url, namespace="restart")
+    with FleetClient(settings=settings) as c:
+        job_id = c.submit("hi", require_worker=False)
+        aof_redis.stop()
+        restart = threading.Timer(1.0, aof_redis.start)
+        restart.start()
+        started = time.monotonic()
+        try:
+            assert c.status(job_id).status is JobStatus.QUEUED  # retried until it is back
+        finally:
+            restart.join()
+        seconds = time.monotonic() - started
+    assert 0.9 < seconds < 10
+    report.update(outage_s=1.0, answered_after_s=round(seconds, 2))
