@@ -27,7 +27,8 @@ import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
-from redis.exceptions import ConnectionError, TimeoutError
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 log = logging.getLogger(__name__)
 
@@ -75,7 +76,7 @@ class Subscriptions:
         try:
             # Only after the server confirms is every later publish seen, so a
             # read of the job's log after this point cannot miss a token.
-            with contextlib.suppress(TimeoutError):
+            with contextlib.suppress(TimeoutError):  # the builtin: asyncio.timeout's
                 async with asyncio.timeout(CONFIRM_TIMEOUT_S):
                     await confirmed.wait()
             yield queue
@@ -99,7 +100,7 @@ class Subscriptions:
             try:
                 await self._sync()
                 backoff = BACKOFF_S[0]
-            except (ConnectionError, TimeoutError, OSError) as exc:
+            except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
                 # redis-py has retried already; go on trying, but never block a listener.
                 log.warning("pub/sub (un)subscribe failed (%s); trying again", exc)
                 self._wake.set()
@@ -149,7 +150,7 @@ class Subscriptions:
             try:
                 message = await self._pubsub.get_message(timeout=1.0)
                 backoff = BACKOFF_S[0]
-            except (ConnectionError, TimeoutError, OSError) as exc:
+            except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
                 log.warning("pub/sub connection lost (%s); reconnecting", exc)
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, BACKOFF_S[1])
