@@ -3,73 +3,21 @@
 from __future__ import annotations
 
 import socket
-import threading
-from collections.abc import Callable, Iterator
 from typing import Any
 
 import httpx
 import orjson
 import pytest
 import redis
-import uvicorn
 
 from tokenfleet import FleetClient
-from tokenfleet.gateway import create_app
 from tokenfleet.shared.schemas import JobStatus
+
+from gateway_server import gateway, pin_live_worker, sse_events  # noqa: F401  (a fixture)
 
 pytestmark = pytest.mark.timeout(120)
 
 UNSERVED = "nobody-serves-this"  # a queue no worker of the test reads
-
-
-class _Server(uvicorn.Server):
-    """uvicorn, telling the test when it listens instead of being polled."""
-
-    def __init__(self, config: uvicorn.Config) -> None:
-        super().__init__(config)
-        self.ready = threading.Event()
-
-    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
-        await super().startup(sockets)
-        self.ready.set()
-
-
-@pytest.fixture
-def gateway(settings: Any) -> Iterator[Callable[..., httpx.Client]]:
-    """Start the gateway (with settings overrides) on a free port; returns an HTTP client."""
-    running: list[tuple[_Server, threading.Thread, httpx.Client]] = []
-
-    def start(**overrides: Any) -> httpx.Client:
-        sock = socket.socket()
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-        app = create_app(settings.model_copy(update=overrides))
-        server = _Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
-        thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-        thread.start()
-        assert server.ready.wait(20), "the gateway did not start"
-        http = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60)
-        running.append((server, thread, http))
-        return http
-
-    yield start
-    for server, thread, http in running:
-        http.close()
-        server.should_exit = True
-        thread.join(20)
-
-
-def sse_events(lines: Iterator[str]) -> Iterator[dict[str, str]]:
-    """Parse a text/event-stream into events: {'id', 'event', 'data'} as sent."""
-    event: dict[str, str] = {}
-    for line in lines:
-        if not line:
-            if event:
-                yield event
-            event = {}
-        elif not line.startswith(":"):
-            name, _, value = line.partition(":")
-            event[name] = value.removeprefix(" ")
 
 
 def read_events(http: httpx.Client, job_id: str, **headers: str) -> list[dict[str, str]]:
@@ -225,21 +173,55 @@ def test_completions_match_the_job_record_and_the_stream_matches_the_completion(
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == completion["usage"]
 
 
-def test_an_openai_style_request_with_extra_fields_works(
-    gateway: Any, start_worker: Any
+def test_an_openai_style_request_whose_extra_fields_ask_for_nothing_works(
+    gateway: Any, start_worker: Any, client: FleetClient
 ) -> None:
     start_worker()
     http = gateway()
     body = {"model": "default", "prompt": ["Once upon a time"], "max_tokens": 6,
             "temperature": 0.0, "top_p": 1, "n": 1, "stop": "\n\n", "seed": 3, "stream": False,
             "echo": False, "logprobs": None, "best_of": 1, "user": "user-1234",
-            "presence_penalty": 0, "frequency_penalty": 0, "logit_bias": {"50256": -100},
-            "suffix": None}
+            "presence_penalty": 0, "frequency_penalty": 0.0, "logit_bias": {}, "suffix": None}
     response = http.post("/v1/completions", json=body,
                          headers={"Authorization": "Bearer sk-ignored"})
     assert response.status_code == 200, response.text
     assert response.json()["choices"][0]["finish_reason"] in ("stop", "length")
     assert 1 <= response.json()["usage"]["completion_tokens"] <= 6
+    state = client.status(response.json()["id"].removeprefix("cmpl-"))
+    assert state.metadata == {"user": "user-1234"}  # honoured: kept with the job
+
+
+def test_openai_fields_the_gateway_cannot_honour_are_400_naming_them(
+    gateway: Any, r: redis.Redis, settings: Any
+) -> None:
+    http = gateway()
+    refused = {"presence_penalty": 0.5, "frequency_penalty": -1, "suffix": "the end",
+               "logit_bias": {"50": -100}, "echo": True, "logprobs": 0, "best_of": 2,
+               "n": 3, "nonsense": 1, "stream_options": {"include_obfuscation": True}}
+    for field, value in refused.items():
+        response = http.post("/v1/completions", json={"prompt": "hi", field: value})
+        assert response.status_code == 400, (field, response.text)
+        err = response.json()["error"]
+        assert err["param"] == field and field in err["message"], err
+    chat = {"tools": [{"type": "function", "function": {"name": "f"}}], "logprobs": True,
+            "response_format": {"type": "json_object"}, "presence_penalty": 1, "n": 2,
+            "tool_choice": "auto", "store": True, "audio": {"voice": "x"}}
+    for field, value in chat.items():
+        response = http.post("/v1/chat/completions", json={
+            "messages": [{"role": "user", "content": "hi"}], field: value})
+        assert response.status_code == 400, (field, response.text)
+        err = response.json()["error"]
+        assert err["param"] == field and field in err["message"], err
+    messages = [([{"role": "tool", "content": "42", "tool_call_id": "c1"}], "messages[0].role"),
+                ([{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}],
+                 "messages[0].content"),
+                ([{"role": "user", "content": "hi", "name": "ann"}], "messages[0]"),
+                ([], None)]
+    for value, param in messages:
+        response = http.post("/v1/chat/completions", json={"messages": value})
+        assert response.status_code == 400, (value, response.text)
+        assert response.json()["error"]["param"] == param, response.json()
+    assert not list(r.scan_iter(match=f"{settings.namespace}:job:*"))  # nothing was enqueued
 
 
 def test_completion_errors_are_400_in_openai_shape_naming_the_param(gateway: Any) -> None:
