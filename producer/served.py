@@ -8,10 +8,11 @@ sorted set of worker names by heartbeat time; live means within
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any
 
-from tokenfleet.protocol import live_worker_args
+from tokenfleet.protocol import LIVE_WORKER_S
 
 
 @dataclass(frozen=True)
@@ -32,8 +33,9 @@ class Served:
 
 async def served(client: Any, queue: str) -> Served | None:
     """The queue's live workers, or None if it has none."""
-    key, since = live_worker_args(queue, client.keys)
-    names = [name.decode() for name in await client.redis.zrangebyscore(key, since, "+inf")]
+    since = time.time() - LIVE_WORKER_S
+    names = [name.decode() for name in
+             await client.redis.zrangebyscore(client.keys.queue_workers(queue), since, "+inf")]
     if not names:
         return None
     pipe = client.redis.pipeline(transaction=False)

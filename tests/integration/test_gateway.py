@@ -6,14 +6,18 @@ import socket
 from typing import Any
 
 import httpx
+import openai
 import orjson
 import pytest
 import redis
 
 from tokenfleet import FleetClient
+from tokenfleet.shared import errors
 from tokenfleet.shared.schemas import JobStatus
+from tokenfleet.shared.settings import Settings
 
-from gateway_server import gateway, pin_live_worker, sse_events  # noqa: F401  (a fixture)
+from gateway_server import gateway, pin_live_worker, port_of, sse_events  # noqa: F401  (a fixture)
+from helpers import wait_until
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -76,7 +80,7 @@ def test_a_body_over_the_payload_limit_is_413_with_or_without_a_length(
 
 
 def test_a_full_queue_is_429_with_retry_after(gateway: Any) -> None:
-    http = gateway(max_queue=1)
+    http = gateway(max_queue=1, require_worker=False)  # queues ahead of any worker
     body = {"prompt": "waits forever", "model": UNSERVED}
     assert http.post("/v1/jobs", json=body).status_code == 202
     response = http.post("/v1/jobs", json=body)
@@ -121,7 +125,7 @@ def test_sse_events_concatenate_to_the_final_text_and_resume_after_last_event_id
 def test_delete_cancels_a_queued_job_and_unknown_ids_are_404(
     gateway: Any, client: FleetClient
 ) -> None:
-    http = gateway()
+    http = gateway(require_worker=False)  # jobs wait on a queue no worker serves
     job_id = http.post("/v1/jobs", json={"prompt": "never runs", "model": UNSERVED}).json()["id"]
     response = http.delete(f"/v1/jobs/{job_id}")
     assert response.status_code == 200 and response.json() == {"id": job_id, "cancelled": True}
@@ -241,7 +245,7 @@ def test_completion_errors_are_400_in_openai_shape_naming_the_param(gateway: Any
 def test_a_client_that_leaves_a_completion_stream_cancels_its_job(
     gateway: Any, client: FleetClient, r: redis.Redis, settings: Any
 ) -> None:
-    http = gateway()
+    http = gateway(require_worker=False)  # jobs wait on a queue no worker serves
     with http.stream("POST", "/v1/completions",
                      json={"model": UNSERVED, "prompt": "nobody reads this", "stream": True}
                      ) as response:
@@ -254,7 +258,7 @@ def test_a_client_that_leaves_a_completion_stream_cancels_its_job(
 def test_a_client_that_gives_up_on_a_completion_cancels_its_job(
     gateway: Any, client: FleetClient, r: redis.Redis, settings: Any
 ) -> None:
-    http = gateway()
+    http = gateway(require_worker=False)  # jobs wait on a queue no worker serves
     with pytest.raises(httpx.ReadTimeout):  # the client's own timeout: it hangs up
         http.post("/v1/completions", json={"model": UNSERVED, "prompt": "nobody waits"},
                   timeout=httpx.Timeout(60, read=0.5))
@@ -270,3 +274,135 @@ def test_healthz_is_200_with_redis_and_503_without(gateway: Any) -> None:
         dead = f"redis://127.0.0.1:{s.getsockname()[1]}/0"  # nothing listens there
     response = gateway(redis_url=dead).get("/healthz")
     assert response.status_code == 503 and response.json()["ok"] is False
+
+
+def openai_client(http: httpx.Client) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"http://127.0.0.1:{port_of(http)}/v1", api_key="unused",
+                         max_retries=0, timeout=60)
+
+
+def test_the_openai_client_lists_models_completes_and_chats(
+    gateway: Any, start_worker: Any, client: FleetClient, loaded_tiny: Any
+) -> None:
+    start_worker()
+    oa = openai_client(gateway())
+    wait_until(lambda: oa.models.list().data, timeout=10, what="the worker's first heartbeat")
+    [model] = oa.models.list().data
+    assert model.id == "default" and model.object == "model" and model.owned_by == "tokenfleet"
+    assert oa.models.retrieve("default").id == "default"
+    with pytest.raises(openai.NotFoundError) as missing:
+        oa.models.retrieve(UNSERVED)
+    assert missing.value.code == "model_not_found" and UNSERVED in missing.value.message
+
+    ask = {"model": "default", "prompt": "The function returns", "max_tokens": 12,
+           "temperature": 0}
+    completion = oa.completions.create(**ask)
+    [choice] = completion.choices
+    assert choice.text == client.status(completion.id.removeprefix("cmpl-")).text
+    streamed = list(oa.completions.create(**ask, stream=True))
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == choice.text
+    assert streamed[-1].choices[0].finish_reason == choice.finish_reason
+
+    messages = [{"role": "system", "content": "Be brief."},
+                {"role": "user", "content": "Tell me about the sea."}]
+    chat = {"model": "default", "messages": messages, "max_tokens": 12, "temperature": 0}
+    reply = oa.chat.completions.create(**chat)  # type: ignore[call-overload]
+    assert reply.object == "chat.completion" and reply.id.startswith("chatcmpl-")
+    message = reply.choices[0].message
+    assert message.role == "assistant"
+    assert message.content == client.status(reply.id.removeprefix("chatcmpl-")).text
+    # The worker rendered the messages with the tokenizer's chat template.
+    _model, tokenizer = loaded_tiny
+    rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                             tokenize=True, return_dict=False)
+    assert reply.usage is not None and reply.usage.prompt_tokens == len(rendered)
+    chunks = list(oa.chat.completions.create(**chat, stream=True,  # type: ignore[call-overload]
+                                             stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == \
+        message.content
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == \
+        reply.choices[0].finish_reason
+    assert chunks[-1].usage == reply.usage
+
+    with pytest.raises(openai.BadRequestError) as refused:
+        oa.completions.create(model="default", prompt="hi", presence_penalty=0.5)
+    assert refused.value.param == "presence_penalty"
+    with pytest.raises(openai.BadRequestError) as refused:
+        oa.chat.completions.create(model="default", messages=messages, tools=[
+            {"type": "function", "function": {"name": "f", "parameters": {}}}])
+    assert refused.value.param == "tools" and "tools" in refused.value.message
+
+
+def test_chat_for_a_model_without_a_chat_template_is_400_at_the_gateway(
+    gateway: Any, settings: Any, loaded_tiny: Any, tiny_dir: Any, r: redis.Redis
+) -> None:
+    from transformers import AutoTokenizer
+
+    from tokenfleet.workers.runner import HFRunner
+    from tokenfleet.workers.service import Worker
+
+    plain = AutoTokenizer.from_pretrained(tiny_dir)
+    plain.chat_template = None  # a base model: prompts only
+    runner = HFRunner(loaded_tiny[0], plain)
+    worker = Worker(settings.model_copy(update={"queue": "plain"}), runner, plain,
+                    name="plain@test", eos_token_ids=runner.eos_token_ids,
+                    max_model_len=runner.max_model_len)
+    worker.start()
+    try:
+        http = gateway()
+        oa = openai_client(http)
+        wait_until(lambda: oa.models.list().data, timeout=10, what="the worker's heartbeat")
+        assert oa.models.retrieve("plain").model_extra == {"root": settings.model, "workers": 1,
+                                                            "chat": False}
+        messages = [{"role": "user", "content": "hi"}]
+        with pytest.raises(openai.BadRequestError) as refused:
+            oa.chat.completions.create(model="plain", messages=messages)  # type: ignore[arg-type]
+        assert refused.value.code == "chat_template_missing"
+        assert "no chat template" in refused.value.message and "/v1/completions" in \
+            refused.value.message
+        response = http.post("/v1/jobs", json={"model": "plain", "messages": messages})
+        assert response.status_code == 400 and "chat template" in response.json()["detail"]
+        assert not list(r.scan_iter(match=f"{settings.namespace}:job:*"))  # nothing enqueued
+        text = oa.completions.create(model="plain", prompt="Once", max_tokens=4).choices[0].text
+        assert isinstance(text, str)  # the model serves prompts all the same
+    finally:
+        worker.stop(grace_s=0)
+
+
+def test_an_idempotency_key_reused_for_another_request_is_409(gateway: Any,
+                                                                start_worker: Any) -> None:
+    if not hasattr(errors, "IdempotencyConflict"):
+        pytest.skip("the client raises IdempotencyConflict once the validation work is in")
+    start_worker()
+    http = gateway()
+    body = {"prompt": "once", "idempotency_key": "order-1", "sampling": {"max_new_tokens": 2}}
+    first = http.post("/v1/jobs", json=body)
+    assert first.status_code == 202
+    again = http.post("/v1/jobs", json=body)
+    assert again.status_code == 202 and again.json()["id"] == first.json()["id"]
+    other = http.post("/v1/jobs", json={**body, "prompt": "twice"})
+    assert other.status_code == 409 and "order-1" in other.json()["detail"]
+
+
+def test_a_queue_no_live_worker_serves_is_503_naming_the_served_queues(
+    gateway: Any, start_worker: Any, r: redis.Redis, settings: Any
+) -> None:
+    if "require_worker" not in Settings.model_fields:
+        pytest.skip("submit requires a live worker once the validation work is in")
+    start_worker()
+    http = gateway(require_worker=True)
+    wait_until(lambda: http.get("/v1/models").json()["data"], timeout=10,
+               what="the worker's first heartbeat")
+    chat = [{"role": "user", "content": "hi"}]
+    for path, body in (("/v1/jobs", {"prompt": "hi", "model": UNSERVED}),
+                       ("/v1/completions", {"prompt": "hi", "model": UNSERVED}),
+                       ("/v1/chat/completions", {"messages": chat, "model": UNSERVED})):
+        response = http.post(path, json=body)
+        assert response.status_code == 503, response.text
+        found = response.json()
+        message = found["detail"] if path == "/v1/jobs" else found["error"]["message"]
+        assert UNSERVED in message and "'default'" in message  # what is served instead
+        if path != "/v1/jobs":
+            assert found["error"]["code"] == "model_not_served"
+    assert not list(r.scan_iter(match=f"{settings.namespace}:job:*"))
