@@ -1,24 +1,31 @@
 """An HTTP gateway for web backends: the fleet's API over FastAPI.
 
-``uvicorn.run(create_app())`` (or ``tokenfleet gateway``) serves
+``serve(host, port)`` (or ``tokenfleet gateway``) serves
 
 - ``POST /v1/jobs``, ``GET /v1/jobs/{id}``, ``DELETE /v1/jobs/{id}``: submit, read, cancel;
 - ``GET /v1/jobs/{id}/events``: the job's tokens as Server-Sent Events, resumable with
   ``Last-Event-ID``;
-- ``POST /v1/completions``: OpenAI-compatible completions (``tokenfleet.openai_compat``);
+- OpenAI-compatible ``POST /v1/completions`` (``tokenfleet.openai_compat``),
+  ``POST /v1/chat/completions`` (``tokenfleet.openai_chat``), ``GET /v1/models`` and
+  ``GET /v1/models/{id}`` (the queues live workers serve);
 - ``GET /healthz``: whether Redis answers.
 
+Event streams send a keep-alive comment every ``sse_keepalive_s`` while nothing
+else goes out; the server bounds the time a client takes to send a request's head
+(``header_timeout_s``) and body (``body_timeout_s``): see ``tokenfleet.timeouts``.
 One ``AsyncFleetClient`` per app, opened in the lifespan and closed at shutdown.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any, cast
 
 import orjson
+import uvicorn
 from fastapi import APIRouter, FastAPI, Header, HTTPException, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
@@ -26,11 +33,13 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from tokenfleet import openai_compat
+from tokenfleet import openai_chat, openai_compat, sse
 from tokenfleet.aio import AsyncFleetClient
-from tokenfleet.shared.errors import JobNotFound, QueueFull
+from tokenfleet.served import served, served_queues
+from tokenfleet.shared.errors import JobNotFound, TokenfleetError
 from tokenfleet.shared.schemas import GenerationRequest, JobState
 from tokenfleet.shared.settings import Settings, get_settings
+from tokenfleet.timeouts import BodyDeadline, BodyTimeout, head_deadline_protocol
 
 # What a 429 asks a client to wait: queues drain at the fleet's pace, and a client
 # that retries at once only adds load.
@@ -38,7 +47,14 @@ RETRY_AFTER_S = 1
 # A health probe must answer fast: the client's own retries (riding out a Redis
 # restart) would otherwise keep it waiting for many seconds.
 HEALTH_TIMEOUT_S = 2.0
-SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+# The fleet's errors as HTTP statuses, by class name: an error class that a newer
+# client adds (IdempotencyConflict) maps the same whether or not this module
+# could import it. Any other fleet error is a 400.
+STATUS = {"QueueFull": 429, "NoWorker": 503, "IdempotencyConflict": 409, "JobNotFound": 404}
+OPENAI_CODES = {"QueueFull": ("requests", "rate_limit_exceeded"),
+                "NoWorker": ("server_error", "model_not_served"),
+                "IdempotencyConflict": ("invalid_request_error", "idempotency_conflict"),
+                "JobNotFound": ("invalid_request_error", "not_found")}
 
 router = APIRouter()
 
@@ -68,15 +84,12 @@ async def read_body(request: Request, limit: int) -> bytes:
     return bytes(body)
 
 
-def sse(data: str, *, event: str | None = None, event_id: int | None = None) -> bytes:
-    """One Server-Sent Event. ``data`` is compact JSON, so it holds no newline."""
-    head = "" if event_id is None else f"id: {event_id}\n"
-    head += "" if event is None else f"event: {event}\n"
-    return f"{head}data: {data}\n\n".encode()
-
-
 def fleet(request: Request) -> AsyncFleetClient:
     return cast(AsyncFleetClient, request.app.state.fleet)
+
+
+def keepalive_s(request: Request) -> float:
+    return fleet(request).settings.sse_keepalive_s
 
 
 def json_response(state: JobState, status_code: int = 200) -> Response:
@@ -107,16 +120,77 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     app = FastAPI(title="tokenfleet gateway", lifespan=lifespan)
     app.include_router(router)
+    app.add_middleware(BodyDeadline, timeout_s=settings.body_timeout_s)
     app.add_exception_handler(RedisConnectionError, _redis_unreachable)
     app.add_exception_handler(RedisTimeoutError, _redis_unreachable)
+    app.add_exception_handler(TokenfleetError, _fleet_error)
+    app.add_exception_handler(BodyTimeout, _body_timeout)
     return app
 
 
+def server_config(settings: Settings | None = None, *, host: str = "127.0.0.1",
+                  port: int = 8000, **uvicorn_options: Any) -> uvicorn.Config:
+    """uvicorn's configuration for the gateway, its time limits included.
+
+    The h11 protocol is set, not chosen: the limit on a request's head lives in
+    it (``tokenfleet.timeouts``). h11 also bounds the head's size (16 KiB), and
+    uvicorn closes a keep-alive connection idle for 5 s.
+    """
+    settings = settings or get_settings()
+    return uvicorn.Config(create_app(settings), host=host, port=port, lifespan="on",
+                          http=head_deadline_protocol(settings.header_timeout_s),
+                          **uvicorn_options)
+
+
+def serve(host: str = "127.0.0.1", port: int = 8000, *, settings: Settings | None = None,
+          header_timeout_s: float | None = None, body_timeout_s: float | None = None,
+          sse_keepalive_s: float | None = None) -> None:
+    """Serve the gateway until interrupted; a limit left None keeps the settings' value."""
+    settings = settings or get_settings()
+    given = {"header_timeout_s": header_timeout_s, "body_timeout_s": body_timeout_s,
+             "sse_keepalive_s": sse_keepalive_s}
+    overrides = {name: value for name, value in given.items() if value is not None}
+    if overrides:
+        settings = Settings.model_validate({**settings.model_dump(), **overrides})
+    uvicorn.Server(server_config(settings, host=host, port=port)).run()
+
+
+def _openai_path(path: str) -> bool:
+    return path in ("/v1/completions", "/v1/chat/completions") or path.startswith("/v1/models")
+
+
+def _error(request: Request, status: int, message: str, *, type_: str = "invalid_request_error",
+           code: str | None = None, param: str | None = None,
+           headers: dict[str, str] | None = None) -> Response:
+    """An error in the shape the endpoint's clients expect: OpenAI's or FastAPI's."""
+    if _openai_path(request.url.path):
+        return openai_compat.error(status, message, type_=type_, code=code, param=param,
+                                   headers=headers)
+    return JSONResponse({"detail": message}, status_code=status, headers=headers)
+
+
 async def _redis_unreachable(request: Request, exc: Exception) -> Response:
-    message = "the fleet's Redis cannot be reached right now; retry later"
-    if request.url.path == "/v1/completions":
-        return openai_compat.error(503, message, type_="server_error")
-    return JSONResponse({"detail": message}, status_code=503)
+    return _error(request, 503, "the fleet's Redis cannot be reached right now; retry later",
+                  type_="server_error")
+
+
+async def _fleet_error(request: Request, exc: Exception) -> Response:
+    name = type(exc).__name__
+    message = str(exc)
+    headers = {"Retry-After": str(RETRY_AFTER_S)} if name == "QueueFull" else None
+    if name == "NoWorker" and not hasattr(exc, "served"):  # an older NoWorker: add the list
+        with contextlib.suppress(RedisError, OSError):
+            names = [s.queue for s in await served_queues(fleet(request))]
+            message += f" (queues served now: {', '.join(map(repr, names)) or 'none'})"
+    type_, code = OPENAI_CODES.get(name, ("invalid_request_error", None))
+    return _error(request, STATUS.get(name, 400), message, type_=type_, code=code,
+                  param="model" if name == "NoWorker" else None, headers=headers)
+
+
+async def _body_timeout(request: Request, exc: Exception) -> Response:
+    # The rest of the body may still be on its way: the connection cannot be reused.
+    return _error(request, 408, str(exc), code="request_timeout",
+                  headers={"Connection": "close"})
 
 
 @router.post("/v1/jobs", status_code=202)
@@ -130,10 +204,12 @@ async def submit_job(request: Request) -> Response:
         job = GenerationRequest.model_validate_json(body, context={"settings": client.settings})
     except ValidationError as exc:
         return JSONResponse({"detail": validation_errors(exc)}, status_code=422)
-    try:
-        job_id = await client.submit(job)
-    except QueueFull as exc:
-        raise HTTPException(429, str(exc), headers={"Retry-After": str(RETRY_AFTER_S)}) from exc
+    if job.messages is not None:
+        queue = await served(client, job.model)
+        if queue is not None and queue.chat is False:
+            raise HTTPException(400, f"model {job.model!r} has no chat template, so it cannot "
+                                "take messages: send a prompt instead")
+    job_id = await client.submit(job)
     return JSONResponse({"id": job_id, "status": "queued"}, status_code=202,
                         headers={"Location": f"/v1/jobs/{job_id}"})
 
@@ -168,15 +244,15 @@ async def job_events(
             raise HTTPException(
                 400, f"Last-Event-ID must be a token index as sent in 'id:', not {last_event_id!r}"
             ) from exc
-    return StreamingResponse(_job_events(client, job_id, after),
-                             media_type="text/event-stream", headers=SSE_HEADERS)
+    return sse.response(_job_events(client, job_id, after), keepalive_s(request))
 
 
 async def _job_events(client: AsyncFleetClient, job_id: str, after: int) -> AsyncIterator[bytes]:
-    async for event in client.stream(job_id):
-        if event.index > after:
-            yield sse(event.model_dump_json(), event="token", event_id=event.index)
-    yield sse((await client.status(job_id)).model_dump_json(), event="end")
+    async with contextlib.aclosing(client.stream(job_id)) as events:
+        async for event in events:
+            if event.index > after:
+                yield sse.event(event.model_dump_json(), name="token", event_id=event.index)
+    yield sse.event((await client.status(job_id)).model_dump_json(), name="end")
 
 
 async def _state(client: AsyncFleetClient, job_id: str) -> JobState:
@@ -193,7 +269,33 @@ async def completions(request: Request) -> Response:
         body = await read_body(request, client.settings.max_payload_bytes)
     except BodyTooLarge as exc:
         return openai_compat.error(413, str(exc))
-    return await openai_compat.complete(client, body, request)
+    return await openai_compat.complete(client, body, request, keepalive_s(request))
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(request: Request) -> Response:
+    client = fleet(request)
+    try:
+        body = await read_body(request, client.settings.max_payload_bytes)
+    except BodyTooLarge as exc:
+        return openai_compat.error(413, str(exc))
+    return await openai_chat.chat(client, body, request, keepalive_s(request))
+
+
+@router.get("/v1/models")
+async def list_models(request: Request) -> dict[str, Any]:
+    """The queues live workers serve, as OpenAI lists models."""
+    return {"object": "list", "data": [s.as_openai() for s in await served_queues(fleet(request))]}
+
+
+@router.get("/v1/models/{model}")
+async def get_model(model: str, request: Request) -> Response:
+    found = await served(fleet(request), model)
+    if found is None:
+        return openai_compat.error(404, f"the model {model!r} does not exist or no live worker "
+                                   "serves it: GET /v1/models lists those served",
+                                   param="model", code="model_not_found")
+    return JSONResponse(found.as_openai())
 
 
 @router.get("/healthz")

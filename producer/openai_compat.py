@@ -1,10 +1,16 @@
-"""OpenAI-compatible ``POST /v1/completions`` on top of the fleet.
+"""OpenAI-compatible ``POST /v1/completions`` on top of the fleet, and what the
+chat endpoint (``tokenfleet.openai_chat``) shares with it.
 
-``model`` is the queue name. Fields the fleet has no use for (``user``,
-``presence_penalty``, ...) are ignored, as OpenAI-style servers do; the ones whose
-meaning it cannot honour (``n`` > 1, ``best_of`` > 1, ``echo``, ``logprobs``) are
-refused rather than silently answered differently. A client that disconnects
-before its completion is done cancels the job, so the worker's slot is freed.
+``model`` is the queue name. Every field of OpenAI's request is either honoured
+or refused with a 400 that names it; none is silently ignored. Refused unless
+they ask for nothing (the value a client sends by default): ``n`` and
+``best_of`` above 1, ``echo``, ``logprobs``, ``presence_penalty``,
+``frequency_penalty``, ``logit_bias``, ``suffix``. ``user`` is kept in the job's
+metadata. ``top_k`` and ``repetition_penalty`` (as vLLM takes them) are honoured
+too; any other field is refused as unrecognized, as OpenAI does.
+
+A client that disconnects before its completion is done cancels the job, so the
+worker's slot is freed.
 """
 
 from __future__ import annotations
@@ -12,44 +18,97 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import anyio
 import orjson
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
 from redis.exceptions import RedisError
 
+from tokenfleet import sse
 from tokenfleet.aio import AsyncFleetClient
-from tokenfleet.shared.errors import QueueFull, TokenfleetError
+from tokenfleet.shared.errors import TokenfleetError
 from tokenfleet.shared.schemas import FinishReason, GenerationRequest, JobState, JobStatus
 
 # OpenAI's names for the fields of a GenerationRequest, to name the right ``param``.
 PARAMS = {("sampling", "max_new_tokens"): "max_tokens", ("sampling", "temperature"): "temperature",
           ("sampling", "top_p"): "top_p", ("sampling", "stop"): "stop",
-          ("sampling", "seed"): "seed", ("prompt",): "prompt", ("model",): "model"}
+          ("sampling", "seed"): "seed", ("sampling", "top_k"): "top_k",
+          ("sampling", "repetition_penalty"): "repetition_penalty",
+          ("prompt",): "prompt", ("model",): "model", ("metadata",): "user"}
 FINISH = {FinishReason.EOS: "stop", FinishReason.STOP: "stop", FinishReason.LENGTH: "length"}
-RETRY_AFTER_S = 1
+ONE_CHOICE = "only one choice per request is supported: send several requests instead"
+LEAVE_UNSET = "not supported by this gateway: leave it unset"
+
+# Fields this gateway cannot honour: the values that ask for nothing, and what
+# to do instead. Any other value is refused with a 400 naming the field.
+REFUSED: dict[str, tuple[tuple[Any, ...], str]] = {
+    "n": ((None, 1), ONE_CHOICE),
+    "best_of": ((None, 1), ONE_CHOICE),
+    "echo": ((None, False), LEAVE_UNSET),
+    "logprobs": ((None,), LEAVE_UNSET),
+    "presence_penalty": ((None, 0), LEAVE_UNSET + " or 0"),
+    "frequency_penalty": ((None, 0), LEAVE_UNSET + " or 0"),
+    "logit_bias": ((None, {}), LEAVE_UNSET),
+    "suffix": ((None, ""), LEAVE_UNSET),
+}
 
 
-class CompletionRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+class Sampling(BaseModel):
+    """The sampling fields that completions and chat share."""
+
+    model_config = ConfigDict(extra="forbid")
 
     model: str = "default"
-    prompt: str | list[Any]
-    max_tokens: int | None = 16
     temperature: float | None = None
     top_p: float | None = None
+    top_k: int | None = None
+    repetition_penalty: float | None = None
     stop: str | list[str] | None = None
     seed: int | None = None
     stream: bool | None = False
     stream_options: dict[str, Any] | None = None
-    n: int | None = Field(default=1, description="only 1 is supported")
-    best_of: int | None = None
-    echo: bool | None = None
-    logprobs: int | None = None
+    user: str | None = None
+
+    @field_validator("stream_options")
+    @classmethod
+    def _usage_only(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        unknown = set(value or {}) - {"include_usage"}
+        if unknown:
+            raise ValueError(f"only include_usage is supported, not {', '.join(sorted(unknown))}")
+        return value
+
+    def sampling(self, max_tokens: int) -> dict[str, Any]:
+        out: dict[str, Any] = {"max_new_tokens": max_tokens}
+        for name in ("temperature", "top_p", "top_k", "repetition_penalty", "seed"):
+            if getattr(self, name) is not None:
+                out[name] = getattr(self, name)
+        if self.stop is not None:
+            out["stop"] = [self.stop] if isinstance(self.stop, str) else self.stop
+        return out
+
+    def user_metadata(self) -> dict[str, Any]:
+        return {} if self.user is None else {"user": self.user}
+
+    @property
+    def include_usage(self) -> bool:
+        return bool((self.stream_options or {}).get("include_usage"))
+
+
+class CompletionRequest(Sampling):
+    prompt: str | list[Any]
+    max_tokens: int | None = 16
+    n: Any = None
+    best_of: Any = None
+    echo: Any = None
+    logprobs: Any = None
+    presence_penalty: Any = None
+    frequency_penalty: Any = None
+    logit_bias: Any = None
+    suffix: Any = None
 
     @field_validator("prompt")
     @classmethod
@@ -59,33 +118,12 @@ class CompletionRequest(BaseModel):
                              "token-id prompts are not supported: send one request per prompt")
         return value
 
-    @field_validator("n", "best_of")
-    @classmethod
-    def _one_choice(cls, value: int | None) -> int | None:
-        if value not in (None, 1):
-            raise ValueError(f"only one choice per request is supported, got {value}: "
-                             "send several requests instead")
-        return value
-
-    @field_validator("echo", "logprobs")
-    @classmethod
-    def _unsupported(cls, value: Any) -> Any:
-        if value:
-            raise ValueError("not supported by this gateway: leave it unset")
-        return value
-
     def generation(self, settings: Any) -> GenerationRequest:
         """The fleet's request for this completion, checked against its limits."""
-        sampling: dict[str, Any] = {"max_new_tokens": 16 if self.max_tokens is None
-                                    else self.max_tokens}
-        for name in ("temperature", "top_p", "seed"):
-            if getattr(self, name) is not None:
-                sampling[name] = getattr(self, name)
-        if self.stop is not None:
-            sampling["stop"] = [self.stop] if isinstance(self.stop, str) else self.stop
         prompt = self.prompt if isinstance(self.prompt, str) else self.prompt[0]
         return GenerationRequest.model_validate(
-            {"prompt": prompt, "model": self.model, "sampling": sampling},
+            {"prompt": prompt, "model": self.model, "metadata": self.user_metadata(),
+             "sampling": self.sampling(16 if self.max_tokens is None else self.max_tokens)},
             context={"settings": settings},
         )
 
@@ -96,72 +134,119 @@ def error(status_code: int, message: str, *, param: str | None = None, code: str
     return JSONResponse(body, status_code=status_code, headers=headers)
 
 
-def _invalid(exc: ValidationError, generation: bool) -> Response:
+def invalid(exc: ValidationError, params: dict[tuple[str, ...], str] | None = None) -> Response:
+    """A 400 for the first error; ``params`` names the fields of a GenerationRequest
+    as the client knows them (else the error's location is the client's field)."""
     first = exc.errors(include_url=False)[0]
     loc = tuple(str(part) for part in first["loc"])
-    param = PARAMS.get(loc) if generation else (loc[0] if loc else None)
+    param = params.get(loc) if params is not None else _dotted(loc)
     message = first["msg"].removeprefix("Value error, ")
     if first["type"] == "json_invalid":
         message = f"the body is not valid JSON ({message})"
+    elif first["type"] == "extra_forbidden":
+        message = f"unrecognized request argument '{param}': this gateway does not take it"
     elif param:
         message = f"invalid '{param}': {message}"
     return error(400, message, param=param)
 
 
-async def complete(client: AsyncFleetClient, body: bytes, request: Request) -> Response:
+def _dotted(loc: tuple[str, ...]) -> str | None:
+    out = ""
+    for part in loc:
+        out += f"[{part}]" if part.isdigit() else (f".{part}" if out else part)
+    return out or None
+
+
+def refusal(ask: BaseModel, refused: dict[str, tuple[tuple[Any, ...], str]]) -> Response | None:
+    """A 400 for the first field set to something this gateway cannot honour."""
+    for name, (nothing, instead) in refused.items():
+        value = getattr(ask, name)
+        if not any(_same(value, ok) for ok in nothing):
+            return error(400, f"'{name}' = {orjson.dumps(value).decode()} is {instead}",
+                         param=name)
+    return None
+
+
+def _same(value: Any, ok: Any) -> bool:
+    # 0 == False in Python; in JSON they differ, and here too.
+    if isinstance(value, bool) or isinstance(ok, bool):
+        return value is ok
+    return bool(value == ok)
+
+
+async def complete(client: AsyncFleetClient, body: bytes, request: Request,
+                   keepalive_s: float) -> Response:
     try:
         ask = CompletionRequest.model_validate_json(body)
     except ValidationError as exc:
-        return _invalid(exc, generation=False)
+        return invalid(exc)
+    refused = refusal(ask, REFUSED)
+    if refused is not None:
+        return refused
     try:
         job = ask.generation(client.settings)
     except ValidationError as exc:
-        return _invalid(exc, generation=True)
-    try:
-        job_id = await client.submit(job)
-    except QueueFull as exc:
-        return error(429, str(exc), type_="requests", code="rate_limit_exceeded",
-                     headers={"Retry-After": str(RETRY_AFTER_S)})
+        return invalid(exc, PARAMS)
+    job_id = await client.submit(job)  # the app maps the fleet's errors to statuses
     head = {"id": f"cmpl-{job_id}", "object": "text_completion", "created": int(time.time()),
             "model": job.model}
     if ask.stream:
-        usage = bool((ask.stream_options or {}).get("include_usage"))
-        return StreamingResponse(_chunks(client, job_id, head, usage),
-                                 media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-    state = await _wait_while_connected(client, job_id, request)
+        return sse.response(chunks(client, job_id, head, completion_choice, ask.include_usage),
+                            keepalive_s)
+    state = await wait_while_connected(client, job_id, request)
     if state is None:
         return Response(status_code=499)  # nobody is left to read it
     if state.status is not JobStatus.SUCCEEDED:
-        return error(500, _failure(state), type_="server_error")
-    choice = {"index": 0, "text": state.text, "finish_reason": _finish(state), "logprobs": None}
-    return JSONResponse({**head, "choices": [choice], "usage": _usage(state)})
+        return error(500, failure(state), type_="server_error")
+    choice = completion_choice(state.text, finish(state))
+    return JSONResponse({**head, "choices": [choice], "usage": usage(state)})
 
 
-async def _chunks(client: AsyncFleetClient, job_id: str, head: dict[str, Any],
-                  include_usage: bool) -> AsyncIterator[bytes]:
-    ended = False
-    try:
+def completion_choice(text: str, finish_reason: str | None) -> dict[str, Any]:
+    return {"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": None}
+
+
+Choice = Callable[[str, "str | None"], dict[str, Any]]
+
+
+async def chunks(client: AsyncFleetClient, job_id: str, head: dict[str, Any], choice: Choice,
+                 include_usage: bool, opening: dict[str, Any] | None = None
+                 ) -> AsyncIterator[bytes]:
+    """The job's text as OpenAI stream chunks (``choice`` shapes one): ``opening``
+    first, if given; a chunk per piece of text; the finish reason (or an error);
+    the usage if asked for; ``[DONE]``."""
+    async with cancel_unless_ended(client, job_id) as ended:
+        if opening is not None:
+            yield data({**head, "choices": [opening]})
         async for event in client.stream(job_id):
             if event.text:
-                yield _data({**head, "choices": [_delta(event.text, None)]})
+                yield data({**head, "choices": [choice(event.text, None)]})
         state = await client.status(job_id)
-        ended = True
+        ended.set()
         if state.status is not JobStatus.SUCCEEDED:
-            yield _data({"error": {"message": _failure(state), "type": "server_error",
-                                   "param": None, "code": None}})
+            yield data({"error": {"message": failure(state), "type": "server_error",
+                                  "param": None, "code": None}})
         else:
-            yield _data({**head, "choices": [_delta("", _finish(state))]})
+            yield data({**head, "choices": [choice("", finish(state))]})
             if include_usage:
-                yield _data({**head, "choices": [], "usage": _usage(state)})
+                yield data({**head, "choices": [], "usage": usage(state)})
         yield b"data: [DONE]\n\n"
+
+
+@contextlib.asynccontextmanager
+async def cancel_unless_ended(client: AsyncFleetClient, job_id: str) -> AsyncIterator[asyncio.Event]:
+    """Cancels the job on exit unless the event was set: the client went away (or
+    the stream broke) before the job ended, so its work is of no use."""
+    ended = asyncio.Event()
+    try:
+        yield ended
     finally:
-        if not ended:  # the client went away (or the stream broke): stop the work
-            await _cancel_quietly(client, job_id)
+        if not ended.is_set():
+            await cancel_quietly(client, job_id)
 
 
-async def _wait_while_connected(client: AsyncFleetClient, job_id: str,
-                                request: Request) -> JobState | None:
+async def wait_while_connected(client: AsyncFleetClient, job_id: str,
+                               request: Request) -> JobState | None:
     """The job's final state, or None (and the job cancelled) if the client left first."""
     waiter = asyncio.ensure_future(client.wait(job_id))
     gone = asyncio.ensure_future(_disconnected(request))
@@ -174,7 +259,7 @@ async def _wait_while_connected(client: AsyncFleetClient, job_id: str,
             waiter.cancel()
     if finished:
         return waiter.result()
-    await _cancel_quietly(client, job_id)
+    await cancel_quietly(client, job_id)
     return None
 
 
@@ -184,30 +269,26 @@ async def _disconnected(request: Request) -> None:
         pass
 
 
-async def _cancel_quietly(client: AsyncFleetClient, job_id: str) -> None:
+async def cancel_quietly(client: AsyncFleetClient, job_id: str) -> None:
     # Shielded: this runs while the request's task is being cancelled.
     with anyio.CancelScope(shield=True), contextlib.suppress(TokenfleetError, RedisError):
         await client.cancel(job_id)
 
 
-def _data(obj: dict[str, Any]) -> bytes:
-    return b"data: " + orjson.dumps(obj) + b"\n\n"
+def data(obj: dict[str, Any]) -> bytes:
+    return sse.event(orjson.dumps(obj))
 
 
-def _delta(text: str, finish_reason: str | None) -> dict[str, Any]:
-    return {"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": None}
-
-
-def _finish(state: JobState) -> str:
+def finish(state: JobState) -> str:
     return FINISH.get(state.finish_reason, "stop") if state.finish_reason else "stop"
 
 
-def _usage(state: JobState) -> dict[str, int]:
+def usage(state: JobState) -> dict[str, int]:
     prompt, completion = state.num_prompt_tokens or 0, len(state.token_ids)
     return {"prompt_tokens": prompt, "completion_tokens": completion,
             "total_tokens": prompt + completion}
 
 
-def _failure(state: JobState) -> str:
+def failure(state: JobState) -> str:
     reason = state.error or (state.finish_reason.value if state.finish_reason else "no reason")
     return f"the job ended {state.status.value} ({reason}); the completion has no result"

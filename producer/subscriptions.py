@@ -6,6 +6,17 @@ it on the queues of that channel's listeners. Messages published while the
 connection was down are lost, as with any pub/sub; listeners re-read the job's
 log when they hear nothing for a while, so nothing reaches them out of order or
 not at all.
+
+Listeners never send SUBSCRIBE or UNSUBSCRIBE themselves. Entering and leaving
+only changes the set of wanted channels, without an await, and wakes the
+*keeper*: a task of this object's own, the only one that sends those commands,
+which brings the connection's subscriptions to that set. So
+
+- a listener cancelled at any point leaves nothing subscribed: Starlette cancels
+  a streaming response whose client hung up at every await until it returns,
+  and an await in a listener's cleanup would never finish;
+- a Redis outage delays the keeper alone: no listener waits for another's
+  SUBSCRIBE or UNSUBSCRIBE, and leaving never waits for Redis at all.
 """
 
 from __future__ import annotations
@@ -16,49 +27,117 @@ import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
-from redis.exceptions import ConnectionError, TimeoutError
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 log = logging.getLogger(__name__)
 
+# How long a new listener waits for the server to confirm its subscription.
+# Past that (Redis is down, or slow) it goes on unconfirmed: the stream re-reads
+# the job's log on every quiet interval, so it loses nothing, it only hears late.
+CONFIRM_TIMEOUT_S = 5.0
+BACKOFF_S = (0.05, 2.0)  # first and longest pause between two tries of the keeper or reader
+
 
 class Subscriptions:
+    """Owned by one event loop: every method and both tasks run on it, no thread."""
+
     def __init__(self, redis: Any) -> None:
         self._redis = redis
         self._pubsub: Any = None
-        self._reader: asyncio.Task[None] | None = None
+        # The wanted channels: a queue per listener, and whether the server has
+        # confirmed the channel's subscription since the first of them came.
         self._listeners: dict[bytes, set[asyncio.Queue[bytes]]] = {}
         self._confirmed: dict[bytes, asyncio.Event] = {}
-        # redis-py's PubSub opens its connection on the first command: two first
-        # commands at once would open two, and only one of them is read.
-        self._lock = asyncio.Lock()
+        # The keeper's view of the connection: channels it last sent SUBSCRIBE
+        # for; of those, the ones the server confirmed; and channels whose last
+        # command failed, so that it is unknown whether the server has them.
+        self._sent: set[bytes] = set()
+        self._live: set[bytes] = set()
+        self._unsure: set[bytes] = set()
+        self._wake = asyncio.Event()
+        self._keeper: asyncio.Task[None] | None = None
+        self._reader: asyncio.Task[None] | None = None
 
     @contextlib.asynccontextmanager
     async def listen(self, channel: str) -> AsyncIterator[asyncio.Queue[bytes]]:
-        """A queue of the channel's messages, subscribed (and confirmed) on entry."""
+        """A queue of the channel's messages; on entry, the subscription is confirmed
+        (or ``CONFIRM_TIMEOUT_S`` has passed)."""
         name = channel.encode()
         queue: asyncio.Queue[bytes] = asyncio.Queue()
         listeners = self._listeners.setdefault(name, set())
+        if not listeners:
+            self._confirmed[name] = asyncio.Event()
+            if name in self._live:  # still subscribed from the listeners before
+                self._confirmed[name].set()
         listeners.add(queue)
+        confirmed = self._confirmed[name]
+        self._changed()
         try:
-            if len(listeners) == 1:
-                self._confirmed[name] = asyncio.Event()
-                async with self._lock:
-                    if self._pubsub is None:
-                        self._pubsub = self._redis.pubsub()
-                    await self._pubsub.subscribe(name)
-            self._ensure_reader()
             # Only after the server confirms is every later publish seen, so a
             # read of the job's log after this point cannot miss a token.
-            await asyncio.wait_for(self._confirmed[name].wait(), timeout=10)
+            with contextlib.suppress(TimeoutError):  # the builtin: asyncio.timeout's
+                async with asyncio.timeout(CONFIRM_TIMEOUT_S):
+                    await confirmed.wait()
             yield queue
         finally:
+            # No await from here on: this runs while the caller is being cancelled.
             listeners.discard(queue)
             if not listeners:
-                self._listeners.pop(name, None)
-                self._confirmed.pop(name, None)
-                with contextlib.suppress(ConnectionError, TimeoutError, OSError):
-                    async with self._lock:
-                        await self._pubsub.unsubscribe(name)
+                del self._listeners[name], self._confirmed[name]
+                self._changed()
+
+    def _changed(self) -> None:
+        self._wake.set()
+        if self._keeper is None or self._keeper.done():
+            self._keeper = asyncio.get_running_loop().create_task(self._keep())
+
+    async def _keep(self) -> None:
+        backoff = BACKOFF_S[0]
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            try:
+                await self._sync()
+                backoff = BACKOFF_S[0]
+            except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
+                # redis-py has retried already; go on trying, but never block a listener.
+                log.warning("pub/sub (un)subscribe failed (%s); trying again", exc)
+                self._wake.set()
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, BACKOFF_S[1])
+
+    async def _sync(self) -> None:
+        """Send what makes the server's subscriptions the wanted ones, until they are.
+
+        UNSUBSCRIBE goes first: a channel left and wanted again in between is
+        then subscribed by the SUBSCRIBE that follows, in that order on the wire.
+        """
+        while True:
+            wanted = set(self._listeners)
+            gone = (self._sent | self._unsure) - wanted
+            new = wanted - (self._sent - self._unsure)
+            self._unsure.clear()
+            if not gone and not new:
+                return
+            if self._pubsub is None:
+                self._pubsub = self._redis.pubsub()
+            if gone:
+                self._sent -= gone
+                self._live -= gone  # a listener back for one waits for a new confirmation
+                try:
+                    await self._pubsub.unsubscribe(*gone)
+                except BaseException:
+                    self._unsure |= gone
+                    raise
+            if new:
+                self._sent |= new
+                try:
+                    await self._pubsub.subscribe(*new)
+                except BaseException:
+                    self._unsure |= new
+                    raise
+                self._ensure_reader()
 
     def _ensure_reader(self) -> None:
         # Started after the first subscribe: reading needs the connection it opens.
@@ -66,32 +145,43 @@ class Subscriptions:
             self._reader = asyncio.get_running_loop().create_task(self._read())
 
     async def _read(self) -> None:
-        backoff = 0.05
+        backoff = BACKOFF_S[0]
         while True:
             try:
                 message = await self._pubsub.get_message(timeout=1.0)
-                backoff = 0.05
-            except (ConnectionError, TimeoutError, OSError) as exc:
+                backoff = BACKOFF_S[0]
+            except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
                 log.warning("pub/sub connection lost (%s); reconnecting", exc)
                 await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, 2.0)
+                backoff = min(backoff * 2, BACKOFF_S[1])
                 continue
-            if message is None:
-                continue
-            channel = message["channel"]
-            if message["type"] == "subscribe":
+            if message is not None:
+                self._take(message)
+
+    def _take(self, message: dict[str, Any]) -> None:
+        channel = message["channel"]
+        if message["type"] == "message":
+            for queue in self._listeners.get(channel, ()):
+                queue.put_nowait(message["data"])
+        elif message["type"] == "subscribe":
+            if channel in self._sent:
+                self._live.add(channel)
                 event = self._confirmed.get(channel)
                 if event is not None:
                     event.set()
-            elif message["type"] == "message":
-                for queue in self._listeners.get(channel, ()):
-                    queue.put_nowait(message["data"])
+            if channel not in self._listeners:
+                # Subscribed though nobody wants it: redis-py resubscribes what it
+                # had on a reconnect, including a channel whose UNSUBSCRIBE was
+                # lost with the old connection. Let the keeper unsubscribe it.
+                self._unsure.add(channel)
+                self._changed()
 
     async def close(self) -> None:
-        if self._reader is not None:
-            self._reader.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await self._reader
+        for task in (self._keeper, self._reader):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await task
         if self._pubsub is not None:
             with contextlib.suppress(Exception):
                 await self._pubsub.aclose()

@@ -54,6 +54,12 @@ class Settings(BaseSettings):
     # Prometheus metrics on this port (one worker process per port); None: off.
     metrics_port: int | None = Field(default=None, ge=1, le=65535)
 
+    # The HTTP gateway: how long a client may take to send a request's head and
+    # its body, and how often an idle event stream sends a keep-alive comment.
+    header_timeout_s: float = Field(default=10.0, gt=0)
+    body_timeout_s: float = Field(default=30.0, gt=0)
+    sse_keepalive_s: float = Field(default=15.0, gt=0)
+
     # Reliability.
     max_attempts: int = Field(default=3, ge=1)
     claim_idle_s: float = Field(default=30.0, gt=0)

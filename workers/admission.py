@@ -26,9 +26,14 @@ class Admission:
         self.max_model_len = max_model_len
         self._encode = _fast_encoder(tokenizer)
 
+    @property
+    def has_chat_template(self) -> bool:
+        """Whether this model takes ``messages`` (the heartbeat says so, for the gateway)."""
+        return bool(getattr(self.tokenizer, "chat_template", None))
+
     def prompt_ids(self, request: GenerationRequest) -> list[int]:
         if request.messages is not None:
-            if not getattr(self.tokenizer, "chat_template", None):
+            if not self.has_chat_template:
                 raise Rejected("this model has no chat template: send a prompt, not messages")
             messages = [m.model_dump() for m in request.messages]
             ids = self.tokenizer.apply_chat_template(

@@ -239,6 +239,7 @@ class Worker:
         return {
             "name": self.name, "host": socket.gethostname(), "pid": os.getpid(),
             "queue": self.queue, "model": self.model_name, "device": self.settings.device,
+            "chat": int(self.feeder.admission.has_chat_template),  # for the gateway's chat
             "max_batch": self.settings.max_batch, "prefetch": self.settings.prefetch,
             "running": self.scheduler.num_running, "waiting": self.scheduler.num_waiting,
             "draining": int(self.feeder.paused.is_set() or self._stop_intake.is_set()),

@@ -3,73 +3,25 @@
 from __future__ import annotations
 
 import socket
-import threading
-from collections.abc import Callable, Iterator
 from typing import Any
 
 import httpx
+import openai
 import orjson
 import pytest
 import redis
-import uvicorn
 
 from tokenfleet import FleetClient
-from tokenfleet.gateway import create_app
+from tokenfleet.shared import errors
 from tokenfleet.shared.schemas import JobStatus
+from tokenfleet.shared.settings import Settings
+
+from gateway_server import gateway, pin_live_worker, port_of, sse_events  # noqa: F401  (a fixture)
+from helpers import wait_until
 
 pytestmark = pytest.mark.timeout(120)
 
 UNSERVED = "nobody-serves-this"  # a queue no worker of the test reads
-
-
-class _Server(uvicorn.Server):
-    """uvicorn, telling the test when it listens instead of being polled."""
-
-    def __init__(self, config: uvicorn.Config) -> None:
-        super().__init__(config)
-        self.ready = threading.Event()
-
-    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
-        await super().startup(sockets)
-        self.ready.set()
-
-
-@pytest.fixture
-def gateway(settings: Any) -> Iterator[Callable[..., httpx.Client]]:
-    """Start the gateway (with settings overrides) on a free port; returns an HTTP client."""
-    running: list[tuple[_Server, threading.Thread, httpx.Client]] = []
-
-    def start(**overrides: Any) -> httpx.Client:
-        sock = socket.socket()
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-        app = create_app(settings.model_copy(update=overrides))
-        server = _Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
-        thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-        thread.start()
-        assert server.ready.wait(20), "the gateway did not start"
-        http = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60)
-        running.append((server, thread, http))
-        return http
-
-    yield start
-    for server, thread, http in running:
-        http.close()
-        server.should_exit = True
-        thread.join(20)
-
-
-def sse_events(lines: Iterator[str]) -> Iterator[dict[str, str]]:
-    """Parse a text/event-stream into events: {'id', 'event', 'data'} as sent."""
-    event: dict[str, str] = {}
-    for line in lines:
-        if not line:
-            if event:
-                yield event
-            event = {}
-        elif not line.startswith(":"):
-            name, _, value = line.partition(":")
-            event[name] = value.removeprefix(" ")
 
 
 def read_events(http: httpx.Client, job_id: str, **headers: str) -> list[dict[str, str]]:
@@ -225,21 +177,55 @@ def test_completions_match_the_job_record_and_the_stream_matches_the_completion(
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == completion["usage"]
 
 
-def test_an_openai_style_request_with_extra_fields_works(
-    gateway: Any, start_worker: Any
+def test_an_openai_style_request_whose_extra_fields_ask_for_nothing_works(
+    gateway: Any, start_worker: Any, client: FleetClient
 ) -> None:
     start_worker()
     http = gateway()
     body = {"model": "default", "prompt": ["Once upon a time"], "max_tokens": 6,
             "temperature": 0.0, "top_p": 1, "n": 1, "stop": "\n\n", "seed": 3, "stream": False,
             "echo": False, "logprobs": None, "best_of": 1, "user": "user-1234",
-            "presence_penalty": 0, "frequency_penalty": 0, "logit_bias": {"50256": -100},
-            "suffix": None}
+            "presence_penalty": 0, "frequency_penalty": 0.0, "logit_bias": {}, "suffix": None}
     response = http.post("/v1/completions", json=body,
                          headers={"Authorization": "Bearer sk-ignored"})
     assert response.status_code == 200, response.text
     assert response.json()["choices"][0]["finish_reason"] in ("stop", "length")
     assert 1 <= response.json()["usage"]["completion_tokens"] <= 6
+    state = client.status(response.json()["id"].removeprefix("cmpl-"))
+    assert state.metadata == {"user": "user-1234"}  # honoured: kept with the job
+
+
+def test_openai_fields_the_gateway_cannot_honour_are_400_naming_them(
+    gateway: Any, r: redis.Redis, settings: Any
+) -> None:
+    http = gateway()
+    refused = {"presence_penalty": 0.5, "frequency_penalty": -1, "suffix": "the end",
+               "logit_bias": {"50": -100}, "echo": True, "logprobs": 0, "best_of": 2,
+               "n": 3, "nonsense": 1, "stream_options": {"include_obfuscation": True}}
+    for field, value in refused.items():
+        response = http.post("/v1/completions", json={"prompt": "hi", field: value})
+        assert response.status_code == 400, (field, response.text)
+        err = response.json()["error"]
+        assert err["param"] == field and field in err["message"], err
+    chat = {"tools": [{"type": "function", "function": {"name": "f"}}], "logprobs": True,
+            "response_format": {"type": "json_object"}, "presence_penalty": 1, "n": 2,
+            "tool_choice": "auto", "store": True, "audio": {"voice": "x"}}
+    for field, value in chat.items():
+        response = http.post("/v1/chat/completions", json={
+            "messages": [{"role": "user", "content": "hi"}], field: value})
+        assert response.status_code == 400, (field, response.text)
+        err = response.json()["error"]
+        assert err["param"] == field and field in err["message"], err
+    messages = [([{"role": "tool", "content": "42", "tool_call_id": "c1"}], "messages[0].role"),
+                ([{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}],
+                 "messages[0].content"),
+                ([{"role": "user", "content": "hi", "name": "ann"}], "messages[0]"),
+                ([], None)]
+    for value, param in messages:
+        response = http.post("/v1/chat/completions", json={"messages": value})
+        assert response.status_code == 400, (value, response.text)
+        assert response.json()["error"]["param"] == param, response.json()
+    assert not list(r.scan_iter(match=f"{settings.namespace}:job:*"))  # nothing was enqueued
 
 
 def test_completion_errors_are_400_in_openai_shape_naming_the_param(gateway: Any) -> None:
@@ -288,3 +274,135 @@ def test_healthz_is_200_with_redis_and_503_without(gateway: Any) -> None:
         dead = f"redis://127.0.0.1:{s.getsockname()[1]}/0"  # nothing listens there
     response = gateway(redis_url=dead).get("/healthz")
     assert response.status_code == 503 and response.json()["ok"] is False
+
+
+def openai_client(http: httpx.Client) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"http://127.0.0.1:{port_of(http)}/v1", api_key="unused",
+                         max_retries=0, timeout=60)
+
+
+def test_the_openai_client_lists_models_completes_and_chats(
+    gateway: Any, start_worker: Any, client: FleetClient, loaded_tiny: Any
+) -> None:
+    start_worker()
+    oa = openai_client(gateway())
+    wait_until(lambda: oa.models.list().data, timeout=10, what="the worker's first heartbeat")
+    [model] = oa.models.list().data
+    assert model.id == "default" and model.object == "model" and model.owned_by == "tokenfleet"
+    assert oa.models.retrieve("default").id == "default"
+    with pytest.raises(openai.NotFoundError) as missing:
+        oa.models.retrieve(UNSERVED)
+    assert missing.value.code == "model_not_found" and UNSERVED in missing.value.message
+
+    ask = {"model": "default", "prompt": "The function returns", "max_tokens": 12,
+           "temperature": 0}
+    completion = oa.completions.create(**ask)
+    [choice] = completion.choices
+    assert choice.text == client.status(completion.id.removeprefix("cmpl-")).text
+    streamed = list(oa.completions.create(**ask, stream=True))
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == choice.text
+    assert streamed[-1].choices[0].finish_reason == choice.finish_reason
+
+    messages = [{"role": "system", "content": "Be brief."},
+                {"role": "user", "content": "Tell me about the sea."}]
+    chat = {"model": "default", "messages": messages, "max_tokens": 12, "temperature": 0}
+    reply = oa.chat.completions.create(**chat)  # type: ignore[call-overload]
+    assert reply.object == "chat.completion" and reply.id.startswith("chatcmpl-")
+    message = reply.choices[0].message
+    assert message.role == "assistant"
+    assert message.content == client.status(reply.id.removeprefix("chatcmpl-")).text
+    # The worker rendered the messages with the tokenizer's chat template.
+    _model, tokenizer = loaded_tiny
+    rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                             tokenize=True, return_dict=False)
+    assert reply.usage is not None and reply.usage.prompt_tokens == len(rendered)
+    chunks = list(oa.chat.completions.create(**chat, stream=True,  # type: ignore[call-overload]
+                                             stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == \
+        message.content
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == \
+        reply.choices[0].finish_reason
+    assert chunks[-1].usage == reply.usage
+
+    with pytest.raises(openai.BadRequestError) as refused:
+        oa.completions.create(model="default", prompt="hi", presence_penalty=0.5)
+    assert refused.value.param == "presence_penalty"
+    with pytest.raises(openai.BadRequestError) as refused:
+        oa.chat.completions.create(model="default", messages=messages, tools=[
+            {"type": "function", "function": {"name": "f", "parameters": {}}}])
+    assert refused.value.param == "tools" and "tools" in refused.value.message
+
+
+def test_chat_for_a_model_without_a_chat_template_is_400_at_the_gateway(
+    gateway: Any, settings: Any, loaded_tiny: Any, tiny_dir: Any, r: redis.Redis
+) -> None:
+    from transformers import AutoTokenizer
+
+    from tokenfleet.workers.runner import HFRunner
+    from tokenfleet.workers.service import Worker
+
+    plain = AutoTokenizer.from_pretrained(tiny_dir)
+    plain.chat_template = None  # a base model: prompts only
+    runner = HFRunner(loaded_tiny[0], plain)
+    worker = Worker(settings.model_copy(update={"queue": "plain"}), runner, plain,
+                    name="plain@test", eos_token_ids=runner.eos_token_ids,
+                    max_model_len=runner.max_model_len)
+    worker.start()
+    try:
+        http = gateway()
+        oa = openai_client(http)
+        wait_until(lambda: oa.models.list().data, timeout=10, what="the worker's heartbeat")
+        assert oa.models.retrieve("plain").model_extra == {"root": settings.model, "workers": 1,
+                                                            "chat": False}
+        messages = [{"role": "user", "content": "hi"}]
+        with pytest.raises(openai.BadRequestError) as refused:
+            oa.chat.completions.create(model="plain", messages=messages)  # type: ignore[arg-type]
+        assert refused.value.code == "chat_template_missing"
+        assert "no chat template" in refused.value.message and "/v1/completions" in \
+            refused.value.message
+        response = http.post("/v1/jobs", json={"model": "plain", "messages": messages})
+        assert response.status_code == 400 and "chat template" in response.json()["detail"]
+        assert not list(r.scan_iter(match=f"{settings.namespace}:job:*"))  # nothing enqueued
+        text = oa.completions.create(model="plain", prompt="Once", max_tokens=4).choices[0].text
+        assert isinstance(text, str)  # the model serves prompts all the same
+    finally:
+        worker.stop(grace_s=0)
+
+
+def test_an_idempotency_key_reused_for_another_request_is_409(gateway: Any,
+                                                                start_worker: Any) -> None:
+    if not hasattr(errors, "IdempotencyConflict"):
+        pytest.skip("the client raises IdempotencyConflict once the validation work is in")
+    start_worker()
+    http = gateway()
+    body = {"prompt": "once", "idempotency_key": "order-1", "sampling": {"max_new_tokens": 2}}
+    first = http.post("/v1/jobs", json=body)
+    assert first.status_code == 202
+    again = http.post("/v1/jobs", json=body)
+    assert again.status_code == 202 and again.json()["id"] == first.json()["id"]
+    other = http.post("/v1/jobs", json={**body, "prompt": "twice"})
+    assert other.status_code == 409 and "order-1" in other.json()["detail"]
+
+
+def test_a_queue_no_live_worker_serves_is_503_naming_the_served_queues(
+    gateway: Any, start_worker: Any, r: redis.Redis, settings: Any
+) -> None:
+    if "require_worker" not in Settings.model_fields:
+        pytest.skip("submit requires a live worker once the validation work is in")
+    start_worker()
+    http = gateway(require_worker=True)
+    wait_until(lambda: http.get("/v1/models").json()["data"], timeout=10,
+               what="the worker's first heartbeat")
+    chat = [{"role": "user", "content": "hi"}]
+    for path, body in (("/v1/jobs", {"prompt": "hi", "model": UNSERVED}),
+                       ("/v1/completions", {"prompt": "hi", "model": UNSERVED}),
+                       ("/v1/chat/completions", {"messages": chat, "model": UNSERVED})):
+        response = http.post(path, json=body)
+        assert response.status_code == 503, response.text
+        found = response.json()
+        message = found["detail"] if path == "/v1/jobs" else found["error"]["message"]
+        assert UNSERVED in message and "'default'" in message  # what is served instead
+        if path != "/v1/jobs":
+            assert found["error"]["code"] == "model_not_served"
+    assert not list(r.scan_iter(match=f"{settings.namespace}:job:*"))

@@ -1,0 +1,204 @@
+"""OpenAI-compatible ``POST /v1/chat/completions``: the messages go on the queue as
+they are, and the worker renders them with its tokenizer's chat template.
+
+A queue whose live workers have no chat template is refused here with a 400,
+before anything is enqueued (workers say so in their heartbeat). As for
+completions, every field is honoured or refused naming it: tools, logprobs,
+penalties, response formats other than text, audio and the like are refused
+unless they ask for nothing; ``user``, ``safety_identifier`` and ``metadata``
+are kept in the job's metadata; ``developer`` messages are system messages.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel, ConfigDict, ValidationError, field_validator, model_validator
+
+from tokenfleet import sse
+from tokenfleet.aio import AsyncFleetClient
+from tokenfleet.openai_compat import (
+    LEAVE_UNSET,
+    ONE_CHOICE,
+    PARAMS,
+    Sampling,
+    chunks,
+    error,
+    failure,
+    finish,
+    invalid,
+    refusal,
+    usage,
+    wait_while_connected,
+)
+from tokenfleet.served import served
+from tokenfleet.shared.schemas import GenerationRequest, JobStatus
+
+NO_TOOLS = "tools are not supported by this gateway: leave it unset"
+REFUSED: dict[str, tuple[tuple[Any, ...], str]] = {
+    "n": ((None, 1), ONE_CHOICE),
+    "logprobs": ((None, False), LEAVE_UNSET),
+    "top_logprobs": ((None,), LEAVE_UNSET),
+    "presence_penalty": ((None, 0), LEAVE_UNSET + " or 0"),
+    "frequency_penalty": ((None, 0), LEAVE_UNSET + " or 0"),
+    "logit_bias": ((None, {}), LEAVE_UNSET),
+    "tools": ((None, []), NO_TOOLS),
+    "tool_choice": ((None, "none"), NO_TOOLS),
+    "parallel_tool_calls": ((None,), NO_TOOLS),
+    "functions": ((None, []), NO_TOOLS),
+    "function_call": ((None, "none"), NO_TOOLS),
+    "response_format": ((None, {"type": "text"}), 'only {"type": "text"} is supported'),
+    "modalities": ((None, ["text"]), 'only ["text"] is supported'),
+    "audio": ((None,), LEAVE_UNSET),
+    "prediction": ((None,), LEAVE_UNSET),
+    "reasoning_effort": ((None,), LEAVE_UNSET),
+    "verbosity": ((None,), LEAVE_UNSET),
+    "web_search_options": ((None,), LEAVE_UNSET),
+    "prompt_cache_key": ((None,), LEAVE_UNSET),
+    "service_tier": ((None, "auto", "default"), "service tiers are not supported: leave it unset"),
+    "store": ((None, False), "stored completions are not supported: leave it unset"),
+}
+# Fields of a message that only tools, audio or refusals use.
+MESSAGE_REFUSED = ("name", "tool_calls", "tool_call_id", "function_call", "audio", "refusal")
+CHAT_PARAMS = {**PARAMS, ("messages",): "messages",
+               ("sampling", "max_new_tokens"): "max_completion_tokens", ("metadata",): "metadata"}
+
+
+class Message(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    role: str
+    content: str | list[Any] | None = None
+    name: Any = None
+    tool_calls: Any = None
+    tool_call_id: Any = None
+    function_call: Any = None
+    audio: Any = None
+    refusal: Any = None
+
+    @field_validator("role")
+    @classmethod
+    def _known_role(cls, value: str) -> str:
+        if value in ("tool", "function"):
+            raise ValueError(f"{value!r} messages answer tool calls, and " + NO_TOOLS)
+        if value not in ("system", "developer", "user", "assistant"):
+            raise ValueError(f"{value!r} is not a role: system, developer, user or assistant")
+        return value
+
+    @field_validator("content")
+    @classmethod
+    def _text_only(cls, value: str | list[Any] | None) -> str | list[Any] | None:
+        for part in value if isinstance(value, list) else ():
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind != "text" or not isinstance(part.get("text"), str):
+                raise ValueError("only text content parts ({'type': 'text', 'text': ...}) "
+                                 f"are supported, not {kind or type(part).__name__!r}")
+        return value
+
+    @model_validator(mode="after")
+    def _nothing_unsupported(self) -> Message:
+        for name in MESSAGE_REFUSED:
+            if getattr(self, name) is not None:
+                raise ValueError(f"'{name}' in a message is not supported by this gateway")
+        if self.content is None:
+            raise ValueError("content is missing: every message needs its text")
+        return self
+
+    def fleet(self) -> dict[str, str]:
+        text = (self.content if isinstance(self.content, str)
+                else "\n".join(part["text"] for part in self.content or []))
+        return {"role": "system" if self.role == "developer" else self.role, "content": text}
+
+
+class ChatRequest(Sampling):
+    messages: list[Message]
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    metadata: dict[str, str] | None = None
+    safety_identifier: str | None = None
+    n: Any = None
+    logprobs: Any = None
+    top_logprobs: Any = None
+    presence_penalty: Any = None
+    frequency_penalty: Any = None
+    logit_bias: Any = None
+    tools: Any = None
+    tool_choice: Any = None
+    parallel_tool_calls: Any = None
+    functions: Any = None
+    function_call: Any = None
+    response_format: Any = None
+    modalities: Any = None
+    audio: Any = None
+    prediction: Any = None
+    reasoning_effort: Any = None
+    verbosity: Any = None
+    web_search_options: Any = None
+    prompt_cache_key: Any = None
+    service_tier: Any = None
+    store: Any = None
+
+    def generation(self, settings: Any) -> GenerationRequest:
+        """The fleet's request; without a length, as long as the fleet allows."""
+        limit = next(n for n in (self.max_completion_tokens, self.max_tokens,
+                                 settings.max_new_tokens_limit) if n is not None)
+        metadata = {**(self.metadata or {}), **self.metadata_fields()}
+        return GenerationRequest.model_validate(
+            {"messages": [m.fleet() for m in self.messages], "model": self.model,
+             "metadata": metadata, "sampling": self.sampling(limit)},
+            context={"settings": settings},
+        )
+
+    def metadata_fields(self) -> dict[str, str]:
+        named = {"user": self.user, "safety_identifier": self.safety_identifier}
+        return {k: v for k, v in named.items() if v is not None}
+
+
+def chat_choice(text: str, finish_reason: str | None) -> dict[str, Any]:
+    return {"index": 0, "delta": {"content": text} if text else {},
+            "finish_reason": finish_reason, "logprobs": None}
+
+
+OPENING = {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None,
+           "logprobs": None}
+
+
+async def chat(client: AsyncFleetClient, body: bytes, request: Request,
+               keepalive_s: float) -> Response:
+    try:
+        ask = ChatRequest.model_validate_json(body)
+    except ValidationError as exc:
+        return invalid(exc)
+    refused = refusal(ask, REFUSED)
+    if refused is not None:
+        return refused
+    try:
+        job = ask.generation(client.settings)
+    except ValidationError as exc:
+        params = CHAT_PARAMS if ask.max_completion_tokens is not None else {
+            **CHAT_PARAMS, ("sampling", "max_new_tokens"): "max_tokens"}
+        return invalid(exc, params)
+    queue = await served(client, job.model)
+    if queue is not None and queue.chat is False:
+        return error(400, f"model {job.model!r} has no chat template (its tokenizer defines "
+                     "none), so it cannot take messages: send a prompt to /v1/completions "
+                     "instead, or serve a model with a chat template",
+                     param="model", code="chat_template_missing")
+    job_id = await client.submit(job)  # the app maps the fleet's errors to statuses
+    head = {"id": f"chatcmpl-{job_id}", "created": int(time.time()), "model": job.model}
+    if ask.stream:
+        stream = {**head, "object": "chat.completion.chunk"}
+        return sse.response(chunks(client, job_id, stream, chat_choice, ask.include_usage,
+                                   opening=OPENING), keepalive_s)
+    state = await wait_while_connected(client, job_id, request)
+    if state is None:
+        return Response(status_code=499)  # nobody is left to read it
+    if state.status is not JobStatus.SUCCEEDED:
+        return error(500, failure(state), type_="server_error")
+    message = {"role": "assistant", "content": state.text, "refusal": None}
+    choice = {"index": 0, "message": message, "finish_reason": finish(state), "logprobs": None}
+    return JSONResponse({**head, "object": "chat.completion", "choices": [choice],
+                         "usage": usage(state)})

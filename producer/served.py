@@ -1,0 +1,58 @@
+"""Which queues live workers serve now, and whether their models chat.
+
+Read from what workers write on every heartbeat: ``<ns>:served:<queue>`` (a
+sorted set of worker names by heartbeat time; live means within
+``protocol.LIVE_WORKER_S``) and each worker's hash ``<ns>:workers:<name>``
+(``model``, and ``chat``: 1 when its tokenizer has a chat template).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from tokenfleet.protocol import LIVE_WORKER_S
+
+
+@dataclass(frozen=True)
+class Served:
+    queue: str
+    workers: list[str]
+    models: list[str]  # what the workers loaded ("tiny", a path, a hub id)
+    # Whether the queue's model has a chat template: False if a live worker says
+    # it has none, None if one does not say (a worker older than the field).
+    chat: bool | None
+
+    def as_openai(self) -> dict[str, Any]:
+        """An OpenAI ``model`` object; ``created`` is unknown to the fleet, so 0."""
+        return {"id": self.queue, "object": "model", "created": 0, "owned_by": "tokenfleet",
+                "root": self.models[0] if len(self.models) == 1 else None,
+                "workers": len(self.workers), "chat": self.chat}
+
+
+async def served(client: Any, queue: str) -> Served | None:
+    """The queue's live workers, or None if it has none."""
+    since = time.time() - LIVE_WORKER_S
+    names = [name.decode() for name in
+             await client.redis.zrangebyscore(client.keys.queue_workers(queue), since, "+inf")]
+    if not names:
+        return None
+    pipe = client.redis.pipeline(transaction=False)
+    for name in names:
+        pipe.hmget(client.keys.worker(name), ["model", "chat"])
+    rows = [[(v.decode() if v is not None else None) for v in row] for row in await pipe.execute()]
+    chats = {chat for _model, chat in rows}
+    chat = False if "0" in chats else (True if chats == {"1"} else None)
+    models = sorted({model for model, _chat in rows if model})
+    return Served(queue, names, models, chat)
+
+
+async def served_queues(client: Any) -> list[Served]:
+    """Every queue with a live worker, by name."""
+    prefix = client.keys.queue_workers("")
+    queues = {key.decode()[len(prefix):]
+              async for key in client.redis.scan_iter(match=client.keys.queue_workers("*"),
+                                                       count=500)}
+    found = [await served(client, queue) for queue in sorted(queues)]
+    return [s for s in found if s is not None]

@@ -1,0 +1,125 @@
+"""Server-side time limits of the gateway: on a request's head and on its body.
+
+Without them a client that sends a byte now and then holds a connection (and
+its memory) for as long as it likes, and a few hundred such clients exhaust the
+server. uvicorn bounds neither: its keep-alive timeout runs only between two
+requests and is cancelled by any byte received, and h11's limit on an incomplete
+head bounds its size, not its time.
+
+- The head: an ASGI app sees a request only once its head is complete, so this
+  limit lives in the server, in a subclass of uvicorn's h11 protocol
+  (:class:`HeadDeadlineProtocol`, which ``gateway.server_config`` installs).
+  The clock starts when the connection opens, or when the previous response on
+  it ends, and no byte received resets it.
+- The body: an ASGI middleware (:class:`BodyDeadline`), so it holds under any
+  ASGI server. The clock starts when the head is complete; a body not whole
+  by the deadline ends the request with a 408 and the connection is closed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import h11
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+# Written to a connection whose head did not come in time, if part of it came.
+REQUEST_TIMEOUT = (b"HTTP/1.1 408 Request Timeout\r\ncontent-type: text/plain; charset=utf-8\r\n"
+                   b"connection: close\r\ncontent-length: 34\r\n\r\n"
+                   b"request head not received in time\n")
+
+
+class HeadDeadlineProtocol(H11Protocol):
+    """uvicorn's h11 protocol, closing a connection whose request head does not arrive
+    within ``head_timeout_s`` (a class attribute: see :func:`head_deadline_protocol`).
+
+    Runs on the server's event loop, like its base class.
+    """
+
+    head_timeout_s = 10.0
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._head_timer: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._arm()
+
+    def handle_events(self) -> None:
+        super().handle_events()
+        if self.conn.their_state is not h11.IDLE:  # a head came (or the connection broke)
+            self._disarm()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        # The next request's head is due from now on (a pipelined one has
+        # already been read, and left their_state past IDLE).
+        if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
+            self._arm()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm()
+        super().connection_lost(exc)
+
+    def _arm(self) -> None:
+        self._disarm()
+        self._head_timer = self.loop.call_later(self.head_timeout_s, self._head_timed_out)
+
+    def _disarm(self) -> None:
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
+
+    def _head_timed_out(self) -> None:
+        self._head_timer = None
+        if self.transport.is_closing() or self.conn.their_state is not h11.IDLE:
+            return
+        if self.conn.trailing_data[0]:  # part of a head came: say why the connection ends
+            self.transport.write(REQUEST_TIMEOUT)
+        self.transport.close()
+
+
+def head_deadline_protocol(head_timeout_s: float) -> type[HeadDeadlineProtocol]:
+    """The protocol class to give uvicorn (``http=``) for this limit."""
+    return type("HeadDeadlineProtocol", (HeadDeadlineProtocol,), {"head_timeout_s": head_timeout_s})
+
+
+class BodyTimeout(Exception):
+    def __init__(self, limit_s: float) -> None:
+        super().__init__(
+            f"the request body did not arrive within this gateway's limit of {limit_s:g} s "
+            "(TOKENFLEET_BODY_TIMEOUT_S): send it at once, or raise the limit"
+        )
+
+
+class BodyDeadline:
+    """Reading the body past ``timeout_s`` after the head raises :class:`BodyTimeout`
+    (the app answers it with a 408 and ``Connection: close``)."""
+
+    def __init__(self, app: ASGIApp, timeout_s: float) -> None:
+        self.app = app
+        self.timeout_s = timeout_s
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        deadline = asyncio.get_running_loop().time() + self.timeout_s
+        whole = False
+
+        async def receive_in_time() -> Message:
+            nonlocal whole
+            if whole:  # what comes after the body (a disconnect) may take its time
+                return await receive()
+            try:
+                async with asyncio.timeout_at(deadline):
+                    message = await receive()
+            except TimeoutError:
+                raise BodyTimeout(self.timeout_s) from None
+            whole = message["type"] != "http.request" or not message.get("more_body", False)
+            return message
+
+        await self.app(scope, receive_in_time, send)
