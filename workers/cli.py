@@ -376,20 +376,28 @@ def status(job_id: str | None, as_json: bool, watch: bool, redis_url: str | None
 @main.command()
 @click.option("--host", default="127.0.0.1", show_default=True)
 @click.option("--port", type=int, default=8000, show_default=True)
+@click.option("--header-timeout", type=click.FloatRange(min=0, min_open=True), default=None,
+              help="seconds a client has to send a request's head "
+                   "($TOKENFLEET_HEADER_TIMEOUT_S, default 10)")
+@click.option("--body-timeout", type=click.FloatRange(min=0, min_open=True), default=None,
+              help="seconds a client has to send a request's body "
+                   "($TOKENFLEET_BODY_TIMEOUT_S, default 30)")
+@click.option("--sse-keepalive", type=click.FloatRange(min=0, min_open=True), default=None,
+              help="seconds between keep-alive comments on idle event streams "
+                   "($TOKENFLEET_SSE_KEEPALIVE_S, default 15)")
 @redis_option
-def gateway(host: str, port: int, redis_url: str | None) -> None:
-    """Serve the HTTP gateway: jobs, token streams (SSE), OpenAI-style completions."""
+def gateway(host: str, port: int, header_timeout: float | None, body_timeout: float | None,
+            sse_keepalive: float | None, redis_url: str | None) -> None:
+    """Serve the HTTP gateway: jobs, token streams (SSE), OpenAI-style completions and chat."""
     try:
-        import uvicorn
-
-        from tokenfleet.gateway import create_app
+        from tokenfleet.gateway import serve
     except ImportError as exc:
-        raise click.ClickException(
-            f"the gateway needs FastAPI and uvicorn ({exc}): pip install 'tokenfleet[gateway]'"
-        ) from exc
+        raise BadSetup(f"the gateway needs FastAPI and uvicorn ({exc}): "
+                       "pip install 'tokenfleet[gateway]'") from None
 
     _apply_env(redis_url=redis_url)
-    uvicorn.run(create_app(), host=host, port=port)
+    serve(host, port, header_timeout_s=header_timeout, body_timeout_s=body_timeout,
+          sse_keepalive_s=sse_keepalive)
 
 
 def _int_list(ctx: click.Context, param: click.Parameter, value: str) -> list[int]:
