@@ -38,6 +38,9 @@ class EngineStep(bootsteps.StartStopStep):
                    stale_after_s=3 * settings.heartbeat_s)
         self.worker = build_worker(settings, name=parent.hostname)
         parent.tokenfleet = self.worker  # for the remote-control commands
+        # A failed device: Celery's warm shutdown, as on SIGTERM, and exit with the code.
+        from celery.worker import state
+        self.worker.on_fatal = lambda code: setattr(state, "should_stop", code)
         self.worker.start()
 
     def stop(self, parent: Any) -> None:
