@@ -31,9 +31,12 @@ for i = 0, #KEYS / 3 - 1 do
     else
       local added = redis.pcall('XADD', log, id, 'e', payload)
       if type(added) == 'table' and added.err then
-        -- The one error expected: the log has already ended ('1-0' sorts after
-        -- every token), nothing to add. Any other is the caller's to retry.
+        -- The one error expected: an id at or below the log's top. Either the
+        -- log has ended ('1-0' sorts after every token): nothing to add; or
+        -- entries past this index were deleted: a hole. Any other error is the
+        -- caller's to retry.
         if not string.find(added.err, 'equal or smaller', 1, true) then return added end
+        if #redis.call('XRANGE', log, '1-0', '1-0') == 0 then gaps[#gaps + 1] = i end
       else
         redis.call('PUBLISH', chan, payload)
         if index == 0 then

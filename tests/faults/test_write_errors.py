@@ -268,3 +268,45 @@ def test_refused_writes_leave_no_gap_no_stuck_job_and_every_stream_whole(
     for name in names:
         wait_until(lambda: float(r.hget(keys.worker(name), "last_seen") or 0)
                    > time.time() - 2, timeout=10, what=f"a fresh heartbeat from {name}")
+
+
+# What a failover loses: the newest entries of a stream, as if never written (the
+# key is rebuilt, so its top id is the newest entry kept). Returns how many stay.
+LOSE_NEWEST = """
+local kept = redis.call('XRANGE', KEYS[1], '-', '+')
+local n = #kept - tonumber(ARGV[1])
+redis.call('DEL', KEYS[1])
+for i = 1, n do redis.call('XADD', KEYS[1], kept[i][1], unpack(kept[i][2])) end
+return n
+"""
+
+
+def test_a_log_that_lost_its_newest_tokens_resumes_from_what_it_kept(
+    settings: Any, client: FleetClient, start_worker: Any, r: redis.Redis, loaded_tiny: Any,
+    report: dict[str, Any],
+) -> None:
+    keys = Keys(settings.namespace)
+    work = jobs(3, 100, 120)
+    job_ids = [client.submit(p, max_new_tokens=n, temperature=0.0) for p, n in work]
+    consumers, seen = follow_all(settings, job_ids)
+    start_worker("w@lossy", claim_idle_s=2.0)
+    wait_until(lambda: r.xlen(keys.out(job_ids[0])) >= 30, timeout=60,
+               what="the first job to log 30 tokens")
+    kept = r.eval(LOSE_NEWEST, 1, keys.out(job_ids[0]), 5)  # type: ignore[no-untyped-call]
+    lost_at = time.monotonic()
+    states = [client.wait(j, timeout=120) for j in job_ids]
+    done_s = time.monotonic() - lost_at
+    consumers.join(timeout=30)
+
+    assert [s.status for s in states] == [JobStatus.SUCCEEDED] * 3
+    logs = [logged_tokens(r, keys, j) for j in job_ids]
+    assert [g for _, g, _ in logs] == [0, 0, 0]
+    assert [t for t, _, _ in logs] == [s.token_ids for s in states]
+    # The worker did not write on past the hole: a new attempt resumed the job
+    # from the tokens its log kept; the others went on undisturbed.
+    assert [s.attempts for s in states] == [2, 1, 1]
+    assert [s.text for s in states] == direct_greedy(loaded_tiny, work)
+    for state in states:
+        assert "".join(e.text for e in seen[state.id]) == state.text
+    report.update(lost_tokens=5, resumed_from=kept, completed=3, gaps=0,
+                  first_job_done_s=round(done_s, 1))
