@@ -65,6 +65,10 @@ class Settings(BaseSettings):
     claim_idle_s: float = Field(default=30.0, gt=0)
     heartbeat_s: float = Field(default=2.0, gt=0)
     drain_grace_s: float = Field(default=30.0, ge=0)
+    # Forward passes failing this many times in a row mean the device is broken
+    # (as does a CUDA error at once): the worker hands its jobs back and exits
+    # non-zero. Keep it above max_attempts + 1, a poison job's own run of failures.
+    max_failed_steps: int = Field(default=5, ge=1)
 
     # How long finished records, token logs and idempotency keys stay readable.
     result_ttl_s: int = Field(default=24 * 3600, ge=1)

@@ -27,6 +27,8 @@ class EngineStep(bootsteps.StartStopStep):
         self.worker: Any = None
 
     def start(self, parent: Any) -> None:
+        from celery.worker import state as celery_state
+
         from tokenfleet.shared.keys import Keys
         from tokenfleet.shared.redis_conn import connect
         from tokenfleet.workers.build import build_worker
@@ -38,6 +40,8 @@ class EngineStep(bootsteps.StartStopStep):
                    stale_after_s=3 * settings.heartbeat_s)
         self.worker = build_worker(settings, name=parent.hostname)
         parent.tokenfleet = self.worker  # for the remote-control commands
+        # A failed device: Celery's warm shutdown, as on SIGTERM, exiting with ``code``.
+        self.worker.on_fatal = lambda code: setattr(celery_state, "should_stop", code)
         self.worker.start()
 
     def stop(self, parent: Any) -> None:

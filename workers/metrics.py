@@ -51,6 +51,12 @@ class Metrics:
                              ["queue", "priority"], registry=r)
         self.backlog = Gauge("tokenfleet_backlog_tokens", "Queued work in tokens (prompt "
                              "estimate plus max_new_tokens)", ["queue"], registry=r)
+        self.failed_steps = Counter("tokenfleet_failed_steps_total",
+                                    "Forward passes that raised", registry=r)
+        self.store_retries = Counter("tokenfleet_store_retries_total",
+                                     "Times Redis refused a step's writes (a lost connection, "
+                                     "OOM, READONLY, MISCONF) and they were sent again",
+                                     registry=r)
         self.running = Gauge("tokenfleet_running_sequences", "Sequences in the running batch",
                              registry=r)
         # This queue's children, looked up once: the engine observes every token.

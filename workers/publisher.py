@@ -8,7 +8,15 @@ to a reclaim finds out here and drops it.
 The scripts run by EVALSHA alone: redis-py's pipelined ``Script`` asks
 ``SCRIPT EXISTS`` before every pipeline, a second round trip per step. A
 script the server lost (a restart, ``SCRIPT FLUSH``) answers NOSCRIPT instead:
-it is loaded and the calls that got NOSCRIPT (none of which ran) run again.
+it is loaded and the whole step runs again.
+
+No error is taken for success. A step that Redis refused in any way (a lost
+connection, OOM, READONLY after a failover, MISCONF, NOSCRIPT) stays pending
+here and ``collect`` raises; the caller calls ``collect`` again until the step
+is stored. Running a step again is safe: both scripts are idempotent (a
+token's log entry id is its index and a logged token is neither logged nor
+published again; an ended job stays ended), and both refuse to leave a hole
+in a log (see the scripts).
 """
 
 from __future__ import annotations
@@ -18,7 +26,17 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from redis.exceptions import ConnectionError, NoScriptError, ResponseError, TimeoutError
+from redis.exceptions import (
+    ClusterDownError,
+    ConnectionError,
+    MasterDownError,
+    NoScriptError,
+    OutOfMemoryError,
+    ReadOnlyError,
+    ResponseError,
+    TimeoutError,
+    TryAgainError,
+)
 
 from tokenfleet.shared.keys import GROUP, Keys
 from tokenfleet.shared.schemas import FinishReason, JobStatus
@@ -37,6 +55,22 @@ except ImportError:  # redis-py works without it, more slowly
 # One script call of a pipeline: (registered script, keys, args).
 Call = tuple[Any, list[Any], list[Any]]
 
+# Error replies about the server's state, not the write: the same write
+# succeeds once Redis is back to normal (memory freed, a primary again, a save
+# that works, scripts loaded, a cluster slot served).
+_TRANSIENT_TYPES = (ConnectionError, TimeoutError, OSError, OutOfMemoryError, ReadOnlyError,
+                    NoScriptError, TryAgainError, ClusterDownError, MasterDownError)
+_TRANSIENT_CODES = ("OOM", "READONLY", "MISCONF", "LOADING", "BUSY", "NOSCRIPT", "TRYAGAIN",
+                    "CLUSTERDOWN", "MASTERDOWN", "NOREPLICAS", "UNBLOCKED")
+
+
+def is_transient(exc: BaseException) -> bool:
+    """True for a Redis error that passes when Redis recovers (retry the same
+    write); False for one the write itself causes (a wrong key type, a bug)."""
+    if isinstance(exc, _TRANSIENT_TYPES):
+        return True
+    return isinstance(exc, ResponseError) and str(exc).split(" ", 1)[0] in _TRANSIENT_CODES
+
 
 @dataclass
 class Ending:
@@ -53,6 +87,19 @@ class Ending:
     token_ids: list[int] = field(default_factory=list)
     num_prompt_tokens: int | None = None
     dead_letter: str | None = None  # reason, when the job also goes to the DLQ
+    # Tokens the job's log must hold for the ending to be stored (all that it
+    # generated); None: no check (an ending decided before the job ran here).
+    logged: int | None = None
+
+
+@dataclass
+class Stored:
+    """What Redis answered about a stored step: the jobs it did not take."""
+
+    fenced: set[str] = field(default_factory=set)  # a newer attempt owns them
+    # Their log lacks tokens this worker generated (Redis lost them): the
+    # worker's state of them is not to be trusted; nothing more was written.
+    untrusted: set[str] = field(default_factory=set)
 
 
 @dataclass
@@ -82,15 +129,18 @@ class Publisher:
         """A step was sent and not collected yet."""
         return self._pending is not None
 
-    def publish(self, outputs: list[SeqOutput]) -> set[str]:
-        """Write one step's events and endings; return the ids of fenced-off jobs.
+    def publish(self, outputs: list[SeqOutput]) -> Stored:
+        """Write one step's events and endings; return the jobs Redis did not take.
         A caller that got an error calls again with the same outputs."""
-        if self._pending is not None:  # the failed try of these outputs: start over
-            if self._pending.sent:
-                self._drop_connection()  # its replies must not answer this try
-            self._pending = None
+        self.discard()  # the failed try of these outputs, if any: start over
         self.send(outputs)
         return self.collect()
+
+    def discard(self) -> None:
+        """Forget the step sent last without storing it (the caller gives it up)."""
+        if self._pending is not None and self._pending.sent:
+            self._drop_connection()  # its replies must not answer a later step
+        self._pending = None
 
     def send(self, outputs: list[SeqOutput]) -> None:
         """Start writing one step without waiting for Redis; ``collect`` waits.
@@ -119,18 +169,19 @@ class Publisher:
         except (ConnectionError, TimeoutError, OSError):
             self._drop_connection()  # collect() writes the step through the pool instead
 
-    def collect(self) -> set[str]:
-        """Wait until the step sent last is stored; return the ids of fenced-off jobs.
+    def collect(self) -> Stored:
+        """Wait until the step sent last is stored; return the jobs Redis did not take.
 
         A lost connection or a lost script writes the whole step again (both
         scripts are idempotent: a token's log entry id is its index, an ended
-        job stays ended). Raises ``ConnectionError`` if Redis stays away; call
-        again, nothing is dropped.
+        job stays ended). Raises the first error Redis answered (a
+        ``RedisError``) while the step is not stored; the step stays pending:
+        call again until it returns. Nothing is dropped.
         """
         step = self._pending
         if step is None or not step.calls:
             self._pending = None
-            return set()
+            return Stored()
         results: list[Any] | None = None
         if step.sent and self._conn is not None:
             try:
@@ -139,15 +190,23 @@ class Publisher:
                 self._drop_connection()
         step.sent = False
         if results is None or any(isinstance(r, NoScriptError) for r in results):
-            results = self._execute(step.calls)  # raises while Redis is away: step kept
-        self._pending = None
+            results = self._execute(step.calls)  # raises while Redis refuses: step kept
         for result in results:
             if isinstance(result, Exception):
-                raise result
-        fenced = {step.tokens[i].seq.job_id for i in results[0]} if step.tokens else set()
-        if step.endings:
-            fenced.update(e.job_id for e, stored in zip(step.endings, results[-1]) if stored == 0)
-        return fenced
+                raise result  # the step stays pending: the next collect() runs it again
+        self._pending = None
+        stored = Stored()
+        if step.tokens:
+            fenced, gaps = results[0]
+            stored.fenced.update(step.tokens[i].seq.job_id for i in fenced)
+            stored.untrusted.update(step.tokens[i].seq.job_id for i in gaps)
+        for e, verdict in zip(step.endings, results[-1] if step.endings else []):
+            if verdict == 0:
+                stored.fenced.add(e.job_id)
+            elif verdict == 3:
+                stored.untrusted.add(e.job_id)
+        stored.untrusted -= stored.fenced
+        return stored
 
     def _connection(self) -> Any:
         """The publisher's own connection: replies are read a step later, so no
@@ -175,8 +234,13 @@ class Publisher:
         if endings:
             self._execute([self._finish(endings)])
 
-    def hand_back(self, seqs: Iterable[Sequence]) -> int:
-        """Put unfinished jobs back on their queue for another worker; returns how many."""
+    def hand_back(self, seqs: Iterable[Sequence], suspects: frozenset[str] = frozenset()) -> int:
+        """Put unfinished jobs back on their queue for another worker; returns how many.
+
+        The hand-back of a job in ``suspects`` counts as an attempt: a job that
+        breaks the device of every worker that runs it ends failed after
+        max_attempts, instead of going round the fleet for ever.
+        """
         calls: list[Call] = []
         for seq in seqs:
             if not seq.entry_json:
@@ -185,7 +249,8 @@ class Publisher:
             calls.append((self.scripts.requeue,
                           [self.keys.queue(seq.queue), self.keys.job(seq.job_id),
                            self.keys.backlog(model)],
-                          [seq.entry_id, seq.attempt, seq.entry_json, GROUP]))
+                          [seq.entry_id, seq.attempt, seq.entry_json, GROUP,
+                           "1" if seq.job_id in suspects else ""]))
         return sum(self._execute(calls)) if calls else 0
 
     def dead_letter(self, queue: str, entry_id: str, raw: Any, reason: str) -> None:
@@ -207,6 +272,7 @@ class Publisher:
             status=seq.final_status, finish_reason=seq.finish_reason, error=seq.error,
             text=seq.text.text, token_ids=seq.generated, num_prompt_tokens=len(seq.prompt_ids),
             dead_letter=seq.error if seq.finish_reason == FinishReason.ERROR else None,
+            logged=len(seq.generated),
         )
 
     def _emit(self, tokens: list[SeqOutput]) -> Call:
@@ -236,18 +302,22 @@ class Publisher:
                      end_event(e.status, e.finish_reason, e.error), dead, e.status.value,
                      e.finish_reason.value if e.finish_reason else "", e.error or "", e.text,
                      dumps(e.token_ids),
-                     "" if e.num_prompt_tokens is None else e.num_prompt_tokens)
+                     "" if e.num_prompt_tokens is None else e.num_prompt_tokens,
+                     "" if e.logged is None else e.logged)
         return self.scripts.finish, keys, args
 
     def _execute(self, calls: list[Call]) -> list[Any]:
-        """Run script calls in one pipeline; raise the first error a call answered."""
+        """Run script calls in one pipeline; raise the first error a call answered.
+
+        After a NOSCRIPT every call runs again, in order, not only the ones
+        refused: a step's ``finish`` must not run before its ``emit``.
+        """
         results = self._pipeline(calls)
         lost = [i for i, result in enumerate(results) if isinstance(result, NoScriptError)]
         if lost:
             for script in {id(calls[i][0]): calls[i][0] for i in lost}.values():
                 script.sha = self.redis.script_load(script.script)
-            for i, result in zip(lost, self._pipeline([calls[i] for i in lost])):
-                results[i] = result
+            results = self._pipeline(calls)
         for result in results:
             if isinstance(result, Exception):
                 raise result

@@ -9,6 +9,10 @@
 
 Torch releases the GIL in its kernels, so Redis I/O overlaps the forward pass.
 Celery (``tokenfleet.workers.bootstep``) and the embedded demo both run this class.
+
+When the device fails for good (``DeviceFailure``) the worker hands its jobs
+back, leaves the fleet, sets ``fatal`` and calls ``on_fatal(FATAL_EXIT_CODE)``:
+its process is to exit non-zero, so a supervisor restarts it.
 """
 
 from __future__ import annotations
@@ -19,9 +23,10 @@ import socket
 import threading
 import time
 from collections import deque
+from collections.abc import Callable, Iterable
 from typing import Any
 
-from redis.exceptions import ConnectionError, TimeoutError
+from redis.exceptions import RedisError
 
 from tokenfleet.shared.keys import GROUP, PRIORITIES, Keys
 from tokenfleet.shared.redis_conn import connect
@@ -29,14 +34,21 @@ from tokenfleet.shared.schemas import FinishReason
 from tokenfleet.shared.serialization import dumps
 from tokenfleet.shared.settings import Settings
 from tokenfleet.workers.admission import Admission
-from tokenfleet.workers.engine import Engine, Runner
+from tokenfleet.workers.engine import DeviceFailure, Engine, Runner
 from tokenfleet.workers.feeder import Feeder
 from tokenfleet.workers.metrics import Metrics
-from tokenfleet.workers.publisher import Publisher
+from tokenfleet.workers.publisher import Publisher, is_transient
 from tokenfleet.workers.scheduler import Scheduler, SeqOutput
 from tokenfleet.workers.sequence import Sequence
 
 log = logging.getLogger(__name__)
+
+# The exit status of a process whose device failed (EX_SOFTWARE in sysexits.h):
+# non-zero, so systemd, Docker or Kubernetes restart it.
+FATAL_EXIT_CODE = 70
+# Tries of a step's writes that Redis refused for a reason of the write itself
+# (not its own state: see publisher.is_transient) before its jobs are given up.
+MAX_STORE_TRIES = 5
 
 
 class Worker:
@@ -61,9 +73,13 @@ class Worker:
         self.scheduler = Scheduler(settings.max_batch, eos_token_ids, max_model_len,
                                    max_failures=settings.max_attempts,
                                    max_batch_tokens=settings.max_batch_tokens)
-        self.engine = Engine(self.scheduler, runner)
+        self.engine = Engine(self.scheduler, runner, max_failed_steps=settings.max_failed_steps)
         self.publisher = Publisher(self.redis, self.keys, settings, name)
-        self._held: set[str] = set()  # ids of the jobs this worker runs now
+        # Ids of the jobs this worker runs now (shared: the feeder thread reads
+        # it, the engine thread updates it). A job leaves it when its end is
+        # stored or when it is dropped here, never earlier: the feeder skips
+        # the entries of held jobs, so a job left in it would be stranded.
+        self._held: set[str] = set()
         self.feeder = Feeder(
             self.redis, self.keys, settings, name, self.queue,
             Admission(tokenizer, settings, max_model_len), self.publisher,
@@ -81,6 +97,12 @@ class Worker:
         self._stop_intake = threading.Event()
         self._stop_engine = threading.Event()
         self._threads: list[threading.Thread] = []
+        # Set when the device failed for good; the process is to exit with
+        # FATAL_EXIT_CODE. ``on_fatal`` (the Celery bootstep's) is called once,
+        # on the engine thread, after the jobs were handed back.
+        self.fatal = threading.Event()
+        self.fatal_reason: str | None = None
+        self.on_fatal: Callable[[int], None] | None = None
 
     # -- life cycle -------------------------------------------------------------
 
@@ -118,16 +140,34 @@ class Worker:
         self._wake.set()
         for thread in self._threads:
             thread.join(timeout=10)
-        left = [*self._inbox, *self.scheduler.waiting, *self.scheduler.running]
+        # With the jobs of a step Redis never stored (``_sent``: their ends too).
+        self._hand_back([*self._inbox, *self.scheduler.waiting, *self.scheduler.running,
+                         *(o.seq for o in self._sent)])
+        self._leave()
+
+    @property
+    def exit_code(self) -> int:
+        """What the worker's process should exit with: non-zero once the device failed."""
+        return FATAL_EXIT_CODE if self.fatal.is_set() else 0
+
+    def _hand_back(self, seqs: Iterable[Sequence], suspects: frozenset[str] = frozenset()) -> None:
+        left = list({id(s): s for s in seqs}.values())
+        if not left:
+            return
         try:
-            if left:
-                handed = self.publisher.hand_back(left)
-                log.info("handed %d unfinished job(s) back to the queue", handed)
+            handed = self.publisher.hand_back(left, suspects)
+            log.info("handed %d unfinished job(s) back to the queue", handed)
+        except RedisError as exc:
+            # Redis refuses: the entries stay pending and are reclaimed later.
+            log.warning("could not hand jobs back (%s); they will be reclaimed", exc)
+
+    def _leave(self) -> None:
+        """Take this worker out of the fleet's view (its heartbeat and the served set)."""
+        try:
             self.redis.delete(self.keys.worker(self.name))
             self.redis.zrem(self.keys.queue_workers(self.queue), self.name)
-        except (ConnectionError, TimeoutError) as exc:
-            # Redis is away: the entries stay pending and are reclaimed later.
-            log.warning("could not hand jobs back (%s); they will be reclaimed", exc)
+        except RedisError as exc:
+            log.warning("could not remove the heartbeat (%s); it expires", exc)
 
     @property
     def busy(self) -> bool:
@@ -176,6 +216,9 @@ class Worker:
             self._idle.clear()
             try:
                 self._step()
+            except DeviceFailure as failure:
+                self._give_up(failure)
+                return
             except Exception:
                 # A worker whose engine thread died would look alive (its
                 # heartbeat goes on) and serve nothing: log, and keep stepping.
@@ -186,42 +229,113 @@ class Worker:
     def _step(self) -> None:
         """Step N+1 runs while Redis stores step N: its writes go out only once
         step N's are stored, so no token is sent before the one it follows."""
-        outputs = self.engine.step()
         stats = self.engine.stats
+        failed = stats.failed_steps
+        outputs = self.engine.step()
+        if stats.failed_steps > failed:
+            self.metrics.failed_steps.inc(stats.failed_steps - failed)
         self.metrics.step_done(stats.last_batch, stats.last_step_s, outputs)
-        fenced = self._collect()
-        if fenced:
-            outputs = [o for o in outputs if o.seq.job_id not in fenced]
+        dropped = self._collect()
+        if dropped:
+            outputs = [o for o in outputs if o.seq.job_id not in dropped]
         self.publisher.send(outputs)
         self._sent = outputs
 
-    def _collect(self) -> set[str]:
-        """Wait until the step sent last is stored; hold the engine while Redis
-        is away, since a token that is not stored must not be followed by the
-        next one. Returns the ids of jobs a newer attempt owns (dropped here)."""
+    def _collect(self, give_up_at: float | None = None) -> set[str]:
+        """Wait until the step sent last is stored. Returns the ids of the jobs
+        dropped here: a newer attempt owns them, or their log lacks tokens this
+        worker made (Redis lost them), or their step was given up.
+
+        While Redis refuses the writes (a lost connection, OOM, READONLY after a
+        failover, MISCONF, NOSCRIPT) the engine is held and the step sent again
+        with backoff: a token that is not stored must not be followed by the
+        next one. Nothing Redis refused is taken for stored. A step is given up
+        only when the worker stops (its jobs are handed back), at ``give_up_at``,
+        or after MAX_STORE_TRIES refusals for a reason of the write itself (a
+        wrong key type, a bug), which no wait cures.
+        """
         if not self.publisher.in_flight:
             return set()
-        outputs, self._sent = self._sent, []
-        backoff = 0.05
+        outputs = self._sent
+        backoff, tries = 0.05, 0
         while True:
             try:
-                fenced = self.publisher.collect()
+                stored = self.publisher.collect()
                 break
-            except (ConnectionError, TimeoutError, OSError) as exc:
+            except RedisError as exc:
+                tries += 1
+                self.engine.stats.store_retries += 1
+                self.metrics.store_retries.inc()
                 if self._stop_engine.is_set():
-                    return set()  # the entries stay pending: another worker redoes them
-                log.warning("redis unavailable for results (%s); retrying", exc)
-                time.sleep(backoff)
+                    # Stopping: stop() hands the step's jobs back (``_sent``
+                    # stays: sent, not stored), another worker redoes the step.
+                    self.publisher.discard()
+                    return set()
+                if ((give_up_at is not None and time.monotonic() >= give_up_at)
+                        or (not is_transient(exc) and tries >= MAX_STORE_TRIES)):
+                    log.error("giving up a step's writes after %d tries (%s)", tries, exc)
+                    self.publisher.discard()
+                    self._sent = []
+                    gone = {o.seq.job_id for o in outputs}
+                    self._drop(gone, "its step could not be stored")
+                    return gone
+                log.warning("redis refused a step's writes (%s: %s); sending them again "
+                            "in %.2fs", type(exc).__name__, exc, backoff)
+                self._stop_engine.wait(backoff)
                 backoff = min(backoff * 2, 2.0)
+        self._sent = []
         finished = [o.seq.job_id for o in outputs if o.finished]
         if finished:
             self._held.difference_update(finished)
             self.feeder.slots_freed.set()
-        for job_id in fenced:
-            log.warning("job %s is owned by a newer attempt; dropping it here", job_id)
+        self._drop(stored.fenced, "a newer attempt owns it")
+        self._drop(stored.untrusted, "its log lacks tokens made here (Redis lost them)")
+        return stored.fenced | stored.untrusted
+
+    def _drop(self, job_ids: set[str], why: str) -> None:
+        """Forget jobs here without writing anything more for them. Their stream
+        entries stay pending and untouched, so once idle they are reclaimed
+        (by any worker, this one too: they are no longer held) as a new
+        attempt that resumes from the job's log."""
+        for job_id in job_ids:
+            log.warning("dropping job %s here: %s", job_id, why)
             self.scheduler.drop(job_id)
             self._held.discard(job_id)
-        return fenced
+        if job_ids:
+            self.feeder.slots_freed.set()
+
+    def _give_up(self, failure: DeviceFailure) -> None:
+        """The device can no longer run the model: stop taking jobs, store what
+        the last good step made, hand every job held back to the queue (another
+        worker resumes it from its log; the jobs were not failed here, so they do
+        not spend their attempts on a broken device), leave the fleet and signal
+        ``fatal``. Engine thread."""
+        log.critical("worker %s gives up: %s; handing its jobs back", self.name, failure)
+        self.fatal_reason = str(failure)
+        self._stop_intake.set()
+        sent = list(self._sent)
+        dropped = self._collect(give_up_at=time.monotonic() + max(5.0, self.settings.heartbeat_s))
+        for thread in self._threads:
+            if thread.name.endswith("feeder"):
+                thread.join(timeout=10)  # it hands over what it already read
+        self._stop_engine.set()  # the heartbeat and the cancel listener end
+        for thread in self._threads:
+            if thread is not threading.current_thread():
+                thread.join(timeout=10)
+        left = [*self._inbox, *self.scheduler.waiting, *self.scheduler.running,
+                *failure.batch.seqs, *(o.seq for o in sent if o.seq.job_id in dropped)]
+        self._inbox.clear()
+        for seq in left:
+            self.scheduler.drop(seq.job_id)
+        # The jobs of the batch that failed may have caused it (on a GPU a bad
+        # input can trip a device-side assert): theirs counts as an attempt.
+        # requeue.lua skips the jobs that are no longer this worker's.
+        self._hand_back(left, frozenset(s.job_id for s in failure.batch.seqs))
+        self._held.clear()
+        self._leave()
+        self.fatal.set()
+        if self.on_fatal is not None:
+            self.on_fatal(FATAL_EXIT_CODE)
 
     # -- side loops ------------------------------------------------------------
 
@@ -229,7 +343,7 @@ class Worker:
         while True:
             try:
                 self._beat()
-            except (ConnectionError, TimeoutError, OSError) as exc:
+            except (RedisError, OSError) as exc:  # OOM, READONLY too: beat on
                 log.warning("heartbeat failed: %s", exc)
             if self._stop_engine.wait(self.settings.heartbeat_s):
                 return
@@ -243,6 +357,7 @@ class Worker:
             "max_batch": self.settings.max_batch, "prefetch": self.settings.prefetch,
             "running": self.scheduler.num_running, "waiting": self.scheduler.num_waiting,
             "draining": int(self.feeder.paused.is_set() or self._stop_intake.is_set()),
+            "fatal": self.fatal_reason or "",
             "stats": self.engine.stats.as_dict(), "last_seen": time.time(),
         }
 
@@ -273,7 +388,11 @@ class Worker:
         if self.settings.metrics_port:
             self._observe_queue()
         key = self.keys.worker(self.name)
-        running = list(self.scheduler.running) + list(self.scheduler.waiting)
+        # The jobs still being worked on: running, waiting, and those the step
+        # in flight finished (their end is not stored yet). ``_sent`` belongs to
+        # the engine thread; reading the list it points to now is enough here.
+        sent = [o.seq for o in self._sent if o.finished]
+        running = [*self.scheduler.running, *self.scheduler.waiting, *sent]
         info: dict[Any, Any] = self.describe()
         info["stats"] = dumps(info["stats"])
         pipe = self.redis.pipeline(transaction=False)
@@ -300,7 +419,7 @@ class Worker:
                     message = pubsub.get_message(timeout=0.5)
                     if message is not None:
                         self.cancel(message["data"].decode())
-            except (ConnectionError, TimeoutError, OSError) as exc:
+            except (RedisError, OSError) as exc:
                 log.warning("cancel listener lost redis (%s); resubscribing", exc)
                 self._stop_engine.wait(0.5)
             finally:

@@ -19,6 +19,8 @@ class WorkerStats:
     last_batch: int = 0
     busy_s: float = 0.0  # time in engine steps (forward passes and their bookkeeping)
     last_step_s: float = 0.0
+    failed_steps: int = 0  # forward passes that raised
+    store_retries: int = 0  # times Redis refused a step's writes and they were sent again
     started_at: float = field(default_factory=time.time)
     _recent: deque[tuple[float, int]] = field(default_factory=lambda: deque(maxlen=256))
 
@@ -58,6 +60,8 @@ class WorkerStats:
             "peak_batch": self.peak_batch,
             "last_batch": self.last_batch,
             "busy_s": round(self.busy_s, 6),
+            "failed_steps": self.failed_steps,
+            "store_retries": self.store_retries,
             "tokens_per_s": round(self.tokens_per_s(), 2),
             "started_at": self.started_at,
         }

@@ -2,17 +2,26 @@
 -- engine), end their token logs, tell subscribers, and only then acknowledge and
 -- delete their stream entries: a crash before this script runs leaves the
 -- entries pending, to be redelivered. One call for all the jobs of a step.
+-- A job ends only with a whole log: its final state is not written unless the
+-- log holds exactly its tokens (the step's emit.lua call may have been refused,
+-- or Redis lost them), so an end never follows a hole.
+-- Errors: the record (HSET) is a job's first write, so a write Redis refuses
+-- (OOM, READONLY, MISCONF: checked before a script's first write only) ends the
+-- script with nothing of that job written; jobs before it in the call stay
+-- ended, and a retry of the whole call finds them ended (2) and acknowledges.
 -- KEYS: 1 dead letters, then per job 4: job hash, token log, event channel, queue stream
 -- ARGV: 1 result TTL, 2 group, 3 worker name, 4 now,
---       then per job 10: attempt ('' for no ownership check), stream entry id
+--       then per job 11: attempt ('' for no ownership check), stream entry id
 --       ('' for none), end event JSON, dead-letter JSON ('' for none), status,
---       finish reason, error, text, token ids JSON, prompt tokens ('' if unknown)
--- Returns per job: 1 when stored, 0 when fenced off, 2 when it had already ended.
+--       finish reason, error, text, token ids JSON, prompt tokens ('' if unknown),
+--       tokens the log must hold ('' for no check)
+-- Returns per job: 1 when stored, 0 when fenced off, 2 when it had already ended,
+-- 3 when not stored because its log does not hold exactly its tokens.
 local ttl, group, worker, now = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
 local out = {}
 for i = 0, (#KEYS - 1) / 4 - 1 do
   local job, log, chan, queue = KEYS[4 * i + 2], KEYS[4 * i + 3], KEYS[4 * i + 4], KEYS[4 * i + 5]
-  local a = 10 * i + 4
+  local a = 11 * i + 4
   local attempt, entry, event = ARGV[a + 1], ARGV[a + 2], ARGV[a + 3]
   local cur = redis.call('HMGET', job, 'status', 'attempts')
   if attempt ~= '' and cur[2] ~= attempt then
@@ -22,6 +31,8 @@ for i = 0, (#KEYS - 1) / 4 - 1 do
     if cur[1] == 'succeeded' or cur[1] == 'failed' or cur[1] == 'cancelled'
        or cur[1] == 'expired' then
       result = 2
+    elseif ARGV[a + 11] ~= '' and redis.call('XLEN', log) ~= tonumber(ARGV[a + 11]) then
+      result = 3
     else
       local fields = {'status', ARGV[a + 5], 'finish_reason', ARGV[a + 6], 'error', ARGV[a + 7],
                       'text', ARGV[a + 8], 'token_ids', ARGV[a + 9], 'finished_at', now,
@@ -31,12 +42,18 @@ for i = 0, (#KEYS - 1) / 4 - 1 do
       end
       redis.call('HSET', job, unpack(fields))
       redis.call('EXPIRE', job, ttl)
-      redis.pcall('XADD', log, '1-0', 'e', event)
+      -- '1-0' sorts after every token entry: the end is always last. The one
+      -- error expected: an end entry is there already.
+      local added = redis.pcall('XADD', log, '1-0', 'e', event)
+      if type(added) == 'table' and added.err
+         and not string.find(added.err, 'equal or smaller', 1, true) then
+        return added
+      end
       redis.call('EXPIRE', log, ttl)
       redis.call('PUBLISH', chan, event)
       if ARGV[a + 4] ~= '' then redis.call('XADD', KEYS[1], '*', 'data', ARGV[a + 4]) end
     end
-    if entry ~= '' then
+    if entry ~= '' and result ~= 3 then
       redis.call('XACK', queue, group, entry)
       redis.call('XDEL', queue, entry)
     end

@@ -1,0 +1,206 @@
+"""A device that fails for good: a CUDA error ("illegal memory access") poisons the
+CUDA context, so every later forward pass fails too. The worker must not burn its
+jobs' attempts on it: it stops taking jobs, hands back what it holds, leaves the
+fleet and exits non-zero; another worker completes the jobs."""
+
+from __future__ import annotations
+
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+
+from tokenfleet import FleetClient
+from tokenfleet.shared.keys import GROUP, Keys
+from tokenfleet.shared.schemas import JobStatus, SamplingParams
+from tokenfleet.shared.serialization import loads
+from tokenfleet.workers.detokenizer import TextStream
+from tokenfleet.workers.engine import Engine, is_fatal_device_error
+from tokenfleet.workers.publisher import is_transient
+from tokenfleet.workers.runner import HFRunner
+from tokenfleet.workers.scheduler import Batch, Scheduler
+from tokenfleet.workers.sequence import Sequence
+from tokenfleet.workers.service import FATAL_EXIT_CODE
+
+
+pytestmark = [pytest.mark.faults, pytest.mark.timeout(240)]
+
+CUDA_ERROR = ("CUDA error: an illegal memory access was encountered\nCUDA kernel errors might "
+              "be asynchronously reported at some other API call")
+
+
+class BreakingRunner(HFRunner):
+    """The real model until its device breaks: after ``good_steps`` forward passes
+    every one raises ``error``, as on a GPU whose CUDA context is poisoned."""
+
+    def __init__(self, loaded: tuple[Any, Any], good_steps: int, error: Exception) -> None:
+        super().__init__(*loaded)
+        self.good_steps, self.error, self.steps = good_steps, error, 0
+
+    def run(self, batch: Batch) -> list[int]:
+        self.steps += 1
+        if self.steps > self.good_steps:
+            raise self.error
+        return super().run(batch)
+
+
+def prompts(n: int) -> list[str]:
+    return [f"the device {i} fails" for i in range(n)]
+
+
+def submit(client: FleetClient, n: int, tokens: int) -> list[str]:
+    return [client.submit(p, max_new_tokens=tokens, temperature=0.0) for p in prompts(n)]
+
+
+def direct_greedy(loaded: tuple[Any, Any], n: int, tokens: int) -> list[str]:
+    """What the texts must be: the same engine in-process, no Redis, no faults."""
+    model, tok = loaded
+    runner = HFRunner(model, tok)
+    sched = Scheduler(64, runner.eos_token_ids, runner.max_model_len)
+    seqs = [Sequence(str(i), tok(p)["input_ids"], SamplingParams(max_new_tokens=tokens,
+                     temperature=0.0), TextStream(tok)) for i, p in enumerate(prompts(n))]
+    for seq in seqs:
+        sched.add(seq)
+    engine = Engine(sched, runner)
+    while sched.has_work:
+        engine.step()
+    return [s.text.text for s in seqs]
+
+
+def check_handed_back(r: redis.Redis, keys: Keys, job_ids: list[str], worker: str) -> int:
+    """Nothing failed or dead-lettered, nothing left pending with the worker;
+    returns how many jobs went back to the queue."""
+    statuses = [r.hget(keys.job(j), "status") for j in job_ids]
+    assert b"failed" not in statuses and r.xlen(keys.dlq) == 0, statuses
+    consumers = {c["name"]: c["pending"] for c in r.xinfo_consumers(keys.queue("default"), GROUP)}
+    assert consumers.get(worker.encode(), 0) == 0, consumers
+    # It left the fleet: no heartbeat says it is healthy.
+    assert not r.exists(keys.worker(worker))
+    assert r.zscore(keys.queue_workers("default"), worker) is None
+    return statuses.count(b"queued")
+
+
+def check_completed(client: FleetClient, r: redis.Redis, keys: Keys, job_ids: list[str],
+                    reference: list[str]) -> list[Any]:
+    """Every job succeeded, its log whole and equal to its result, its text the
+    undisturbed run's."""
+    states = [client.wait(j, timeout=120) for j in job_ids]
+    assert [s.status for s in states] == [JobStatus.SUCCEEDED] * len(job_ids)
+    for state in states:
+        logged = [t for _, f in r.xrange(keys.out(state.id), "0-1", "0-18446744073709551615")
+                  for t in loads(f[b"e"])["token_ids"]]
+        assert logged == state.token_ids, f"job {state.id}: its log is not its result"
+    assert [s.text for s in states] == reference
+    return states
+
+
+def test_a_cuda_error_stops_the_worker_and_another_completes_its_jobs(
+    client: FleetClient, start_worker: Any, loaded_tiny: Any, r: redis.Redis, settings: Any,
+    report: dict[str, Any],
+) -> None:
+    keys = Keys(settings.namespace)
+    job_ids = submit(client, 6, 40)
+    runner = BreakingRunner(loaded_tiny, good_steps=10, error=RuntimeError(CUDA_ERROR))
+    broken = start_worker("broken@test", runner=runner)
+    assert broken.fatal.wait(60), "the worker did not give up on its device"
+
+    assert broken.exit_code == FATAL_EXIT_CODE and "illegal memory access" in broken.fatal_reason
+    # The first failed step was the last: no retry on a poisoned context, no job
+    # charged with the device's failure by the poison rule.
+    assert runner.steps == 11 and broken.engine.stats.failed_steps == 1
+    assert not any(t.is_alive() for t in broken._threads), "it still takes or runs jobs"
+    handed_back = check_handed_back(r, keys, job_ids, broken.name)
+    assert handed_back == 6
+
+    start_worker("healthy@test")
+    states = check_completed(client, r, keys, job_ids, direct_greedy(loaded_tiny, 6, 40))
+    # Resumed from their logs: the tokens made before the failure were kept.
+    assert all(s.attempts == 2 for s in states)
+    report.update(jobs=6, handed_back=handed_back, completed=len(states), failed=0,
+                  dead_lettered=0, failed_steps_on_broken_worker=1)
+
+
+def test_steps_failing_in_a_row_make_the_worker_give_up(
+    client: FleetClient, start_worker: Any, loaded_tiny: Any, r: redis.Redis, settings: Any,
+    report: dict[str, Any],
+) -> None:
+    keys = Keys(settings.namespace)
+    job_ids = submit(client, 4, 30)
+    # Not a recognised device error: only the run of failures tells the device is gone.
+    runner = BreakingRunner(loaded_tiny, good_steps=5, error=RuntimeError("mysterious failure"))
+    broken = start_worker("broken@test", runner=runner, max_failed_steps=3, max_attempts=3)
+    assert broken.fatal.wait(60), "the worker did not give up"
+
+    assert broken.exit_code == FATAL_EXIT_CODE and "3 steps failed in a row" in broken.fatal_reason
+    assert runner.steps == 5 + 3
+    handed_back = check_handed_back(r, keys, job_ids, broken.name)
+    assert handed_back == 4
+
+    start_worker("healthy@test")
+    states = check_completed(client, r, keys, job_ids, direct_greedy(loaded_tiny, 4, 30))
+    report.update(jobs=4, failed_steps=3, handed_back=handed_back, completed=len(states),
+                  failed=0, dead_lettered=0)
+
+
+def test_a_celery_worker_whose_device_fails_exits_non_zero_and_loses_no_job(
+    client: FleetClient, celery_workers: Any, r: redis.Redis, settings: Any, tmp_path: Path,
+    report: dict[str, Any],
+) -> None:
+    # A test hook, in this test's own directory: the child's HFRunner breaks after
+    # ten forward passes (``sitecustomize`` is imported at interpreter start).
+    (tmp_path / "sitecustomize.py").write_text(textwrap.dedent(f'''
+        from tokenfleet.workers import runner
+
+        _run, _steps = runner.HFRunner.run, [0]
+
+        def run(self, batch):
+            _steps[0] += 1
+            if _steps[0] > 10:
+                raise RuntimeError({CUDA_ERROR!r})
+            return _run(self, batch)
+
+        runner.HFRunner.run = run
+    '''))
+    keys = Keys(settings.namespace)
+    broken = celery_workers("cpu@broken", PYTHONPATH=str(tmp_path))
+    job_ids = submit(client, 6, 40)
+    code = broken.proc.wait(timeout=90)
+    assert code == FATAL_EXIT_CODE, broken.output()[-3000:]
+    assert "illegal memory access" in broken.output()
+    handed_back = check_handed_back(r, keys, job_ids, broken.node)
+
+    celery_workers("cpu@healthy")
+    states = [client.wait(j, timeout=120) for j in job_ids]
+    assert [s.status for s in states] == [JobStatus.SUCCEEDED] * 6
+    assert all(s.worker == "cpu@healthy" for s in states)
+    report.update(jobs=6, exit_code=code, handed_back=handed_back, completed=len(states),
+                  failed=0, dead_lettered=0)
+
+
+@pytest.mark.parametrize("error,fatal", [
+    (RuntimeError(CUDA_ERROR), True),
+    (RuntimeError("CUDA error: device-side assert triggered"), True),
+    (RuntimeError("CUBLAS_STATUS_EXECUTION_FAILED when calling `cublasGemmEx( ... )`"), True),
+    (RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB"), False),
+    (RuntimeError("CUDA error: out of memory"), False),
+    (RuntimeError("CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`"), False),
+    (IndexError("index out of range in self"), False),
+])
+def test_only_errors_that_poison_the_device_are_fatal(error: Exception, fatal: bool) -> None:
+    assert is_fatal_device_error(error) is fatal
+
+
+@pytest.mark.parametrize("error,transient", [
+    (redis.exceptions.OutOfMemoryError("command not allowed when used memory > 'maxmemory'."), True),
+    (redis.exceptions.ReadOnlyError("You can't write against a read only replica."), True),
+    (redis.exceptions.ResponseError("MISCONF Redis is configured to save RDB snapshots"), True),
+    (redis.exceptions.NoScriptError("No matching script."), True),
+    (redis.exceptions.ConnectionError("Connection closed by server."), True),
+    (redis.exceptions.ResponseError("WRONGTYPE Operation against a key holding the wrong kind"), False),
+])
+def test_a_refused_write_is_retried_only_when_redis_itself_is_the_cause(
+    error: Exception, transient: bool
+) -> None:
+    assert is_transient(error) is transient
