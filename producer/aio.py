@@ -165,7 +165,10 @@ class AsyncFleetClient:
 async def _next(messages: asyncio.Queue[bytes], deadline: float | None,
                 wake: float | None = None) -> bytes | None:
     """The next message, or None after a quiet interval (see ``time_slice``)."""
+    # asyncio.timeout, not wait_for: on Python 3.11 wait_for can swallow a cancel
+    # that arrives as the message does, and a cancelled stream would run on.
     try:
-        return await asyncio.wait_for(messages.get(), timeout=time_slice(deadline, wake))
-    except asyncio.TimeoutError:
+        async with asyncio.timeout(time_slice(deadline, wake)):
+            return await messages.get()
+    except TimeoutError:
         return None

@@ -28,6 +28,13 @@ from tokenfleet.workers.runner import HFRunner
 
 from helpers import wait_until
 
+
+@pytest.fixture
+def settings(settings: Any) -> Any:
+    """These tests queue their jobs before the worker that runs them starts."""
+    return settings.model_copy(update={"require_worker": False})
+
+
 pytestmark = [pytest.mark.faults, pytest.mark.timeout(120)]
 
 MAX_QUEUE = 4
@@ -142,9 +149,10 @@ def test_a_job_reclaimed_from_a_stopped_worker_then_cancelled_keeps_its_streamed
                                             r, n, "w1@test")
     # Stopped without a hand-back, as a killed worker or one whose Redis was
     # away: its jobs stay running, their entries pending with it.
-    worker.publisher.hand_back = lambda seqs: 0
+    worker.publisher.hand_back = lambda seqs, suspects=frozenset(): 0
     worker.stop(grace_s=0)
-    assert all(small_client.cancel(j) for j in job_ids)  # asked for; no one runs them now
+    # Asked for, not yet done: no one runs them now, so cancel() says False.
+    assert not any(small_client.cancel(j, timeout=0) for j in job_ids)
     assert [r.hget(keys.job(j), "cancel") for j in job_ids] == [b"1"] * n
     stopped_at = time.monotonic()
     start_worker("w2@test", claim_idle_s=0.5)  # reclaims them and finds the cancels
@@ -167,7 +175,7 @@ def test_a_resumed_job_cancelled_while_it_runs_keeps_every_streamed_token(
     worker, job_ids, followers = start_jobs(small_client, start_worker, loaded_tiny, settings,
                                             r, 1, "w1@test")
     job_id = job_ids[0]
-    worker.publisher.hand_back = lambda seqs: 0
+    worker.publisher.hand_back = lambda seqs, suspects=frozenset(): 0
     worker.stop(grace_s=0)
     before = r.xlen(keys.out(job_id))
     start_worker("w2@test", runner=SlowRunner(*loaded_tiny), claim_idle_s=0.5)

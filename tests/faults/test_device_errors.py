@@ -25,6 +25,12 @@ from tokenfleet.workers.sequence import Sequence
 from tokenfleet.workers.service import FATAL_EXIT_CODE
 
 
+@pytest.fixture
+def settings(settings: Any) -> Any:
+    """These tests queue their jobs before the worker that runs them starts."""
+    return settings.model_copy(update={"require_worker": False})
+
+
 pytestmark = [pytest.mark.faults, pytest.mark.timeout(240)]
 
 CUDA_ERROR = ("CUDA error: an illegal memory access was encountered\nCUDA kernel errors might "

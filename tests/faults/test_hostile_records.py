@@ -22,6 +22,13 @@ from tokenfleet.workers.admission import Admission
 
 from helpers import wait_until
 
+
+@pytest.fixture
+def settings(settings: Any) -> Any:
+    """These tests queue their jobs before the worker that runs them starts."""
+    return settings.model_copy(update={"require_worker": False})
+
+
 pytestmark = [pytest.mark.faults, pytest.mark.timeout(120)]
 
 

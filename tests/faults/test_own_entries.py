@@ -24,6 +24,13 @@ from tokenfleet.workers.runner import HFRunner
 
 from helpers import wait_until
 
+
+@pytest.fixture
+def settings(settings: Any) -> Any:
+    """These tests queue their jobs before the worker that runs them starts."""
+    return settings.model_copy(update={"require_worker": False})
+
+
 pytestmark = [pytest.mark.faults, pytest.mark.timeout(120)]
 
 

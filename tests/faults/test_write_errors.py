@@ -33,6 +33,13 @@ from tokenfleet.workers.sequence import Sequence
 
 from helpers import RedisServer, free_port, wait_until
 
+
+@pytest.fixture
+def settings(settings: Any) -> Any:
+    """These tests queue their jobs before the worker that runs them starts."""
+    return settings.model_copy(update={"require_worker": False})
+
+
 pytestmark = [pytest.mark.faults, pytest.mark.timeout(300)]
 
 WORDS = "the value of a list is returned when the module calls its function".split()
