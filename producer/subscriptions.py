@@ -39,6 +39,9 @@ CONFIRM_TIMEOUT_S = 5.0
 BACKOFF_S = (0.05, 2.0)  # first and longest pause between two tries of the keeper or reader
 
 
+CLOSE_WAIT_S = 3.0
+
+
 class Subscriptions:
     """Owned by one event loop: every method and both tasks run on it, no thread."""
 
@@ -58,6 +61,7 @@ class Subscriptions:
         self._wake = asyncio.Event()
         self._keeper: asyncio.Task[None] | None = None
         self._reader: asyncio.Task[None] | None = None
+        self._closed = False
 
     @contextlib.asynccontextmanager
     async def listen(self, channel: str) -> AsyncIterator[asyncio.Queue[bytes]]:
@@ -88,14 +92,20 @@ class Subscriptions:
                 self._changed()
 
     def _changed(self) -> None:
+        # A stream left after close() (an async generator finalized at the loop's
+        # shutdown) must start no task: nothing would ever stop it.
+        if self._closed:
+            return
         self._wake.set()
         if self._keeper is None or self._keeper.done():
             self._keeper = asyncio.get_running_loop().create_task(self._keep())
 
     async def _keep(self) -> None:
         backoff = BACKOFF_S[0]
-        while True:
+        while not self._closed:
             await self._wake.wait()
+            if self._closed:
+                return
             self._wake.clear()
             try:
                 await self._sync()
@@ -146,7 +156,10 @@ class Subscriptions:
 
     async def _read(self) -> None:
         backoff = BACKOFF_S[0]
-        while True:
+        # Not ``while True``: redis-py turns a cancel that lands inside its read
+        # timeout into its own TimeoutError, which this loop rides out; the flag
+        # ends it whatever became of the cancel.
+        while not self._closed:
             try:
                 message = await self._pubsub.get_message(timeout=1.0)
                 backoff = BACKOFF_S[0]
@@ -177,11 +190,15 @@ class Subscriptions:
                 self._changed()
 
     async def close(self) -> None:
-        for task in (self._keeper, self._reader):
-            if task is not None:
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError, Exception):
-                    await task
+        self._closed = True
+        self._wake.set()
+        tasks = {t for t in (self._keeper, self._reader) if t is not None and not t.done()}
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            # Bounded: a cancel swallowed by a read's timeout is ended by the flag
+            # within the read's 1 s.
+            await asyncio.wait(tasks, timeout=CLOSE_WAIT_S)
         if self._pubsub is not None:
             with contextlib.suppress(Exception):
                 await self._pubsub.aclose()

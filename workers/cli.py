@@ -218,6 +218,7 @@ def submit(prompt: str | None, prompt_file: Any, queue: str, priority: str, queu
     unreachable, 5 timed out waiting (the job goes on).
     """
     from pydantic import ValidationError
+    from redis.exceptions import RedisError
 
     from tokenfleet import FleetClient
     from tokenfleet.shared.errors import TokenfleetError
@@ -234,6 +235,8 @@ def submit(prompt: str | None, prompt_file: Any, queue: str, priority: str, queu
                                    require_worker=not queue_ahead, **sampling)
         except ValidationError as exc:
             raise Refused(_validation_line(exc)) from None
+        except RedisError:
+            raise  # Redis itself failed (the group turns it into one line): not a refusal
         except TokenfleetError as exc:
             raise Refused(str(exc)) from None
         try:
