@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
 from redis.exceptions import NoPermissionError
@@ -134,7 +134,8 @@ class AsyncFleetClient:
                         break
                 check_deadline(deadline, job_id)
 
-    async def stream(self, job_id: str, timeout: float | None = None) -> AsyncIterator[TokenEvent]:
+    async def stream(self, job_id: str, timeout: float | None = None
+                     ) -> AsyncGenerator[TokenEvent, None]:
         deadline = None if timeout is None else time.monotonic() + timeout
         cursor = EventCursor()
         async with self._subscriptions.listen(self.keys.events(job_id)) as messages:
