@@ -15,6 +15,29 @@ import redis
 from tokenfleet.workers.bench.procs import free_port  # noqa: F401  (the tests use it too)
 
 
+def direct_greedy(loaded: tuple[Any, Any], jobs: list[tuple[str, int]]) -> list[str]:
+    """The undisturbed run of (prompt, max_new_tokens) jobs: the same engine
+    in-process, no Redis, no faults; greedy texts for a fault test to match."""
+    from tokenfleet.shared.schemas import SamplingParams
+    from tokenfleet.workers.detokenizer import TextStream
+    from tokenfleet.workers.engine import Engine
+    from tokenfleet.workers.runner import HFRunner
+    from tokenfleet.workers.scheduler import Scheduler
+    from tokenfleet.workers.sequence import Sequence
+
+    model, tok = loaded
+    runner = HFRunner(model, tok)
+    sched = Scheduler(64, runner.eos_token_ids, runner.max_model_len)
+    seqs = [Sequence(str(i), tok(p)["input_ids"], SamplingParams(max_new_tokens=n, temperature=0.0),
+                     TextStream(tok)) for i, (p, n) in enumerate(jobs)]
+    for s in seqs:
+        sched.add(s)
+    engine = Engine(sched, runner)
+    while sched.has_work:
+        engine.step()
+    return [s.text.text for s in seqs]
+
+
 # Figures the fault-injection suite prints at the end of the run (name, figures).
 FIGURES: list[tuple[str, dict[str, Any]]] = []
 

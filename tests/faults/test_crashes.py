@@ -14,15 +14,10 @@ import redis
 
 from tokenfleet import AsyncFleetClient, FleetClient
 from tokenfleet.shared.keys import GROUP, Keys
-from tokenfleet.shared.schemas import JobStatus, SamplingParams, TokenEvent
+from tokenfleet.shared.schemas import JobStatus, TokenEvent
 from tokenfleet.shared.serialization import loads
-from tokenfleet.workers.detokenizer import TextStream
-from tokenfleet.workers.engine import Engine
-from tokenfleet.workers.runner import HFRunner
-from tokenfleet.workers.scheduler import Scheduler
-from tokenfleet.workers.sequence import Sequence
 
-from helpers import wait_until
+from helpers import direct_greedy, wait_until
 
 pytestmark = [pytest.mark.faults, pytest.mark.timeout(300)]
 
@@ -32,20 +27,6 @@ WORDS = "the value of a list is returned when the module calls its function".spl
 def prompts(n: int) -> list[tuple[str, int]]:
     return [(" ".join(WORDS[i % 7: i % 7 + 2 + i % 5]), 16 + (i * 7) % 24) for i in range(n)]
 
-
-def direct_greedy(loaded: tuple[Any, Any], jobs: list[tuple[str, int]]) -> list[str]:
-    """The undisturbed run: the same engine in-process, no Redis, no faults."""
-    model, tok = loaded
-    runner = HFRunner(model, tok)
-    sched = Scheduler(64, runner.eos_token_ids, runner.max_model_len)
-    seqs = [Sequence(str(i), tok(p)["input_ids"], SamplingParams(max_new_tokens=n, temperature=0.0),
-                     TextStream(tok)) for i, (p, n) in enumerate(jobs)]
-    for s in seqs:
-        sched.add(s)
-    engine = Engine(sched, runner)
-    while sched.has_work:
-        engine.step()
-    return [s.text.text for s in seqs]
 
 
 class ChannelTally:

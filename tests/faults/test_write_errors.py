@@ -23,15 +23,10 @@ import redis
 
 from tokenfleet import AsyncFleetClient, FleetClient
 from tokenfleet.shared.keys import Keys
-from tokenfleet.shared.schemas import JobStatus, SamplingParams
+from tokenfleet.shared.schemas import JobStatus
 from tokenfleet.shared.serialization import loads
-from tokenfleet.workers.detokenizer import TextStream
-from tokenfleet.workers.engine import Engine
-from tokenfleet.workers.runner import HFRunner
-from tokenfleet.workers.scheduler import Scheduler
-from tokenfleet.workers.sequence import Sequence
 
-from helpers import RedisServer, free_port, wait_until
+from helpers import RedisServer, direct_greedy, free_port, wait_until
 
 
 @pytest.fixture
@@ -51,20 +46,6 @@ def jobs(n: int, shortest: int, longest: int) -> list[tuple[str, int]]:
     return [(" ".join(WORDS[i % 7: i % 7 + 2 + i % 5]) + f" {i}", shortest + (i * 37) % span)
             for i in range(n)]
 
-
-def direct_greedy(loaded: tuple[Any, Any], work: list[tuple[str, int]]) -> list[str]:
-    """The undisturbed run: the same engine in-process, no Redis, no faults."""
-    model, tok = loaded
-    runner = HFRunner(model, tok)
-    sched = Scheduler(64, runner.eos_token_ids, runner.max_model_len)
-    seqs = [Sequence(str(i), tok(p)["input_ids"], SamplingParams(max_new_tokens=n, temperature=0.0),
-                     TextStream(tok)) for i, (p, n) in enumerate(work)]
-    for s in seqs:
-        sched.add(s)
-    engine = Engine(sched, runner)
-    while sched.has_work:
-        engine.step()
-    return [s.text.text for s in seqs]
 
 
 # -- the faults ----------------------------------------------------------------
