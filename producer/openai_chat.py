@@ -27,15 +27,14 @@ from tokenfleet.openai_compat import (
     Sampling,
     chunks,
     error,
-    failure,
     finish,
     invalid,
     refusal,
+    succeeded,
     usage,
-    wait_while_connected,
 )
 from tokenfleet.served import served
-from tokenfleet.shared.schemas import GenerationRequest, JobStatus
+from tokenfleet.shared.schemas import GenerationRequest
 
 NO_TOOLS = "tools are not supported by this gateway: leave it unset"
 REFUSED: dict[str, tuple[tuple[Any, ...], str]] = {
@@ -193,11 +192,9 @@ async def chat(client: AsyncFleetClient, body: bytes, request: Request,
         stream = {**head, "object": "chat.completion.chunk"}
         return sse.response(chunks(client, job_id, stream, chat_choice, ask.include_usage,
                                    opening=OPENING), keepalive_s)
-    state = await wait_while_connected(client, job_id, request)
-    if state is None:
-        return Response(status_code=499)  # nobody is left to read it
-    if state.status is not JobStatus.SUCCEEDED:
-        return error(500, failure(state), type_="server_error")
+    state = await succeeded(client, job_id, request)
+    if isinstance(state, Response):
+        return state
     message = {"role": "assistant", "content": state.text, "refusal": None}
     choice = {"index": 0, "message": message, "finish_reason": finish(state), "logprobs": None}
     return JSONResponse({**head, "object": "chat.completion", "choices": [choice],

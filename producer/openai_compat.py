@@ -193,11 +193,9 @@ async def complete(client: AsyncFleetClient, body: bytes, request: Request,
     if ask.stream:
         return sse.response(chunks(client, job_id, head, completion_choice, ask.include_usage),
                             keepalive_s)
-    state = await wait_while_connected(client, job_id, request)
-    if state is None:
-        return Response(status_code=499)  # nobody is left to read it
-    if state.status is not JobStatus.SUCCEEDED:
-        return error(500, failure(state), type_="server_error")
+    state = await succeeded(client, job_id, request)
+    if isinstance(state, Response):
+        return state
     choice = completion_choice(state.text, finish(state))
     return JSONResponse({**head, "choices": [choice], "usage": usage(state)})
 
@@ -243,6 +241,18 @@ async def cancel_unless_ended(client: AsyncFleetClient, job_id: str) -> AsyncIte
     finally:
         if not ended.is_set():
             await cancel_quietly(client, job_id)
+
+
+async def succeeded(client: AsyncFleetClient, job_id: str, request: Request
+                    ) -> JobState | Response:
+    """The succeeded job's state, or the response that says why there is none:
+    499 when the client left first (the job is cancelled), 500 when the job failed."""
+    state = await wait_while_connected(client, job_id, request)
+    if state is None:
+        return Response(status_code=499)  # nobody is left to read it
+    if state.status is not JobStatus.SUCCEEDED:
+        return error(500, failure(state), type_="server_error")
+    return state
 
 
 async def wait_while_connected(client: AsyncFleetClient, job_id: str,
