@@ -73,21 +73,28 @@ def _give_up(link: _Link, error: Exception) -> Exception | None:
     return None
 
 
-class _FailFastRetry(Retry):
-    """redis-py's retry loop, except as :func:`_give_up` says."""
+class _Linked:
+    """What both retry loops share: the backoff, and one link for all the copies
+    redis-py makes of a retry (one per connection)."""
+
+    _backoff: Any
 
     def __init__(self, link: _Link) -> None:
-        super().__init__(ExponentialBackoff(cap=2.0, base=0.05), RETRIES)
+        super().__init__(ExponentialBackoff(cap=2.0, base=0.05), RETRIES)  # type: ignore[call-arg]
         self.link = link
 
-    def __deepcopy__(self, memo: dict[int, Any]) -> _FailFastRetry:
+    def __deepcopy__(self, memo: dict[int, Any]) -> Any:
         other = copy.copy(self)
         other._backoff = copy.deepcopy(self._backoff, memo)
         return other  # the link stays shared
 
+
+class _FailFastRetry(_Linked, Retry):
+    """redis-py's retry loop, except as :func:`_give_up` says."""
+
     def call_with_retry(self, do: Any, fail: Any, is_retryable: Any = None,
                         with_failure_count: bool = False) -> Any:
-        self._backoff.reset()  # type: ignore[no-untyped-call]
+        self._backoff.reset()
         failures = 0
         while True:
             try:
@@ -107,23 +114,14 @@ class _FailFastRetry(Retry):
                 _sleep(self._backoff.compute(failures))
 
 
-class _AsyncFailFastRetry(AsyncRetry):
+class _AsyncFailFastRetry(_Linked, AsyncRetry):
     """The asyncio twin of :class:`_FailFastRetry`."""
-
-    def __init__(self, link: _Link) -> None:
-        super().__init__(ExponentialBackoff(cap=2.0, base=0.05), RETRIES)
-        self.link = link
-
-    def __deepcopy__(self, memo: dict[int, Any]) -> _AsyncFailFastRetry:
-        other = copy.copy(self)
-        other._backoff = copy.deepcopy(self._backoff, memo)
-        return other
 
     async def call_with_retry(self, do: Any, fail: Any, is_retryable: Any = None,
                               with_failure_count: bool = False) -> Any:
         import asyncio
 
-        self._backoff.reset()  # type: ignore[no-untyped-call]
+        self._backoff.reset()
         failures = 0
         while True:
             try:
