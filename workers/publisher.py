@@ -43,7 +43,7 @@ from tokenfleet.shared.schemas import FinishReason, JobStatus
 from tokenfleet.shared.scripts import Scripts
 from tokenfleet.shared.serialization import dumps, end_event, token_event
 from tokenfleet.shared.settings import Settings
-from tokenfleet.workers.scheduler import SeqOutput
+from tokenfleet.workers.sequence import SeqOutput
 from tokenfleet.workers.sequence import Sequence
 
 hiredis: Any

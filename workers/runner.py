@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from transformers import DynamicCache
 
+from tokenfleet.shared import models
 from tokenfleet.workers.kv_cache import SlotCache
 from tokenfleet.workers.sampler import sample
 from tokenfleet.workers.scheduler import Batch
@@ -45,11 +46,8 @@ class HFRunner:
 
     @property
     def eos_token_ids(self) -> set[int]:
-        ids: set[int] = set()
-        for source in (self.model.generation_config, self.model.config, self.tokenizer):
-            eos = getattr(source, "eos_token_id", None)
-            ids.update(eos if isinstance(eos, list) else [] if eos is None else [eos])
-        return ids
+        return models.eos_token_ids(self.model.generation_config, self.model.config,
+                                    self.tokenizer)
 
     def reset(self) -> None:
         self.rows, self.cache = [], SlotCache(self._layers)

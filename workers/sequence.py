@@ -79,3 +79,37 @@ class Sequence:
         self.finish_reason = reason
         self.error = error
         return self.text.finish()
+
+    def take(self, token_id: int, eos_token_ids: frozenset[int], max_model_len: int) -> SeqOutput:
+        """Append a token an engine made: its text (held back while a stop
+        string may still match) and, when it is the last, the sequence's end.
+        Every engine's tokens go through here, so stop strings, end of
+        sequence and the length limits mean the same on each."""
+        index = len(self.generated)
+        self.generated.append(token_id)
+        text = self.text.push(token_id)
+        reason = self._finish_reason(token_id, eos_token_ids, max_model_len)
+        if reason is not None:
+            text += self.finish(reason)
+        return SeqOutput(self, index, token_id, text, reason is not None)
+
+    def _finish_reason(self, token_id: int, eos_token_ids: frozenset[int],
+                       max_model_len: int) -> FinishReason | None:
+        if token_id in eos_token_ids:
+            return FinishReason.EOS
+        if self.text.stopped:
+            return FinishReason.STOP
+        if len(self.generated) >= self.sampling.max_new_tokens or self.num_tokens >= max_model_len:
+            return FinishReason.LENGTH
+        return None
+
+
+@dataclass
+class SeqOutput:
+    """What one step did to one sequence."""
+
+    seq: Sequence
+    index: int | None  # position of the new token; None when no token was made
+    token_id: int | None
+    text: str
+    finished: bool

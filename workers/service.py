@@ -22,7 +22,6 @@ import os
 import socket
 import threading
 import time
-from collections import deque
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -34,12 +33,11 @@ from tokenfleet.shared.schemas import FinishReason
 from tokenfleet.shared.serialization import dumps
 from tokenfleet.shared.settings import Settings
 from tokenfleet.workers.admission import Admission
-from tokenfleet.workers.engine import DeviceFailure, Engine, Runner
+from tokenfleet.workers.engine import DeviceFailure, Engine
 from tokenfleet.workers.feeder import Feeder
 from tokenfleet.workers.metrics import Metrics
 from tokenfleet.workers.publisher import Publisher, is_transient
-from tokenfleet.workers.scheduler import Scheduler, SeqOutput
-from tokenfleet.workers.sequence import Sequence
+from tokenfleet.workers.sequence import Sequence, SeqOutput
 
 log = logging.getLogger(__name__)
 
@@ -55,12 +53,10 @@ class Worker:
     def __init__(
         self,
         settings: Settings,
-        runner: Runner,
+        engine: Engine,
         tokenizer: Any,
         *,
         name: str,
-        eos_token_ids: set[int],
-        max_model_len: int,
         model_name: str | None = None,
         redis: Any = None,
     ) -> None:
@@ -70,10 +66,7 @@ class Worker:
         self.model_name = model_name or settings.model
         self.keys = Keys(settings.namespace)
         self.redis = redis or connect(settings.redis_url)
-        self.scheduler = Scheduler(settings.max_batch, eos_token_ids, max_model_len,
-                                   max_failures=settings.max_attempts,
-                                   max_batch_tokens=settings.max_batch_tokens)
-        self.engine = Engine(self.scheduler, runner, max_failed_steps=settings.max_failed_steps)
+        self.engine = engine
         self.publisher = Publisher(self.redis, self.keys, settings, name)
         # Ids of the jobs this worker runs now (shared: the feeder thread reads
         # it, the engine thread updates it). A job leaves it when its end is
@@ -82,15 +75,10 @@ class Worker:
         self._held: set[str] = set()
         self.feeder = Feeder(
             self.redis, self.keys, settings, name, self.queue,
-            Admission(tokenizer, settings, max_model_len), self.publisher,
+            Admission(tokenizer, settings, engine.max_model_len), self.publisher,
             sink=self._receive, credits=self.credits, holds=self._held.__contains__,
         )
         self.metrics = Metrics(self.queue)
-        self._inbox: deque[Sequence] = deque()
-        self._aborts: deque[tuple[str, FinishReason]] = deque()
-        # Cancels that came before their job reached the engine (the feeder was
-        # between taking the entry and handing it over): applied on arrival.
-        self._early_cancels: dict[str, float] = {}
         self._sent: list[SeqOutput] = []  # the step whose writes Redis is storing
         self._wake = threading.Event()
         self._idle = threading.Event()  # set by the engine loop when it has nothing to do
@@ -141,8 +129,7 @@ class Worker:
         for thread in self._threads:
             thread.join(timeout=10)
         # With the jobs of a step Redis never stored (``_sent``: their ends too).
-        self._hand_back([*self._inbox, *self.scheduler.waiting, *self.scheduler.running,
-                         *(o.seq for o in self._sent)])
+        self._hand_back([*self.engine.unfinished(), *(o.seq for o in self._sent)])
         self._leave()
 
     @property
@@ -171,14 +158,13 @@ class Worker:
 
     @property
     def busy(self) -> bool:
-        return bool(self._inbox) or self.scheduler.has_work
+        return self.engine.has_work
 
     def credits(self) -> int:
-        held = self.scheduler.num_running + self.scheduler.num_waiting + len(self._inbox)
-        return self.settings.max_batch + self.settings.prefetch - held
+        return self.settings.max_batch + self.settings.prefetch - self.engine.num_held
 
     def cancel(self, job_id: str) -> None:
-        self._aborts.append((job_id, FinishReason.CANCELLED))
+        self.engine.abort(job_id, FinishReason.CANCELLED)
         self._wake.set()
 
     # -- the engine loop ------------------------------------------------------
@@ -187,27 +173,12 @@ class Worker:
         self._held.update(s.job_id for s in seqs)
         for seq in seqs:
             self.metrics.started(seq.created_at)
-        self._inbox.extend(seqs)
+            self.engine.add(seq)
         self._wake.set()
-
-    def _admit(self) -> None:
-        while self._inbox:
-            seq = self._inbox.popleft()
-            self.scheduler.add(seq)
-            if self._early_cancels.pop(seq.job_id, None) is not None:
-                self.scheduler.abort(seq.job_id, FinishReason.CANCELLED)
-        while self._aborts:
-            job_id, reason = self._aborts.popleft()
-            if not self.scheduler.abort(job_id, reason):
-                self._early_cancels[job_id] = time.monotonic()
-        if len(self._early_cancels) > 1000:  # cancels of jobs on other workers
-            horizon = time.monotonic() - 60
-            self._early_cancels = {j: t for j, t in self._early_cancels.items() if t > horizon}
 
     def _engine_loop(self) -> None:
         while not self._stop_engine.is_set():
-            self._admit()
-            if not self.scheduler.has_work:
+            if not self.engine.has_work:
                 self._collect()  # nothing to overlap with: store the last step now
                 self._idle.set()
                 self._wake.wait(0.1)
@@ -299,7 +270,7 @@ class Worker:
         attempt that resumes from the job's log."""
         for job_id in job_ids:
             log.warning("dropping job %s here: %s", job_id, why)
-            self.scheduler.drop(job_id)
+            self.engine.drop(job_id)
             self._held.discard(job_id)
         if job_ids:
             self.feeder.slots_freed.set()
@@ -322,15 +293,14 @@ class Worker:
         for thread in self._threads:
             if thread is not threading.current_thread():
                 thread.join(timeout=10)
-        left = [*self._inbox, *self.scheduler.waiting, *self.scheduler.running,
-                *failure.batch.seqs, *(o.seq for o in sent if o.seq.job_id in dropped)]
-        self._inbox.clear()
+        left = [*self.engine.unfinished(), *failure.suspects,
+                *(o.seq for o in sent if o.seq.job_id in dropped)]
         for seq in left:
-            self.scheduler.drop(seq.job_id)
-        # The jobs of the batch that failed may have caused it (on a GPU a bad
+            self.engine.drop(seq.job_id)
+        # The jobs of the step that failed may have caused it (on a GPU a bad
         # input can trip a device-side assert): theirs counts as an attempt.
         # requeue.lua skips the jobs that are no longer this worker's.
-        self._hand_back(left, frozenset(s.job_id for s in failure.batch.seqs))
+        self._hand_back(left, frozenset(s.job_id for s in failure.suspects))
         self._held.clear()
         self._leave()
         self.fatal.set()
@@ -355,7 +325,7 @@ class Worker:
             "queue": self.queue, "model": self.model_name, "device": self.settings.device,
             "chat": int(self.feeder.admission.has_chat_template),  # for the gateway's chat
             "max_batch": self.settings.max_batch, "prefetch": self.settings.prefetch,
-            "running": self.scheduler.num_running, "waiting": self.scheduler.num_waiting,
+            "running": self.engine.num_running, "waiting": self.engine.num_waiting,
             "draining": int(self.feeder.paused.is_set() or self._stop_intake.is_set()),
             "fatal": self.fatal_reason or "",
             "stats": self.engine.stats.as_dict(), "last_seen": time.time(),
@@ -382,7 +352,7 @@ class Worker:
                                 "lag": lag if lag is not None else max(0, int(depth or 0) - pending)}
         backlog = replies[-1]
         self.metrics.queue_state(levels, int(backlog or 0) if not isinstance(backlog, Exception)
-                                 else 0, self.scheduler.num_running)
+                                 else 0, self.engine.num_running)
 
     def _beat(self) -> None:
         if self.settings.metrics_port:
@@ -392,7 +362,7 @@ class Worker:
         # in flight finished (their end is not stored yet). ``_sent`` belongs to
         # the engine thread; reading the list it points to now is enough here.
         sent = [o.seq for o in self._sent if o.finished]
-        running = [*self.scheduler.running, *self.scheduler.waiting, *sent]
+        running = [*self.engine.unfinished(), *sent]
         info: dict[Any, Any] = self.describe()
         info["stats"] = dumps(info["stats"])
         pipe = self.redis.pipeline(transaction=False)

@@ -6,7 +6,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from tokenfleet.workers.scheduler import Batch, SeqOutput
+from tokenfleet.workers.sequence import SeqOutput
 
 
 @dataclass
@@ -24,17 +24,17 @@ class WorkerStats:
     started_at: float = field(default_factory=time.time)
     _recent: deque[tuple[float, int]] = field(default_factory=lambda: deque(maxlen=256))
 
-    def record(self, batch: Batch | None, outputs: list[SeqOutput], seconds: float = 0.0) -> None:
+    def record(self, outputs: list[SeqOutput], seconds: float = 0.0, batch: int = 0,
+               prefill: bool = False) -> None:
+        """One engine step: ``batch`` sequences ran in it (0: none ran),
+        ``prefill`` when it admitted new ones."""
         self.steps += 1
         self.busy_s += seconds
         self.last_step_s = seconds
-        if batch is not None:
-            if batch.is_prefill:
-                self.prefill_steps += 1
-                self.last_batch = len(batch.keep) + len(batch.seqs)
-            else:
-                self.last_batch = len(batch.seqs)
-            self.peak_batch = max(self.peak_batch, self.last_batch)
+        if batch:
+            self.prefill_steps += prefill
+            self.last_batch = batch
+            self.peak_batch = max(self.peak_batch, batch)
         made = sum(1 for o in outputs if o.token_id is not None)
         self.tokens += made
         self._recent.append((time.monotonic(), made))

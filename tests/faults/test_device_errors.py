@@ -17,7 +17,7 @@ from tokenfleet.shared.keys import GROUP, Keys
 from tokenfleet.shared.schemas import JobStatus, SamplingParams
 from tokenfleet.shared.serialization import loads
 from tokenfleet.workers.detokenizer import TextStream
-from tokenfleet.workers.engine import Engine, is_fatal_device_error
+from tokenfleet.workers.hf_engine import HFEngine, is_fatal_device_error
 from tokenfleet.workers.publisher import is_transient
 from tokenfleet.workers.runner import HFRunner
 from tokenfleet.workers.scheduler import Batch, Scheduler
@@ -67,10 +67,10 @@ def direct_greedy(loaded: tuple[Any, Any], n: int, tokens: int) -> list[str]:
     sched = Scheduler(64, runner.eos_token_ids, runner.max_model_len)
     seqs = [Sequence(str(i), tok(p)["input_ids"], SamplingParams(max_new_tokens=tokens,
                      temperature=0.0), TextStream(tok)) for i, p in enumerate(prompts(n))]
+    engine = HFEngine(sched, runner)
     for seq in seqs:
-        sched.add(seq)
-    engine = Engine(sched, runner)
-    while sched.has_work:
+        engine.add(seq)
+    while engine.has_work:
         engine.step()
     return [s.text.text for s in seqs]
 

@@ -339,15 +339,16 @@ def test_chat_for_a_model_without_a_chat_template_is_400_at_the_gateway(
 ) -> None:
     from transformers import AutoTokenizer
 
+    from tokenfleet.workers.build import hf_engine
     from tokenfleet.workers.runner import HFRunner
     from tokenfleet.workers.service import Worker
 
     plain = AutoTokenizer.from_pretrained(tiny_dir)
     plain.chat_template = None  # a base model: prompts only
     runner = HFRunner(loaded_tiny[0], plain)
-    worker = Worker(settings.model_copy(update={"queue": "plain"}), runner, plain,
-                    name="plain@test", eos_token_ids=runner.eos_token_ids,
-                    max_model_len=runner.max_model_len)
+    plain_settings = settings.model_copy(update={"queue": "plain"})
+    engine = hf_engine(plain_settings, runner, runner.eos_token_ids, runner.max_model_len)
+    worker = Worker(plain_settings, engine, plain, name="plain@test")
     worker.start()
     try:
         http = gateway()

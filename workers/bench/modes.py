@@ -94,7 +94,7 @@ class Direct:
             closed_loop: bool = False) -> dict[str, Any]:
         """All of ``jobs`` through one engine; ``closed_loop``: one at a time."""
         from tokenfleet.workers.detokenizer import TextStream
-        from tokenfleet.workers.engine import Engine
+        from tokenfleet.workers.hf_engine import HFEngine
         from tokenfleet.workers.runner import HFRunner
         from tokenfleet.workers.scheduler import Scheduler
         from tokenfleet.workers.sequence import Sequence
@@ -103,7 +103,7 @@ class Direct:
         runner = HFRunner(self.model, tok)
         scheduler = Scheduler(max_batch, runner.eos_token_ids, runner.max_model_len,
                               max_batch_tokens=self.max_batch_tokens)
-        engine = Engine(scheduler, runner)
+        engine = HFEngine(scheduler, runner)
 
         def sequence(job_id: str, job: Job, max_new_tokens: int | None = None) -> Sequence:
             sampling = SamplingParams(max_new_tokens=max_new_tokens or job.max_new_tokens,
@@ -112,8 +112,8 @@ class Direct:
 
         warm = min(max_batch, len(jobs))  # the fleet's worker gets the same warm-up
         for i, job in enumerate(jobs[:warm]):
-            scheduler.add(sequence(f"w{i}", job, 2))
-        while scheduler.has_work:
+            engine.add(sequence(f"w{i}", job, 2))
+        while engine.has_work:
             engine.step()
         before = engine.stats.as_dict()
 
@@ -125,15 +125,15 @@ class Direct:
         intake = max_batch + self.prefetch
         clock = time.perf_counter
         t0 = clock()
-        while waiting or scheduler.has_work:
+        while waiting or engine.has_work:
             now = clock()
             while waiting and t0 + jobs[waiting[0]].arrival_s <= now and not (
-                    closed_loop and scheduler.has_work) and (
-                    scheduler.num_running + scheduler.num_waiting < intake):
+                    closed_loop and engine.has_work) and (
+                    engine.num_held < intake):
                 i = waiting.popleft()
                 trace.submitted[i] = now if closed_loop else t0 + jobs[i].arrival_s
-                scheduler.add(sequence(str(i), jobs[i]))
-            if not scheduler.has_work:
+                engine.add(sequence(str(i), jobs[i]))
+            if not engine.has_work:
                 time.sleep(max(0.0, t0 + jobs[waiting[0]].arrival_s - clock()))
                 continue
             outputs = engine.step()
@@ -446,7 +446,7 @@ def publish_cost(redis_url: str, namespace: str, tokenizer: Any, batch: int,
     from tokenfleet.shared.redis_conn import connect
     from tokenfleet.workers.detokenizer import TextStream
     from tokenfleet.workers.publisher import Publisher
-    from tokenfleet.workers.scheduler import SeqOutput
+    from tokenfleet.workers.sequence import SeqOutput
     from tokenfleet.workers.sequence import Sequence
 
     client = connect(redis_url)

