@@ -110,7 +110,9 @@ def demo(redis_url: str | None, max_new_tokens: int, temperature: float,
 @main.command()
 @click.option("--gpus", default=None,
               help="GPU ids '0,1', 'all' or 'none' (default: all if any GPU is seen)")
-@click.option("--model", default=None, help="'tiny' or a Hugging Face model directory")
+@click.option("--model", default=None,
+              help="a built-in model ('tiny', 'llama-86m', ...: README, \"Built-in models\") or a "
+                   "Hugging Face model directory")
 @click.option("--queue", default=None,
               help="the queue this worker serves: what clients pass as model= (default: "
                    "$TOKENFLEET_QUEUE or 'default')")
@@ -163,8 +165,8 @@ def _check_model(model: str) -> None:
     if model in BUILTIN or Path(model).expanduser().is_dir():
         return
     if model.startswith(("/", ".", "~")) or os.sep in model.strip("/").replace("/", os.sep, 1):
-        raise BadSetup(f"model {model!r}: no such directory; give 'tiny' or the directory of a "
-                       "Hugging Face model")
+        raise BadSetup(f"model {model!r}: no such directory; give a built-in model "
+                       f"({', '.join(BUILTIN)}) or the directory of a Hugging Face model")
     if Path(model).exists():
         raise BadSetup(f"model {model!r} is a file; give a model directory")
 
@@ -413,7 +415,8 @@ def _int_list(ctx: click.Context, param: click.Parameter, value: str) -> list[in
 
 @main.command()
 @click.option("--model", default="tiny", show_default=True,
-              help="'tiny', 'tiny-wide' or a Hugging Face model directory")
+              help="a built-in model ('tiny', 'tiny-wide', 'llama-86m', ...) or a Hugging Face "
+                   "model directory")
 @click.option("--jobs", default=256, show_default=True, help="jobs per run")
 @click.option("--concurrency", default="1,4,16,64,256", show_default=True,
               callback=_int_list, help="concurrent jobs (the engine's batch size), comma-separated")
