@@ -7,13 +7,13 @@ with ``TOKENFLEET_ENGINE`` set, ``tokenfleet gateway``). Each gets the same
 load through the official ``openai`` client (``openai_load``): N greedy
 completions at once, plain and then streamed, the servers taking turns so that
 a burst of other load on the machine hits them alike; each keeps its best run
-of the ``--repeat``. Every turn sends prompts none of them has seen, so that
-vLLM's prefix cache gains nothing from the turn before.
+of the ``--repeat``.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import itertools
 import json
 import os
 import platform
@@ -128,14 +128,18 @@ def run_vs_vllm(cfg: VsVllmConfig, console: Console | None = None) -> dict[str, 
 def _turns(cfg: VsVllmConfig, sides: dict[str, str], console: Console) -> dict[str, Any]:
     out: dict[str, Any] = {side: {} for side in sides}
     texts: dict[str, dict[str, list[str]]] = {side: {} for side in sides}
-    warm = [j.prompt for j in make_jobs(max(cfg.concurrency), 2, seed=10_000)]
+    # Every batch of prompts is new to every server (a seed of its own), so that
+    # vLLM's prefix cache gains nothing from the one before; within a batch, every
+    # server gets the same prompts.
+    seeds = itertools.count()
+    warm = [j.prompt for j in make_jobs(max(cfg.concurrency), 2, seed=next(seeds))]
     for side, url in sides.items():  # the first passes of a batch shape are slow
         run_load(url, QUEUE, warm, 2, stream=False)
     for c in sorted(set(cfg.concurrency)):
         runs: dict[tuple[str, str], list[LoadResult]] = {}
         for r in range(cfg.repeat):
-            prompts = [j.prompt for j in make_jobs(c, cfg.max_new_tokens, seed=c * 1000 + r)]
             for load in LOADS:
+                prompts = [j.prompt for j in make_jobs(c, cfg.max_new_tokens, seed=next(seeds))]
                 for side, url in sides.items():
                     result = run_load(url, QUEUE, prompts, cfg.max_new_tokens, load == "stream")
                     runs.setdefault((side, load), []).append(result)
@@ -147,7 +151,7 @@ def _turns(cfg: VsVllmConfig, sides: dict[str, str], console: Console) -> dict[s
             out[side].setdefault(str(c), {})[load] = {
                 **best.figures, "runs": [x.figures["tokens_per_s"] for x in results]}
             if load == "plain":
-                texts[side][str(c)] = results[0].texts  # the first turn: the same prompts
+                texts[side][str(c)] = results[0].texts  # the first turn's prompts
     return {"servers": out, "same_text": _same_text(texts)}
 
 
