@@ -12,9 +12,9 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from tokenfleet.shared import tiny
+from tokenfleet.shared import synthetic, tiny
 
-BUILTIN = ("tiny", *tiny.VARIANTS)
+BUILTIN = ("tiny", *synthetic.SHAPES)
 
 
 def cache_dir() -> Path:
@@ -28,11 +28,11 @@ def resolve(name: str) -> str:
         if not (tiny.SHIPPED / "config.json").exists():
             return resolve("tiny-random")  # a checkout without the trained weights
         return str(tiny.SHIPPED)
-    if name in tiny.VARIANTS:
+    if name in synthetic.SHAPES:
         path = cache_dir() / name
         if not (path / "model.safetensors").exists():
             tmp = path.with_name(f"{name}.tmp{os.getpid()}")
-            tiny.write_random(tmp, width=tiny.VARIANTS[name])
+            synthetic.write(name, tmp)
             shutil.rmtree(path, ignore_errors=True)
             os.replace(tmp, path)  # atomic: concurrent workers never see half a model
         return str(path)
@@ -44,7 +44,7 @@ def local_tokenizer_file(name: str) -> Path | None:
     or builds one), so a client can count a prompt's tokens; None elsewhere."""
     if name == "tiny":
         path = tiny.SHIPPED / "tokenizer.json"
-    elif name in tiny.VARIANTS:
+    elif name in synthetic.SHAPES:
         path = cache_dir() / name / "tokenizer.json"
     else:
         path = Path(name).expanduser() / "tokenizer.json"

@@ -111,7 +111,9 @@ def demo(redis_url: str | None, max_new_tokens: int, temperature: float,
 @main.command()
 @click.option("--gpus", default=None,
               help="GPU ids '0,1', 'all' or 'none' (default: all if any GPU is seen)")
-@click.option("--model", default=None, help="'tiny' or a Hugging Face model directory")
+@click.option("--model", default=None,
+              help="a built-in model ('tiny', 'llama-86m', ...: README, \"Built-in models\") or a "
+                   "Hugging Face model directory")
 @click.option("--queue", default=None,
               help="the queue this worker serves: what clients pass as model= (default: "
                    "$TOKENFLEET_QUEUE or 'default')")
@@ -171,8 +173,8 @@ def _check_model(model: str) -> None:
     if model in BUILTIN or Path(model).expanduser().is_dir():
         return
     if model.startswith(("/", ".", "~")) or os.sep in model.strip("/").replace("/", os.sep, 1):
-        raise BadSetup(f"model {model!r}: no such directory; give 'tiny' or the directory of a "
-                       "Hugging Face model")
+        raise BadSetup(f"model {model!r}: no such directory; give a built-in model "
+                       f"({', '.join(BUILTIN)}) or the directory of a Hugging Face model")
     if Path(model).exists():
         raise BadSetup(f"model {model!r} is a file; give a model directory")
 
@@ -411,7 +413,9 @@ def gateway(host: str, port: int, header_timeout: float | None, body_timeout: fl
           sse_keepalive_s=sse_keepalive)
 
 
-def _int_list(ctx: click.Context, param: click.Parameter, value: str) -> list[int]:
+def _int_list(ctx: click.Context, param: click.Parameter, value: str | None) -> list[int] | None:
+    if value is None:
+        return None
     try:
         return [int(v) for v in value.split(",") if v.strip()]
     except ValueError as exc:
@@ -419,14 +423,27 @@ def _int_list(ctx: click.Context, param: click.Parameter, value: str) -> list[in
                                  "e.g. 1,4,16,64,256") from exc
 
 
+# What ``bench --vs-vllm`` runs differently: the options of the other modes it refuses.
+NOT_VS_VLLM = ("jobs", "rate", "modes", "redis_url", "plot_path", "soak", "probe_jobs",
+               "overhead_jobs")
+
+
 @main.command()
 @click.option("--model", default="tiny", show_default=True,
-              help="'tiny', 'tiny-wide' or a Hugging Face model directory")
+              help="a built-in model ('tiny', 'tiny-wide', 'llama-86m', ...) or a Hugging Face "
+                   "model directory")
+@click.option("--vs-vllm", is_flag=True,
+              help="instead: vLLM's own OpenAI server against the gateway and one worker of "
+                   "each --engines, the same openai-client load on each (needs vLLM)")
+@click.option("--engines", default="hf", show_default=True,
+              help="with --vs-vllm: the worker engines (TOKENFLEET_ENGINE) to run, hf and/or vllm")
 @click.option("--jobs", default=256, show_default=True, help="jobs per run")
-@click.option("--concurrency", default="1,4,16,64,256", show_default=True,
-              callback=_int_list, help="concurrent jobs (the engine's batch size), comma-separated")
-@click.option("--max-new-tokens", default=32, show_default=True,
-              help="the longest job; lengths spread over half of this to all of it")
+@click.option("--concurrency", default=None, callback=_int_list,
+              help="concurrent jobs (the engine's batch size), comma-separated "
+                   "[default: 1,4,16,64,256; with --vs-vllm, 64 requests sent at once]")
+@click.option("--max-new-tokens", type=int, default=None,
+              help="the longest job; lengths spread over half of this to all of it "
+                   "[default: 32; with --vs-vllm, 64 for every request]")
 @click.option("--rate", type=float, default=None,
               help="jobs per second arriving at a fixed rate (default: all submitted at once)")
 @click.option("--modes", default="direct,fleet,naive,overhead", show_default=True,
@@ -449,36 +466,66 @@ def _int_list(ctx: click.Context, param: click.Parameter, value: str) -> list[in
               help="one-token jobs and Celery no-op tasks for the per-job cost")
 @click.option("--repeat", default=1, show_default=True,
               help="run each measurement this many times, modes taking turns; keep the best")
-def bench(model: str, jobs: int, concurrency: list[int], max_new_tokens: int,
-          rate: float | None, modes: str, redis_url: str | None, json_path: Path | None,
-          plot_path: Path | None, device: str, dtype: str, soak: int, probe_jobs: int,
-          overhead_jobs: int, repeat: int) -> None:
-    """Benchmark the fleet against the model in-process and naive Celery."""
+@click.pass_context
+def bench(ctx: click.Context, model: str, vs_vllm: bool, engines: str, jobs: int,
+          concurrency: list[int] | None, max_new_tokens: int | None, rate: float | None,
+          modes: str, redis_url: str | None, json_path: Path | None, plot_path: Path | None,
+          device: str, dtype: str, soak: int, probe_jobs: int, overhead_jobs: int,
+          repeat: int) -> None:
+    """Benchmark the fleet against the model in-process and naive Celery, or (--vs-vllm)
+    against vLLM's OpenAI server."""
     from rich.console import Console
 
     from tokenfleet.workers.bench.procs import BenchError
-    from tokenfleet.workers.bench.report import plot, render
-    from tokenfleet.workers.bench.run import BenchConfig, run_bench
 
-    cfg = BenchConfig(model=model, jobs=jobs, concurrency=concurrency,
-                      max_new_tokens=max_new_tokens, rate=rate,
-                      modes=[m.strip() for m in modes.split(",") if m.strip()],
-                      redis_url=redis_url, device=device, dtype=dtype, soak=soak,
-                      probe_jobs=probe_jobs,
-                      overhead_jobs=overhead_jobs, repeat=repeat)
+    console = Console() if sys.stdout.isatty() else Console(width=120)
+    given = [name for name in (*NOT_VS_VLLM, "engines")
+             if ctx.get_parameter_source(name) is not click.core.ParameterSource.DEFAULT]
     try:
-        results = run_bench(cfg)
+        if vs_vllm:
+            from tokenfleet.workers.bench.vs_vllm import VsVllmConfig, render_vs, run_vs_vllm
+
+            refused = [n for n in given if n in NOT_VS_VLLM]
+            if refused:
+                raise click.UsageError(f"--vs-vllm does not take {_option_names(ctx, refused)}")
+            results = run_vs_vllm(VsVllmConfig(
+                model=model, engines=[e.strip() for e in engines.split(",") if e.strip()],
+                concurrency=concurrency if concurrency is not None else [64],
+                max_new_tokens=64 if max_new_tokens is None else max_new_tokens,
+                repeat=repeat, device=device, dtype=dtype))
+            render_vs(results, console)
+        else:
+            from tokenfleet.workers.bench.report import render
+            from tokenfleet.workers.bench.run import BenchConfig, run_bench
+
+            if "engines" in given:
+                raise click.UsageError("--engines goes with --vs-vllm")
+            results = run_bench(BenchConfig(
+                model=model, jobs=jobs,
+                concurrency=concurrency if concurrency is not None else [1, 4, 16, 64, 256],
+                max_new_tokens=32 if max_new_tokens is None else max_new_tokens, rate=rate,
+                modes=[m.strip() for m in modes.split(",") if m.strip()],
+                redis_url=redis_url, device=device, dtype=dtype, soak=soak,
+                probe_jobs=probe_jobs, overhead_jobs=overhead_jobs, repeat=repeat))
+            render(results, console)
     except BenchError as exc:
         raise click.ClickException(str(exc)) from exc
-    render(results, Console() if sys.stdout.isatty() else Console(width=120))
     if json_path is not None:
         json_path.write_text(json.dumps(results, indent=2))
         click.echo(f"wrote {json_path}", err=True)
     if plot_path is not None:
+        from tokenfleet.workers.bench.report import plot
+
         try:
             click.echo(f"wrote {plot(results, plot_path)}", err=True)
         except RuntimeError as exc:
             raise click.ClickException(str(exc)) from exc
+
+
+def _option_names(ctx: click.Context, names: list[str]) -> str:
+    """The options of the command given by their parameter names, as a user types them."""
+    options = {p.name: p.opts[0] for p in ctx.command.params}
+    return ", ".join(options[n] for n in names)
 
 
 @main.command("export-model")

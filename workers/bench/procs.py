@@ -1,15 +1,20 @@
 """The processes a benchmark run needs: a redis-server, Celery worker processes,
-and what /proc says about them (resident memory, CPU time)."""
+HTTP servers (the gateway, vLLM's), and what /proc says about them (resident
+memory, CPU time)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
 import tempfile
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -103,18 +108,18 @@ def _pings(client: redis.Redis) -> bool:
         return False
 
 
-class CeleryProc:
-    """``celery -A <app> worker -P solo`` as a child process, its log in a file."""
+class ChildProc:
+    """A child process of the benchmark, its output in a log file; ``new_session``:
+    in a session of its own, so that what it spawns can be ended with it."""
 
-    def __init__(self, app: str, node: str, env: dict[str, str]) -> None:
-        self.node = node
-        self.log = tempfile.NamedTemporaryFile(prefix=f"tokenfleet-bench-{node.split('@')[0]}-",
+    def __init__(self, name: str, cmd: list[str], env: dict[str, str], log_prefix: str,
+                 new_session: bool = False) -> None:
+        self.name = name
+        self.log = tempfile.NamedTemporaryFile(prefix=f"tokenfleet-bench-{log_prefix}-",
                                                suffix=".log", delete=False)
-        cmd = [sys.executable, "-m", "celery", "-A", app, "worker", "-P", "solo", "-c", "1",
-               "-n", node, "--without-mingle", "--without-gossip", "-l", "WARNING"]
         self.proc = subprocess.Popen(cmd, env={**os.environ, "PYTHONUNBUFFERED": "1", **env},
                                      cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT,
-                                     preexec_fn=_die_with_parent)
+                                     start_new_session=new_session, preexec_fn=_die_with_parent)
 
     @property
     def pid(self) -> int:
@@ -128,8 +133,21 @@ class CeleryProc:
 
     def check(self) -> None:
         if not self.alive():
-            raise BenchError(f"worker {self.node} exited ({self.proc.returncode}):\n"
-                             f"{self.output()}")
+            raise BenchError(f"{self.name} exited ({self.proc.returncode}):\n{self.output()}")
+
+    def _drop_log(self) -> None:
+        self.log.close()
+        Path(self.log.name).unlink(missing_ok=True)
+
+
+class CeleryProc(ChildProc):
+    """``celery -A <app> worker -P solo`` as a child process."""
+
+    def __init__(self, app: str, node: str, env: dict[str, str]) -> None:
+        self.node = node
+        cmd = [sys.executable, "-m", "celery", "-A", app, "worker", "-P", "solo", "-c", "1",
+               "-n", node, "--without-mingle", "--without-gossip", "-l", "WARNING"]
+        super().__init__(f"worker {node}", cmd, env, node.split("@")[0])
 
     def close(self, timeout: float = 30) -> None:
         if self.alive():
@@ -139,8 +157,50 @@ class CeleryProc:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait(timeout=10)
-        self.log.close()
-        Path(self.log.name).unlink(missing_ok=True)
+        self._drop_log()
+
+
+class ServerProc(ChildProc):
+    """An HTTP server on 127.0.0.1, in a session of its own: closing it ends what
+    it spawned too (vLLM's server starts its engine core as a second process)."""
+
+    def __init__(self, name: str, cmd: list[str], port: int, env: dict[str, str]) -> None:
+        self.port = port
+        super().__init__(name, cmd, env, name, new_session=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def get(self, path: str) -> bytes | None:
+        """The body of a 200 answer to GET ``path``; None for anything else."""
+        try:
+            with urllib.request.urlopen(self.url + path, timeout=2) as answer:
+                return bytes(answer.read()) if answer.status == 200 else None
+        except (urllib.error.URLError, OSError):
+            return None
+
+    def wait_ready(self, path: str, ready: Callable[[bytes], bool], timeout: float) -> None:
+        """Until GET ``path`` answers 200 with a body that ``ready`` accepts."""
+        def answered() -> bool:
+            self.check()
+            body = self.get(path)
+            return body is not None and ready(body)
+
+        wait_for(answered, timeout, f"{self.name} to serve {self.url}{path}", interval=0.5)
+
+    def close(self, timeout: float = 30) -> None:
+        self._signal(signal.SIGTERM)  # it stops what it spawned on its way out
+        try:
+            self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self._signal(signal.SIGKILL)  # the whole session, stuck children too
+            self.proc.wait(timeout=10)
+        self._drop_log()
+
+    def _signal(self, sig: int) -> None:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.proc.pid, sig)
 
 
 def rss_bytes(pid: int) -> int:

@@ -17,7 +17,7 @@ ADDED_TTFT_MS = {"p50": 2.0, "p99": 10.0}
 GROWTH_BYTES_PER_JOB = 64.0  # 100,000 jobs: under 6.4 MB, i.e. allocator noise
 
 
-def _ratio(a: float | None, b: float | None) -> float | None:
+def ratio(a: float | None, b: float | None) -> float | None:
     return round(a / b, 3) if a and b else None
 
 
@@ -26,29 +26,36 @@ def ratios(results: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {"fleet_vs_direct": {}, "fleet_vs_naive": {}}
     for c, figures in fleet.items():
         if c in direct:
-            out["fleet_vs_direct"][c] = _ratio(figures["tokens_per_s"],
+            out["fleet_vs_direct"][c] = ratio(figures["tokens_per_s"],
                                                direct[c]["tokens_per_s"])
         if naive:
-            out["fleet_vs_naive"][c] = _ratio(figures["tokens_per_s"], naive["tokens_per_s"])
+            out["fleet_vs_naive"][c] = ratio(figures["tokens_per_s"], naive["tokens_per_s"])
     low = results.get("low_load") or {}
     if "fleet" in low and "direct" in low:
         out["added_ttft_ms"] = {
-            q: _diff(low["fleet"][f"ttft_{q}_ms"], low["direct"][f"ttft_{q}_ms"])
+            q: diff(low["fleet"][f"ttft_{q}_ms"], low["direct"][f"ttft_{q}_ms"])
             for q in ("p50", "p99")}
         out["added_itl_ms"] = {
-            q: _diff(low["fleet"][f"itl_{q}_ms"], low["direct"][f"itl_{q}_ms"])
+            q: diff(low["fleet"][f"itl_{q}_ms"], low["direct"][f"itl_{q}_ms"])
             for q in ("p50", "p99")}
     costs = results.get("overhead_costs") or {}
     if "fleet_null_jobs_per_s" in costs and "celery_noop_jobs_per_s" in costs:
-        out["overhead_vs_celery_noop"] = _ratio(costs["fleet_null_jobs_per_s"],
+        out["overhead_vs_celery_noop"] = ratio(costs["fleet_null_jobs_per_s"],
                                                 costs["celery_noop_jobs_per_s"])
-        out["overhead_vs_celery_noop_one_client"] = _ratio(
+        out["overhead_vs_celery_noop_one_client"] = ratio(
             costs["fleet_null_jobs_per_s_one_client"], costs["celery_noop_jobs_per_s_one_client"])
     return out
 
 
-def _diff(a: float | None, b: float | None) -> float | None:
+def diff(a: float | None, b: float | None) -> float | None:
     return None if a is None or b is None else round(a - b, 3)
+
+
+def verdict(name: str, value: float, threshold: float, at_least: bool) -> dict[str, Any]:
+    """A target's row: its value, threshold and whether it is met."""
+    met = value >= threshold if at_least else value <= threshold
+    return {"target": name, "value": value,
+            "threshold": f"{'>=' if at_least else '<='} {threshold:g}", "met": met}
 
 
 def judge(results: dict[str, Any]) -> list[dict[str, Any]]:
@@ -57,11 +64,8 @@ def judge(results: dict[str, Any]) -> list[dict[str, Any]]:
     targets: list[dict[str, Any]] = []
 
     def add(name: str, value: float | None, threshold: float, at_least: bool) -> None:
-        if value is None:
-            return
-        met = value >= threshold if at_least else value <= threshold
-        targets.append({"target": name, "value": value,
-                        "threshold": f"{'>=' if at_least else '<='} {threshold:g}", "met": met})
+        if value is not None:
+            targets.append(verdict(name, value, threshold, at_least))
 
     for c, want in FLEET_VS_DIRECT.items():
         add(f"fleet/direct tokens/s at {c}", r["fleet_vs_direct"].get(str(c)), want, True)
@@ -83,7 +87,7 @@ def judge(results: dict[str, Any]) -> list[dict[str, Any]]:
     return targets
 
 
-def _fmt(value: Any, digits: int = 1) -> str:
+def fmt(value: Any, digits: int = 1) -> str:
     if value is None:
         return "-"
     if isinstance(value, float):
@@ -112,20 +116,20 @@ def render(results: dict[str, Any], console: Console) -> None:
             is_fleet = mode == "fleet"
             table.add_row(
                 str(c), mode,
-                _fmt(f["tokens_per_s"], 0), _fmt(f["jobs_per_s"]), _fmt(f["ttft_p50_ms"], 2),
-                _fmt(f["ttft_p99_ms"], 2), _fmt(f["itl_p50_ms"], 2), _fmt(f["itl_p99_ms"], 2),
-                _fmt(f["occupancy"], 2),
-                _fmt(r["fleet_vs_direct"].get(str(c)), 3) if is_fleet else "",
-                _fmt(r["fleet_vs_naive"].get(str(c)), 1) if is_fleet else "")
+                fmt(f["tokens_per_s"], 0), fmt(f["jobs_per_s"]), fmt(f["ttft_p50_ms"], 2),
+                fmt(f["ttft_p99_ms"], 2), fmt(f["itl_p50_ms"], 2), fmt(f["itl_p99_ms"], 2),
+                fmt(f["occupancy"], 2),
+                fmt(r["fleet_vs_direct"].get(str(c)), 3) if is_fleet else "",
+                fmt(r["fleet_vs_naive"].get(str(c)), 1) if is_fleet else "")
         table.add_section()
     naive = results["naive"]
     if naive:
-        table.add_row("any", "naive", _fmt(naive["tokens_per_s"], 0),
-                      _fmt(naive["jobs_per_s"]), _fmt(naive["ttft_p50_ms"], 2),
-                      _fmt(naive["ttft_p99_ms"], 2), "-", "-", "-", "", "")
+        table.add_row("any", "naive", fmt(naive["tokens_per_s"], 0),
+                      fmt(naive["jobs_per_s"]), fmt(naive["ttft_p50_ms"], 2),
+                      fmt(naive["ttft_p99_ms"], 2), "-", "-", "-", "", "")
     console.print(table)
     _render_costs(results, console)
-    _render_targets(results["targets"], console)
+    render_targets(results["targets"], console)
 
 
 def _render_costs(results: dict[str, Any], console: Console) -> None:
@@ -136,11 +140,11 @@ def _render_costs(results: dict[str, Any], console: Console) -> None:
         if mode in low:
             f = low[mode]
             rows.append((f"low load ({mode}, one job at a time): TTFT p50 / p99 ms",
-                         f"{_fmt(f['ttft_p50_ms'], 2)} / {_fmt(f['ttft_p99_ms'], 2)}"))
+                         f"{fmt(f['ttft_p50_ms'], 2)} / {fmt(f['ttft_p99_ms'], 2)}"))
     if "added_ttft_ms" in r:
         a = r["added_ttft_ms"]
         rows.append(("added TTFT over direct, p50 / p99 ms",
-                     f"{_fmt(a['p50'], 2)} / {_fmt(a['p99'], 2)}"))
+                     f"{fmt(a['p50'], 2)} / {fmt(a['p99'], 2)}"))
     costs = results.get("overhead_costs") or {}
     for key, label in (
         ("fleet_null_jobs_per_s", "overhead runner, 1-token jobs, full queue: jobs/s"),
@@ -154,13 +158,13 @@ def _render_costs(results: dict[str, Any], console: Console) -> None:
         ("fleet_redis_cpu_us_per_token", "redis CPU per token (us)"),
     ):
         if key in costs:
-            rows.append((label, _fmt(costs[key], 1)))
+            rows.append((label, fmt(costs[key], 1)))
     if "overhead_vs_celery_noop" in r:
         rows.append(("overhead runner / Celery no-op, jobs/s (full queue; one client)",
-                     f"{_fmt(r['overhead_vs_celery_noop'], 1)}; "
-                     f"{_fmt(r['overhead_vs_celery_noop_one_client'], 1)}"))
+                     f"{fmt(r['overhead_vs_celery_noop'], 1)}; "
+                     f"{fmt(r['overhead_vs_celery_noop_one_client'], 1)}"))
     for b, us in (costs.get("publish_us_per_token") or {}).items():
-        rows.append((f"publish() per token, {b} tokens per step (us)", _fmt(us, 2)))
+        rows.append((f"publish() per token, {b} tokens per step (us)", fmt(us, 2)))
     memory = results.get("memory")
     if memory:
         rows.append((f"worker RSS over {memory['jobs']:,} jobs (MB; batch {memory['max_batch']})",
@@ -177,14 +181,15 @@ def _render_costs(results: dict[str, Any], console: Console) -> None:
     console.print(table)
 
 
-def _render_targets(targets: list[dict[str, Any]], console: Console) -> None:
+def render_targets(targets: list[dict[str, Any]], console: Console,
+                   title: str = "targets") -> None:
     if not targets:
         return
-    table = Table(title="targets")
+    table = Table(title=title)
     for name in ("target", "value", "threshold", "met"):
         table.add_column(name, justify="left" if name == "target" else "right")
     for t in targets:
-        table.add_row(t["target"], _fmt(t["value"], 3), t["threshold"],
+        table.add_row(t["target"], fmt(t["value"], 3), t["threshold"],
                       "[green]yes[/green]" if t["met"] else "[red]no[/red]")
     console.print(table)
 

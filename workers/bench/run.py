@@ -118,7 +118,7 @@ def run_bench(cfg: BenchConfig, console: Console | None = None) -> dict[str, Any
         **asdict(cfg), "redis_url": _redacted(cfg.redis_url), "torch_threads": threads,
         "redis": "given" if cfg.redis_url else "spawned",
         "cpu_count": os.cpu_count(), "python": platform.python_version(),
-        "torch": _version("torch"), "transformers": _version("transformers"),
+        "torch": version("torch"), "transformers": version("transformers"),
         "started_at": started, "duration_s": round(time.time() - started, 1),
     }
     results["ratios"] = ratios(results)
@@ -357,7 +357,7 @@ def _redacted(url: str | None) -> str | None:
     return urlunsplit(parts._replace(netloc=netloc))
 
 
-def _version(module: str) -> str | None:
+def version(module: str) -> str | None:
     try:
         return str(__import__(module).__version__)
     except Exception:  # a version is a nicety, never a reason to fail the run

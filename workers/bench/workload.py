@@ -50,7 +50,9 @@ class Trace:
     tokens: list[list[float]]
     ended: list[float | None]
     streamed: bool = True  # False: all tokens came at once, with the result
-    num_tokens: list[int] = field(default_factory=list)  # when not streamed
+    # Tokens per job where they are not one per timed event: not streamed, or
+    # streamed in chunks that may carry several (an OpenAI stream's, counted by its usage).
+    num_tokens: list[int] = field(default_factory=list)
 
     @classmethod
     def empty(cls, n: int, streamed: bool = True) -> Trace:
@@ -84,7 +86,7 @@ def summarize(trace: Trace, *, max_batch: int, mean_batch: float | None,
     start = min(trace.submitted) if trace.submitted else 0.0
     elapsed = (max(ends) - start) if ends else 0.0
     if trace.streamed:
-        num_tokens = sum(len(t) for t in trace.tokens)
+        num_tokens = sum(trace.num_tokens) or sum(len(t) for t in trace.tokens)
         ttft = [t[0] - s for s, t in zip(trace.submitted, trace.tokens) if t]
         itl = [b - a for t in trace.tokens for a, b in zip(t, t[1:])]
     else:  # the whole text arrives with the result: its first token is its last
