@@ -11,6 +11,7 @@ from tokenfleet.shared.settings import Settings
 from tokenfleet.workers.engine import Engine
 from tokenfleet.workers.hf_engine import HFEngine, Runner
 from tokenfleet.workers.null_runner import NULL_MODEL, NullRunner, null_tokenizer
+from tokenfleet.workers.paged_runner import PagedRunner
 from tokenfleet.workers.runner import HFRunner
 from tokenfleet.workers.scheduler import Scheduler
 from tokenfleet.workers.service import Worker
@@ -49,15 +50,19 @@ def build_engine(settings: Settings) -> tuple[Engine, Any]:
     if settings.device == "cpu" or settings.torch_threads:
         torch.set_num_threads(cpu_threads(settings))
     model, tokenizer = models.load(settings.model, settings.device, settings.dtype)
-    runner = HFRunner(model, tokenizer)
-    log.info("loaded model %s on %s (%d threads)", settings.model, settings.device,
-             torch.get_num_threads())
+    runner: HFRunner | PagedRunner = (PagedRunner(model, tokenizer) if settings.kv_cache == "paged"
+                                      else HFRunner(model, tokenizer))
+    log.info("loaded model %s on %s (%d threads, %s KV cache)", settings.model, settings.device,
+             torch.get_num_threads(), settings.kv_cache)
     return hf_engine(settings, runner, runner.eos_token_ids, runner.max_model_len), tokenizer
 
 
 def hf_engine(settings: Settings, runner: Runner, eos_token_ids: set[int],
               max_model_len: int) -> HFEngine:
+    chunked = isinstance(runner, PagedRunner)  # the rectangular cache runs whole prefills
     scheduler = Scheduler(settings.max_batch, eos_token_ids, max_model_len,
                           max_failures=settings.max_attempts,
-                          max_batch_tokens=settings.max_batch_tokens)
+                          max_batch_tokens=settings.max_batch_tokens,
+                          max_step_tokens=(max(settings.max_step_tokens, settings.max_batch)
+                                           if chunked else None))
     return HFEngine(scheduler, runner, max_failed_steps=settings.max_failed_steps)
