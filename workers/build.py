@@ -50,11 +50,17 @@ def build_engine(settings: Settings) -> tuple[Engine, Any]:
     if settings.device == "cpu" or settings.torch_threads:
         torch.set_num_threads(cpu_threads(settings))
     model, tokenizer = models.load(settings.model, settings.device, settings.dtype)
-    runner: HFRunner | PagedRunner = (PagedRunner(model, tokenizer) if settings.kv_cache == "paged"
-                                      else HFRunner(model, tokenizer))
+    runner = model_runner(settings, model, tokenizer)
     log.info("loaded model %s on %s (%d threads, %s KV cache)", settings.model, settings.device,
              torch.get_num_threads(), settings.kv_cache)
     return hf_engine(settings, runner, runner.eos_token_ids, runner.max_model_len), tokenizer
+
+
+def model_runner(settings: Settings, model: Any, tokenizer: Any) -> HFRunner | PagedRunner:
+    """The runner over the KV cache the settings ask for."""
+    if settings.kv_cache == "paged":
+        return PagedRunner(model, tokenizer)
+    return HFRunner(model, tokenizer)
 
 
 def hf_engine(settings: Settings, runner: Runner, eos_token_ids: set[int],

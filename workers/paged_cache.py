@@ -21,10 +21,11 @@ and nothing moves. When the free blocks run out the store doubles (one copy).
 
 The attention of one step (``StepPlan``): the batch is packed, one row of
 tokens: decode tokens first (one per sequence), then prefill chunks. Every new
-token's key and value is written to its slot; the decodes attend together,
-their blocks gathered into a padded ``[decodes, heads, longest, dim]`` with a
-key-padding mask (one SDPA call); each prefill chunk attends on its own over
-its past and itself, causally.
+token's key and value is written to its slot; decodes of similar lengths
+attend together, their blocks gathered into a padded ``[decodes, heads,
+longest, dim]`` with a key-padding mask (one SDPA call per group: a long
+prompt's decode does not pad all the others to its length); each prefill
+chunk attends on its own over its past and itself, causally.
 """
 
 from __future__ import annotations
@@ -53,14 +54,25 @@ class Chunk:
 
 
 @dataclass
+class Decodes:
+    """Packed tokens ``start:end``: one decode token each, of sequences of
+    similar length (so that padding them to the longest costs little)."""
+
+    start: int
+    end: int
+    blocks: torch.Tensor  # [decodes, blocks of the longest]: padded block tables
+    # [decodes, 1, 1, blocks * block_size]: 0 for a real key, -inf for padding
+    # (additive: SDPA on a CPU is slower with a boolean mask)
+    mask: torch.Tensor
+
+
+@dataclass
 class StepPlan:
     """Everything the attention of every layer needs for one packed forward."""
 
     cache: PagedKVCache
     slots: torch.Tensor  # [tokens]: where each new token's key and value go
-    num_decodes: int
-    decode_blocks: torch.Tensor  # [decodes, max blocks]: padded block tables
-    decode_mask: torch.Tensor  # [decodes, 1, 1, max blocks * block_size]: True = a real key
+    decodes: list[Decodes]
     chunks: list[Chunk]
 
 
@@ -118,10 +130,13 @@ class PagedKVCache:
         self.free.extend(range(have + more - 1, have - 1, -1))
 
     def gather(self, layer: int, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values of ``blocks`` ([rows, n]) as [rows, kv_heads, n * block_size, dim]."""
-        shape = (*blocks.shape[:-1], blocks.shape[-1] * self.block_size, *self.k[layer].shape[1:])
-        k = self.k[layer].view(-1, self.block_size, *self.k[layer].shape[1:])[blocks]
-        v = self.v[layer].view(-1, self.block_size, *self.v[layer].shape[1:])[blocks]
+        """Keys and values of ``blocks`` ([rows, n]) as [rows, kv_heads, n * block_size, dim]
+        (``index_select``: a fifth of the time of indexing with a 2-D tensor on a CPU)."""
+        k, v = self.k[layer], self.v[layer]
+        shape = (*blocks.shape[:-1], blocks.shape[-1] * self.block_size, *k.shape[1:])
+        flat = blocks.reshape(-1)
+        k = k.view(-1, self.block_size, *k.shape[1:]).index_select(0, flat)
+        v = v.view(-1, self.block_size, *v.shape[1:]).index_select(0, flat)
         return k.view(shape).transpose(-3, -2), v.view(shape).transpose(-3, -2)
 
 
@@ -143,25 +158,25 @@ def paged_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: 
     cache.v[layer].index_copy_(0, plan.slots, value[0].transpose(0, 1))
     gqa = query.shape[1] != key.shape[1]
     out = torch.empty_like(q)
-    n = plan.num_decodes
-    if n:
-        k, v = cache.gather(layer, plan.decode_blocks)
-        out[:n] = torch.nn.functional.scaled_dot_product_attention(
-            q[:n, :, None], k, v, attn_mask=plan.decode_mask, scale=scaling,
+    for group in plan.decodes:
+        k, v = cache.gather(layer, group.blocks)
+        out[group.start:group.end] = torch.nn.functional.scaled_dot_product_attention(
+            q[group.start:group.end, :, None], k, v, attn_mask=group.mask, scale=scaling,
             enable_gqa=gqa)[:, :, 0]
     for chunk in plan.chunks:
-        k, v = cache.gather(layer, chunk.blocks[None])
-        length = chunk.past + chunk.end - chunk.start
-        k, v = k[..., :length, :], v[..., :length, :]
         chunk_q = q[chunk.start:chunk.end].transpose(0, 1)[None]
         if chunk.past:
+            length = chunk.past + chunk.end - chunk.start
+            k, v = cache.gather(layer, chunk.blocks[None])
+            k, v = k[..., :length, :], v[..., :length, :]
             rows = torch.arange(chunk.past, length, device=q.device)[:, None]
             mask = rows >= torch.arange(length, device=q.device)[None, :]
             attended = torch.nn.functional.scaled_dot_product_attention(
                 chunk_q, k, v, attn_mask=mask, scale=scaling, enable_gqa=gqa)
-        else:
+        else:  # a prompt's first chunk: its own keys are all there is
             attended = torch.nn.functional.scaled_dot_product_attention(
-                chunk_q, k, v, is_causal=True, scale=scaling, enable_gqa=gqa)
+                chunk_q, key[:, :, chunk.start:chunk.end], value[:, :, chunk.start:chunk.end],
+                is_causal=True, scale=scaling, enable_gqa=gqa)
         out[chunk.start:chunk.end] = attended[0].transpose(0, 1)
     return out[None], None
 

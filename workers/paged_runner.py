@@ -16,9 +16,12 @@ import torch
 
 from tokenfleet.shared import models
 from tokenfleet.workers import paged_cache
-from tokenfleet.workers.paged_cache import Chunk, PagedKVCache, StepPlan
+from tokenfleet.workers.paged_cache import Chunk, Decodes, PagedKVCache, StepPlan
 from tokenfleet.workers.sampler import sample
 from tokenfleet.workers.scheduler import Batch
+
+# Decodes within this many tokens of each other always attend together.
+GROUP_SLACK = 64
 
 
 class PagedRunner:
@@ -66,15 +69,18 @@ class PagedRunner:
             self.cache.release(seq_id)
 
     def _plan(self, batch: Batch) -> tuple[StepPlan, torch.Tensor, torch.Tensor, torch.Tensor]:
-        cache, bs = self.cache, self.cache.block_size
+        cache = self.cache
         ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
-        last: list[int] = []
-        decode_tables: list[list[int]] = []
-        decode_lengths: list[int] = []
+        last: dict[int, int] = {}  # id(seq) -> packed index of its last token
+        # Decodes first, shortest first, so that groups of similar length are
+        # contiguous; then the prefill chunks.
+        order = sorted(zip(batch.seqs, batch.num_new),
+                       key=lambda sn: (sn[1] > 1, sn[0].num_tokens if sn[1] == 1 else 0))
+        decodes: list[tuple[int, list[int]]] = []  # (length, block table), in packed order
         chunks: list[Chunk] = []
-        for seq, n in zip(batch.seqs, batch.num_new):
+        for seq, n in order:
             start, end = seq.num_computed, seq.num_computed + n
             table = cache.reserve(seq.job_id, end, self._like)
             first = len(ids)
@@ -82,21 +88,36 @@ class PagedRunner:
             positions.extend(range(start, end))
             slots.extend(cache.slots(table, start, end))
             if end == seq.num_tokens:
-                last.append(len(ids) - 1)
-            if n == 1 and not chunks:  # the scheduler puts decodes first
-                decode_tables.append(table)
-                decode_lengths.append(end)
+                last[id(seq)] = len(ids) - 1
+            if n == 1:
+                decodes.append((end, table))
             else:
-                chunks.append(Chunk(first, len(ids), start, torch.tensor(table, device=self.device)))
-        width = max(map(len, decode_tables), default=0)
-        blocks = torch.tensor([t + [0] * (width - len(t)) for t in decode_tables],
-                              dtype=torch.long, device=self.device)
-        lengths = torch.tensor(decode_lengths, device=self.device)
-        mask = torch.arange(width * bs, device=self.device)[None, :] < lengths[:, None]
-        plan = StepPlan(cache, torch.tensor(slots, device=self.device), len(decode_tables),
-                        blocks, mask[:, None, None, :], chunks)
+                chunks.append(Chunk(first, len(ids), start, self._tensor(table)))
+        plan = StepPlan(cache, self._tensor(slots), self._group(decodes), chunks)
+        logits_at = [last[id(s)] for s in batch.sampled]
+        return (plan, self._tensor(ids)[None], self._tensor(positions)[None],
+                self._tensor(logits_at))
 
-        def row(values: list[int]) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.long, device=self.device)
+    def _group(self, decodes: list[tuple[int, list[int]]]) -> list[Decodes]:
+        """Split decodes (shortest first) where the length doubles, by more
+        than ``GROUP_SLACK`` tokens: each group is padded to its longest."""
+        groups: list[Decodes] = []
+        first = 0
+        for i in range(1, len(decodes) + 1):
+            if i < len(decodes) and not (decodes[i][0] > 2 * decodes[first][0]
+                                         and decodes[i][0] - decodes[first][0] > GROUP_SLACK):
+                continue
+            members = decodes[first:i]
+            width = len(members[-1][1])
+            blocks = self._tensor([t + [0] * (width - len(t)) for _, t in members])
+            lengths = self._tensor([length for length, _ in members])
+            keys = torch.arange(width * self.cache.block_size, device=self.device)
+            padding = keys[None, :] >= lengths[:, None]
+            mask = torch.zeros(padding.shape, dtype=self._like.dtype, device=self.device)
+            mask.masked_fill_(padding, float("-inf"))
+            groups.append(Decodes(first, i, blocks, mask[:, None, None, :]))
+            first = i
+        return groups
 
-        return plan, row(ids)[None], row(positions)[None], row(last)
+    def _tensor(self, values: list[int] | list[list[int]]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.long, device=self.device)
