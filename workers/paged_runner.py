@@ -14,9 +14,9 @@ from typing import Any
 
 import torch
 
-from tokenfleet.shared import models
 from tokenfleet.workers import paged_cache
 from tokenfleet.workers.paged_cache import Chunk, Decodes, PagedKVCache, StepPlan
+from tokenfleet.workers.runner import ModelLimits
 from tokenfleet.workers.sampler import sample
 from tokenfleet.workers.scheduler import Batch
 
@@ -24,7 +24,7 @@ from tokenfleet.workers.scheduler import Batch
 GROUP_SLACK = 64
 
 
-class PagedRunner:
+class PagedRunner(ModelLimits):
     """Owned by the engine thread."""
 
     def __init__(self, model: Any, tokenizer: Any, block_size: int = 32) -> None:
@@ -39,15 +39,6 @@ class PagedRunner:
         dtype = next(model.parameters()).dtype
         self._like = torch.zeros((kv_heads, head_dim), dtype=dtype, device=self.device)
         self.cache = PagedKVCache(int(text.num_hidden_layers), block_size)
-
-    @property
-    def max_model_len(self) -> int:
-        return int(getattr(self.model.config, "max_position_embeddings", 2048))
-
-    @property
-    def eos_token_ids(self) -> set[int]:
-        return models.eos_token_ids(self.model.generation_config, self.model.config,
-                                    self.tokenizer)
 
     def reset(self) -> None:
         self.cache.reset()
