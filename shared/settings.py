@@ -38,6 +38,13 @@ class Settings(BaseSettings):
     # memory; vLLM's own default of 92% fails on a small machine).
     vllm_gpu_memory_utilization: float = Field(default=0.9, gt=0, le=1)
     vllm_cpu_kv_cache_bytes: int = Field(default=256 << 20, ge=1 << 20)
+    # The built-in engine's KV cache: "paged" (blocks per sequence, one packed
+    # forward per step, chunked prefill) or "rect" (one left-padded rectangle,
+    # whole prefills in steps of their own).
+    kv_cache: Literal["paged", "rect"] = "paged"
+    # Paged: the tokens one forward pass carries (one per decoding job, the rest
+    # for prompt chunks), as vLLM's max_num_batched_tokens; at least max_batch.
+    max_step_tokens: int = Field(default=512, ge=1)
 
     # Engine shape: how many sequences decode together, how many extra jobs a
     # worker may hold beyond its free slots (prefetch), and how long the feeder

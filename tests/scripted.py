@@ -9,7 +9,8 @@ from tokenfleet.workers.sequence import Sequence
 
 
 class ScriptedRunner:
-    """Emits ``next_token(seq)`` for every sequence; records every batch it ran."""
+    """Emits ``next_token(seq)`` for every sequence that makes a token; records
+    every batch it ran."""
 
     def __init__(self, next_token: Callable[[Sequence], int] | None = None,
                  fail_if: Callable[[Batch], bool] | None = None) -> None:
@@ -22,7 +23,7 @@ class ScriptedRunner:
         self.batches.append((batch.is_prefill, [s.job_id for s in batch.seqs]))
         if self.fail_if is not None and self.fail_if(batch):
             raise RuntimeError("scripted failure")
-        return [self.next_token(s) for s in batch.seqs]
+        return [self.next_token(s) for s in batch.sampled]
 
     def reset(self) -> None:
         self.resets += 1

@@ -11,6 +11,7 @@ from tokenfleet.shared.settings import Settings
 from tokenfleet.workers.engine import Engine
 from tokenfleet.workers.hf_engine import HFEngine, Runner
 from tokenfleet.workers.null_runner import NULL_MODEL, NullRunner, null_tokenizer
+from tokenfleet.workers.paged_runner import PagedRunner, unsupported
 from tokenfleet.workers.runner import HFRunner
 from tokenfleet.workers.scheduler import Scheduler
 from tokenfleet.workers.service import Worker
@@ -49,15 +50,29 @@ def build_engine(settings: Settings) -> tuple[Engine, Any]:
     if settings.device == "cpu" or settings.torch_threads:
         torch.set_num_threads(cpu_threads(settings))
     model, tokenizer = models.load(settings.model, settings.device, settings.dtype)
-    runner = HFRunner(model, tokenizer)
-    log.info("loaded model %s on %s (%d threads)", settings.model, settings.device,
-             torch.get_num_threads())
+    runner = model_runner(settings, model, tokenizer)
+    log.info("loaded model %s on %s (%d threads, %s KV cache)", settings.model, settings.device,
+             torch.get_num_threads(), settings.kv_cache)
     return hf_engine(settings, runner, runner.eos_token_ids, runner.max_model_len), tokenizer
+
+
+def model_runner(settings: Settings, model: Any, tokenizer: Any) -> HFRunner | PagedRunner:
+    """The runner over the KV cache the settings ask for (the rectangular one for
+    a model the paged attention does not serve)."""
+    if settings.kv_cache == "paged":
+        why = unsupported(model)
+        if why is None:
+            return PagedRunner(model, tokenizer)
+        log.warning("%s: %s; serving it with the rectangular KV cache", settings.model, why)
+    return HFRunner(model, tokenizer)
 
 
 def hf_engine(settings: Settings, runner: Runner, eos_token_ids: set[int],
               max_model_len: int) -> HFEngine:
+    chunked = isinstance(runner, PagedRunner)  # the rectangular cache runs whole prefills
     scheduler = Scheduler(settings.max_batch, eos_token_ids, max_model_len,
                           max_failures=settings.max_attempts,
-                          max_batch_tokens=settings.max_batch_tokens)
+                          max_batch_tokens=settings.max_batch_tokens,
+                          max_step_tokens=(max(settings.max_step_tokens, settings.max_batch)
+                                           if chunked else None))
     return HFEngine(scheduler, runner, max_failed_steps=settings.max_failed_steps)

@@ -21,7 +21,9 @@ log = logging.getLogger(__name__)
 
 
 class Runner(Protocol):
-    """Knows tensors, not jobs: one new token for every sequence of a batch."""
+    """Knows tensors, not jobs: one new token for every sequence of a batch
+    that makes one (``batch.sampled``: a sequence part-way through a chunked
+    prefill makes none)."""
 
     def run(self, batch: Batch) -> list[int]: ...
 
@@ -62,9 +64,10 @@ class HFEngine(Engine):
             self._failed(batch, exc)
             return []
         self.failed_in_a_row = 0
+        made = list(zip(batch.sampled, token_ids, strict=True))
         self.scheduler.ran(batch)
-        self.last_batch = (len(batch.keep) + len(batch.seqs), batch.is_prefill)
-        return list(zip(batch.seqs, token_ids, strict=True))
+        self.last_batch = (len(batch.keep) + len(batch.seqs), batch.admits)
+        return made
 
     def _failed(self, batch: Batch, exc: Exception) -> None:
         self.failed_in_a_row += 1

@@ -27,7 +27,7 @@ class NullRunner:
 
     def run(self, batch: Batch) -> list[int]:
         self.steps += 1
-        return [self.token_id] * len(batch.seqs)
+        return [self.token_id] * len(batch.sampled)
 
     def reset(self) -> None:
         pass

@@ -24,7 +24,23 @@ from tokenfleet.workers.scheduler import Batch
 from tokenfleet.workers.sequence import Sequence
 
 
-class HFRunner:
+class ModelLimits:
+    """What the engine reads from a runner's model: its length and end tokens."""
+
+    model: Any
+    tokenizer: Any
+
+    @property
+    def max_model_len(self) -> int:
+        return int(getattr(self.model.config, "max_position_embeddings", 2048))
+
+    @property
+    def eos_token_ids(self) -> set[int]:
+        return models.eos_token_ids(self.model.generation_config, self.model.config,
+                                    self.tokenizer)
+
+
+class HFRunner(ModelLimits):
     def __init__(self, model: Any, tokenizer: Any) -> None:
         self.model = model
         self.tokenizer = tokenizer
@@ -39,15 +55,6 @@ class HFRunner:
         self.cache = SlotCache(self._layers)
         self.mask = torch.zeros(0, 0, dtype=torch.long, device=self.device)
         self.positions = torch.zeros(0, dtype=torch.long, device=self.device)
-
-    @property
-    def max_model_len(self) -> int:
-        return int(getattr(self.model.config, "max_position_embeddings", 2048))
-
-    @property
-    def eos_token_ids(self) -> set[int]:
-        return models.eos_token_ids(self.model.generation_config, self.model.config,
-                                    self.tokenizer)
 
     def reset(self) -> None:
         self.rows, self.cache = [], SlotCache(self._layers)

@@ -1,10 +1,18 @@
 """Iteration-level scheduling for the built-in engine: which sequences run in
-the next forward pass.
+the next forward pass, and how many of their tokens.
 
-No I/O. Each step is either a prefill of newly admitted sequences (they join
-the running batch) or one decode step for every running sequence; a sequence
-that ends leaves at once (the engine drops it), so its slot is free for the
-next prefill.
+No I/O. Two policies, by what the runner can run:
+
+- whole prefills (``max_step_tokens=None``, the rectangular cache): each step
+  is either a prefill of newly admitted sequences (they join the running
+  batch) or one decode step for every running sequence;
+- chunked prefill (``max_step_tokens=N``, the paged cache): each step carries
+  one token of every decoding sequence and, in what is left of the N tokens,
+  chunks of prompts still being prefilled (oldest first, then new ones), so a
+  long prompt never stalls the decodes for more than a chunk's time.
+
+A sequence that ends leaves at once (the engine drops it), so its slot is free
+for the next admission.
 """
 
 from __future__ import annotations
@@ -18,10 +26,24 @@ from tokenfleet.workers.sequence import Sequence, SeqStatus
 
 @dataclass
 class Batch:
+    """One forward pass: ``seqs`` feed ``num_new[i]`` tokens each, from their
+    ``num_computed``; ``sampled`` are those that make a token (their last
+    token is in the pass), in order."""
+
     seqs: list[Sequence]
     is_prefill: bool
-    # For a prefill: the running sequences whose cache rows stay, in order.
+    # The running sequences whose cache stays but that are not in this pass.
     keep: list[Sequence] = field(default_factory=list)
+    num_new: list[int] = field(default_factory=list)
+    sampled: list[Sequence] = field(default_factory=list)
+    admits: bool = False  # whether it admitted new sequences
+
+    def __post_init__(self) -> None:
+        if not self.num_new:  # whole prefills or one decode step: every sequence to its end
+            self.num_new = [s.num_tokens - s.num_computed for s in self.seqs]
+        self.sampled = [s for s, n in zip(self.seqs, self.num_new)
+                        if s.num_computed + n == s.num_tokens]
+        self.admits = self.admits or self.is_prefill
 
 
 class Scheduler:
@@ -33,6 +55,7 @@ class Scheduler:
         max_prefill_tokens: int = 8192,
         max_failures: int = 3,
         max_batch_tokens: int | None = None,
+        max_step_tokens: int | None = None,
     ) -> None:
         self.max_batch = max_batch
         self.max_failures = max_failures
@@ -43,6 +66,8 @@ class Scheduler:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.max_model_len = max_model_len
         self.max_prefill_tokens = max_prefill_tokens
+        # Chunked prefill: the tokens one forward pass carries, decodes included.
+        self.max_step_tokens = max_step_tokens
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
 
@@ -67,6 +92,8 @@ class Scheduler:
         self.running = [s for s in self.running if s.job_id != job_id]
 
     def schedule(self) -> Batch | None:
+        if self.max_step_tokens is not None:
+            return self._schedule_chunked(self.max_step_tokens)
         if self.waiting and len(self.running) < self.max_batch:
             admitted: list[Sequence] = []
             tokens = 0
@@ -77,9 +104,8 @@ class Scheduler:
                     break  # a suspect of a failed batch runs alone
                 if admitted and tokens + seq.num_tokens > self.max_prefill_tokens:
                     break
-                if (self.max_batch_tokens is not None and (admitted or self.running)
-                        and reserved + self._reserve(seq) > self.max_batch_tokens):
-                    break  # it waits for running jobs to end and free their share
+                if not self._fits(seq, reserved, bool(admitted or self.running)):
+                    break
                 reserved += self._reserve(seq)
                 tokens += seq.num_tokens
                 admitted.append(self.waiting.popleft())
@@ -91,9 +117,63 @@ class Scheduler:
             return Batch(list(self.running), is_prefill=False)
         return None
 
+    def _schedule_chunked(self, budget: int) -> Batch | None:
+        # A suspect of a failed batch runs alone, to its first token.
+        suspect = next((s for s in self.running if s.isolate), None)
+        if suspect is None and self.waiting and self.waiting[0].isolate and (
+                len(self.running) < self.max_batch):
+            suspect = self._admit()
+        if suspect is not None:
+            n = min(suspect.num_tokens - suspect.num_computed, budget)
+            return Batch([suspect], is_prefill=False, num_new=[n], admits=True,
+                         keep=[s for s in self.running if s is not suspect])
+        seqs: list[Sequence] = []
+        num_new: list[int] = []
+        # Decodes first (one token each), then prefills in the order they came.
+        for seq in sorted(self.running, key=lambda s: s.num_tokens - s.num_computed > 1):
+            n = min(seq.num_tokens - seq.num_computed, budget)
+            if n > 0:
+                seqs.append(seq)
+                num_new.append(n)
+                budget -= n
+        admits = False
+        reserved = sum(self._reserve(s) for s in self.running)
+        while (budget > 0 and self.waiting and len(self.running) < self.max_batch
+               and not self.waiting[0].isolate
+               and self._fits(self.waiting[0], reserved, bool(self.running))):
+            seq = self._admit()
+            reserved += self._reserve(seq)
+            n = min(seq.num_tokens, budget)
+            seqs.append(seq)
+            num_new.append(n)
+            budget -= n
+            admits = True
+        if not seqs:
+            return None
+        chosen = set(map(id, seqs))
+        return Batch(seqs, is_prefill=False, num_new=num_new, admits=admits,
+                     keep=[s for s in self.running if id(s) not in chosen])
+
+    def _admit(self) -> Sequence:
+        seq = self.waiting.popleft()
+        seq.status = SeqStatus.RUNNING
+        seq.num_computed = 0
+        self.running.append(seq)
+        return seq
+
+    def _fits(self, seq: Sequence, reserved: int, others: bool) -> bool:
+        """Whether ``seq`` fits the KV bound beside the ``reserved`` tokens of
+        the others; it waits for running jobs to end and free their share.
+        Alone, it always runs."""
+        return (self.max_batch_tokens is None or not others
+                or reserved + self._reserve(seq) <= self.max_batch_tokens)
+
     def ran(self, batch: Batch) -> None:
-        """``batch`` ran: its prefilled sequences join the running batch."""
-        for seq in batch.seqs:
+        """``batch`` ran: its tokens are in the cache, its prefilled sequences
+        join the running batch."""
+        for seq, n in zip(batch.seqs, batch.num_new):
+            seq.num_computed += n
+        for seq in batch.sampled:
             seq.isolate = False
         if batch.is_prefill:
             self.running.extend(batch.seqs)
@@ -120,6 +200,7 @@ class Scheduler:
         self.running = []
         for seq in reversed(list(dict.fromkeys(requeue))):
             seq.status = SeqStatus.WAITING
+            seq.num_computed = 0
             self.waiting.appendleft(seq)
         return failed
 

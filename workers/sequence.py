@@ -46,6 +46,7 @@ class Sequence:
     rng: Any = None  # the sampler's per-job random generator, when seeded
     failures: int = 0  # forward passes that raised with this sequence in them
     isolate: bool = False  # run alone until it passes a step (after a failed batch)
+    num_computed: int = 0  # tokens in the runner's KV cache (a chunked prefill's progress)
 
     @property
     def num_tokens(self) -> int:

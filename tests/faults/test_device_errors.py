@@ -154,20 +154,24 @@ def test_a_celery_worker_whose_device_fails_exits_non_zero_and_loses_no_job(
     client: FleetClient, celery_workers: Any, r: redis.Redis, settings: Any, tmp_path: Path,
     report: dict[str, Any],
 ) -> None:
-    # A test hook, in this test's own directory: the child's HFRunner breaks after
-    # ten forward passes (``sitecustomize`` is imported at interpreter start).
+    # A test hook, in this test's own directory: the child's runner (either KV
+    # cache's) breaks after ten forward passes (``sitecustomize`` is imported at
+    # interpreter start).
     (tmp_path / "sitecustomize.py").write_text(textwrap.dedent(f'''
-        from tokenfleet.workers import runner
+        from tokenfleet.workers import paged_runner, runner
 
-        _run, _steps = runner.HFRunner.run, [0]
+        _steps = [0]
 
-        def run(self, batch):
-            _steps[0] += 1
-            if _steps[0] > 10:
-                raise RuntimeError({CUDA_ERROR!r})
-            return _run(self, batch)
+        def breaking(_run):
+            def run(self, batch):
+                _steps[0] += 1
+                if _steps[0] > 10:
+                    raise RuntimeError({CUDA_ERROR!r})
+                return _run(self, batch)
+            return run
 
-        runner.HFRunner.run = run
+        runner.HFRunner.run = breaking(runner.HFRunner.run)
+        paged_runner.PagedRunner.run = breaking(paged_runner.PagedRunner.run)
     '''))
     keys = Keys(settings.namespace)
     broken = celery_workers("cpu@broken", PYTHONPATH=str(tmp_path))

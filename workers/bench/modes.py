@@ -86,24 +86,20 @@ class Direct:
         if device == "cpu":
             torch.set_num_threads(threads)
         self.model, self.tokenizer = models.load(model, device, dtype)
-        settings = Settings()  # the worker's defaults, for the same scheduler
-        self.prefetch = settings.prefetch
-        self.max_batch_tokens = settings.max_batch_tokens
+        self.settings = Settings()  # the worker's, for the same runner and scheduler
+        self.prefetch = self.settings.prefetch
 
     def run(self, jobs: list[Job], max_batch: int, tick: Tick = _no_tick,
             closed_loop: bool = False) -> dict[str, Any]:
         """All of ``jobs`` through one engine; ``closed_loop``: one at a time."""
+        from tokenfleet.workers.build import hf_engine, model_runner
         from tokenfleet.workers.detokenizer import TextStream
-        from tokenfleet.workers.hf_engine import HFEngine
-        from tokenfleet.workers.runner import HFRunner
-        from tokenfleet.workers.scheduler import Scheduler
         from tokenfleet.workers.sequence import Sequence
 
         tok = self.tokenizer
-        runner = HFRunner(self.model, tok)
-        scheduler = Scheduler(max_batch, runner.eos_token_ids, runner.max_model_len,
-                              max_batch_tokens=self.max_batch_tokens)
-        engine = HFEngine(scheduler, runner)
+        settings = self.settings.model_copy(update={"max_batch": max_batch})
+        runner = model_runner(settings, self.model, tok)
+        engine = hf_engine(settings, runner, runner.eos_token_ids, runner.max_model_len)
 
         def sequence(job_id: str, job: Job, max_new_tokens: int | None = None) -> Sequence:
             sampling = SamplingParams(max_new_tokens=max_new_tokens or job.max_new_tokens,
