@@ -232,8 +232,9 @@ async def cancel_job(job_id: str, request: Request) -> dict[str, Any]:
 async def job_events(
     job_id: str, request: Request, last_event_id: str | None = Header(default=None)
 ) -> StreamingResponse:
-    """``event: token`` per token event (``id:`` its index), then ``event: end``
-    with the final job state. ``Last-Event-ID: n`` resumes after index ``n``."""
+    """``event: token`` per token event (one token or several; ``id:`` the index
+    of its last token), then ``event: end`` with the final job state.
+    ``Last-Event-ID: n`` resumes after the token of index ``n``."""
     client = fleet(request)
     await _state(client, job_id)  # 404 now, before the stream has started
     after = -1
@@ -250,8 +251,10 @@ async def job_events(
 async def _job_events(client: AsyncFleetClient, job_id: str, after: int) -> AsyncIterator[bytes]:
     async with contextlib.aclosing(client.stream(job_id)) as events:
         async for event in events:
-            if event.index > after:
-                yield sse.event(event.model_dump_json(), name="token", event_id=event.index)
+            if event.end > after + 1:
+                event = event.after(after + 1)
+                yield sse.event(event.model_dump_json(exclude_none=True), name="token",
+                                event_id=event.end - 1)
     yield sse.event((await client.status(job_id)).model_dump_json(), name="end")
 
 

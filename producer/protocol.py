@@ -229,12 +229,15 @@ class EventCursor:
         if isinstance(event, EndEvent):
             self.ended = True
             return True
-        if event.index + len(event.token_ids) <= self.next_index:
+        if event.end <= self.next_index:
             return True  # seen already, from the log or a redelivery
         if event.index > self.next_index:
             return False  # a message was lost in between: the log has it
-        self.pending.append(event)
-        self.next_index = event.index + len(event.token_ids)
+        # An event that starts before what was seen: the log lost tokens a
+        # consumer had already been sent, and a new attempt made them again
+        # (coalesced otherwise): only its new tokens go on.
+        self.pending.append(event.after(self.next_index))
+        self.next_index = event.end
         return True
 
     def feed_log(self, entries: list[tuple[bytes, dict[bytes, bytes]]]) -> None:

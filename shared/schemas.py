@@ -262,13 +262,38 @@ class JobState(BaseModel):
 class TokenEvent(BaseModel):
     """Tokens a job produced, in order: ``index`` is the position of the first one.
 
-    ``text`` is what these tokens add to the job's text; it may be empty while a
-    token ends inside a UTF-8 sequence (held back until it decodes cleanly).
+    An event carries one token or several: a worker sends the tokens a job made
+    within a short window (``coalesce_ms``, up to ``coalesce_tokens``) as one
+    event; a job's first token comes alone, at once. Events of a stream are
+    contiguous: each starts at the ``end`` of the one before.
+
+    ``token_ids`` are the event's tokens; ``text`` is what they add to the job's
+    text together; it may be empty while a token ends inside a UTF-8 sequence
+    (held back until it decodes cleanly). ``offsets``, on an event of several
+    tokens, says where the text of each token ends in ``text`` (characters), so
+    the event can be cut at any token (``after``).
     """
 
     index: int
     token_ids: list[int]
     text: str
+    offsets: list[int] | None = None
+
+    @property
+    def end(self) -> int:
+        """The index after the event's last token (where the next event starts)."""
+        return self.index + len(self.token_ids)
+
+    def after(self, index: int) -> TokenEvent:
+        """The event less its tokens before ``index``, for a consumer that has them
+        already (an event that starts at or after ``index`` is returned as is)."""
+        skip = index - self.index
+        if skip <= 0:
+            return self
+        cut = self.offsets[skip - 1] if self.offsets else len(self.text)
+        rest = self.offsets[skip:] if self.offsets else None
+        return TokenEvent(index=index, token_ids=self.token_ids[skip:], text=self.text[cut:],
+                          offsets=[o - cut for o in rest] if rest and len(rest) > 1 else None)
 
 
 class EndEvent(BaseModel):

@@ -22,8 +22,19 @@ def loads(data: bytes | str) -> Any:
     return orjson.loads(data)
 
 
-def token_event(index: int, token_ids: list[int], text: str) -> bytes:
-    return orjson.dumps({"k": "tok", "index": index, "token_ids": token_ids, "text": text})
+def token_event(index: int, token_ids: list[int], texts: list[str]) -> bytes:
+    """The event of tokens ``token_ids`` from ``index`` on, ``texts`` the text
+    each one adds: one text, and where each token's part of it ends when
+    there are several (see :class:`TokenEvent`)."""
+    if len(texts) == 1:
+        return orjson.dumps({"k": "tok", "index": index, "token_ids": token_ids,
+                             "text": texts[0]})
+    offsets, at = [], 0
+    for text in texts:
+        at += len(text)
+        offsets.append(at)
+    return orjson.dumps({"k": "tok", "index": index, "token_ids": token_ids,
+                         "text": "".join(texts), "offsets": offsets})
 
 
 @lru_cache(maxsize=256)  # most jobs end alike: one encoding serves them all

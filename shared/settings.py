@@ -88,6 +88,15 @@ class Settings(BaseSettings):
     # non-zero. Keep it above max_attempts + 1, a poison job's own run of failures.
     max_failed_steps: int = Field(default=5, ge=1)
 
+    # The output side coalesces tokens: a job's tokens made within coalesce_ms
+    # of its oldest one still held, up to coalesce_tokens of them, go to Redis
+    # as one log entry and one publish (a few commands for many tokens). A
+    # job's first token and its end go at once, so the time to first token
+    # does not grow; a consumer waits at most coalesce_ms for a token. 0 (either
+    # of them): every token goes at once, an entry each.
+    coalesce_ms: float = Field(default=20.0, ge=0, le=10_000)
+    coalesce_tokens: int = Field(default=16, ge=0, le=4096)
+
     # How long finished records, token logs and idempotency keys stay readable.
     result_ttl_s: int = Field(default=24 * 3600, ge=1)
     idempotency_ttl_s: int = Field(default=24 * 3600, ge=1)

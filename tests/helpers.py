@@ -5,7 +5,9 @@ from __future__ import annotations
 import shutil
 import subprocess
 import tempfile
+import threading
 import time
+from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
@@ -36,6 +38,92 @@ def direct_greedy(loaded: tuple[Any, Any], jobs: list[tuple[str, int]]) -> list[
     while engine.has_work:
         engine.step()
     return [s.text.text for s in seqs]
+
+
+# -- a job's tokens as Redis and its consumers hold them --------------------------
+# An event carries one token or several (the worker coalesces a job's tokens);
+# its log entry id is '0-<n>', n the index after its last token (log_prefix.lua).
+
+def logged_count(r: redis.Redis, keys: Any, job_id: str) -> int:
+    """How many tokens the job's log holds: its top token entry's id."""
+    top = r.xrevrange(keys.out(job_id), "0-18446744073709551615", "-", count=1)
+    return int(top[0][0].split(b"-")[1]) if top else 0
+
+
+def logged_tokens(r: redis.Redis, keys: Any, job_id: str) -> tuple[list[int], int, bool]:
+    """The job's token log: its tokens in order, how many are missing between
+    them (a gap), and whether it ends with the end event."""
+    from tokenfleet.shared.serialization import loads
+
+    tokens: list[int] = []
+    gaps, ended = 0, False
+    for raw_id, fields in r.xrange(keys.out(job_id)):
+        ms, end = (int(x) for x in raw_id.split(b"-"))
+        if ms == 1:
+            ended = True
+            continue
+        ids = loads(fields[b"e"])["token_ids"]
+        gaps += end - len(ids) - len(tokens) - gaps
+        tokens.extend(ids)
+    return tokens, gaps, ended
+
+
+def stream_fault(events: Any, state: Any) -> str:
+    """What is wrong with what one ``stream()`` consumer saw; '' when it is the job:
+    contiguous events from token 0, their tokens and text the job's."""
+    if not isinstance(events, list):
+        return f"stream() raised {events!r}" if events is not None else "stream() never ended"
+    starts = [e.index for e in events]
+    if starts != [0, *(e.end for e in events[:-1])]:
+        return f"events start at {starts}: not contiguous from 0"
+    tokens = [t for e in events for t in e.token_ids]
+    if tokens != state.token_ids:
+        return f"{len(tokens)} tokens streamed, {len(state.token_ids)} in the result"
+    text = "".join(e.text for e in events)
+    return "" if text == state.text else f"text {text!r} != {state.text!r}"
+
+
+class ChannelTally:
+    """Counts every token and end event published on every job channel of a
+    namespace: ``tokens[(job id, token index)]``, ``ends[job id]``."""
+
+    def __init__(self, url: str, keys: Any) -> None:
+        self.tokens: Counter[tuple[str, int]] = Counter()
+        self.ends: Counter[str] = Counter()
+        self._pubsub = redis.Redis.from_url(url).pubsub()
+        self._pubsub.psubscribe(keys.events("*"))
+        self._prefix = len(keys.events(""))
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        from tokenfleet.shared.serialization import loads
+
+        while not self._stop.is_set():
+            try:
+                message = self._pubsub.get_message(timeout=0.2)
+            except redis.exceptions.ConnectionError:
+                continue
+            if message is None or message["type"] != "pmessage":
+                continue
+            job_id = message["channel"].decode()[self._prefix:]
+            event = loads(message["data"])
+            if event["k"] == "tok":
+                for k in range(event["index"], event["index"] + len(event["token_ids"])):
+                    self.tokens[(job_id, k)] += 1
+            else:
+                self.ends[job_id] += 1
+
+    @property
+    def duplicated(self) -> int:
+        """Tokens published more than once (their extra copies)."""
+        return sum(c - 1 for c in self.tokens.values() if c > 1)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+        self._pubsub.close()
 
 
 # Figures the fault-injection suite prints at the end of the run (name, figures).

@@ -5,6 +5,14 @@ the final states of the jobs it finished go in one more script call in the same
 pipeline. Both scripts check the attempt number, so a worker that lost a job
 to a reclaim finds out here and drops it.
 
+Tokens are coalesced per job: the tokens a job makes within ``coalesce_ms`` of
+the oldest one held (at most ``coalesce_tokens``) go to Redis as one event, one
+log entry and one publish, so Redis does a few commands per event instead of
+per token. A job's first token goes at once (the time to first token does not
+grow), and so does everything held for a job that ends (its end must follow
+its last token). A token waits at most the window: a job's held tokens go out
+at the last step before the window would pass.
+
 The scripts run by EVALSHA alone: redis-py's pipelined ``Script`` asks
 ``SCRIPT EXISTS`` before every pipeline, a second round trip per step. A
 script the server lost (a restart, ``SCRIPT FLUSH``) answers NOSCRIPT instead:
@@ -13,16 +21,16 @@ it is loaded and the whole step runs again.
 No error is taken for success. A step that Redis refused in any way (a lost
 connection, OOM, READONLY after a failover, MISCONF, NOSCRIPT) stays pending
 here and ``collect`` raises; the caller calls ``collect`` again until the step
-is stored. Running a step again is safe: both scripts are idempotent (a
-token's log entry id is its index and a logged token is neither logged nor
-published again; an ended job stays ended), and both refuse to leave a hole
-in a log (see the scripts).
+is stored. Running a step again is safe: both scripts are idempotent (an event
+is logged at an id that its last token gives, so a logged event is neither
+logged nor published again; an ended job stays ended), and both refuse to
+leave a hole in a log (see the scripts).
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -103,17 +111,37 @@ class Stored:
 
 
 @dataclass
+class Held:
+    """Tokens of one job made and not yet sent: they go as one event."""
+
+    seq: Sequence
+    index: int  # of the first one
+    since: float  # when the first one was made (the publisher's clock)
+    token_ids: list[int] = field(default_factory=list)
+    texts: list[str] = field(default_factory=list)  # what each token adds to the text
+
+    @property
+    def end(self) -> int:
+        return self.index + len(self.token_ids)
+
+
+@dataclass
 class _Step:
     """One step's writes, from ``send`` to ``collect``."""
 
-    tokens: list[SeqOutput]
+    events: list[Held]
     endings: list[Ending]
     calls: list[Call]
     sent: bool = False
 
 
 class Publisher:
-    def __init__(self, redis: Any, keys: Keys, settings: Settings, worker: str) -> None:
+    """Owned by the engine thread: ``send``, ``collect`` and the token windows
+    are the engine loop's (the feeder's thread uses ``end`` and ``dead_letter``,
+    which touch neither)."""
+
+    def __init__(self, redis: Any, keys: Keys, settings: Settings, worker: str,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.redis = redis
         self.keys = keys
         self.settings = settings
@@ -123,6 +151,13 @@ class Publisher:
         self._job_key, self._out_key, self._events_key = keys.job(""), keys.out(""), keys.events("")
         self._pending: _Step | None = None  # sent, not yet collected
         self._conn: Any = None
+        # Coalescing: the window (seconds) and the most tokens one event holds;
+        # a window of 0 or 1 token sends every token at once.
+        self.clock = clock
+        self.window_s = settings.coalesce_ms / 1000
+        self.max_tokens = settings.coalesce_tokens if self.window_s > 0 else 1
+        self.held: dict[str, Held] = {}  # by job id
+        self._last_send: float | None = None
 
     @property
     def in_flight(self) -> bool:
@@ -130,16 +165,19 @@ class Publisher:
         return self._pending is not None
 
     def publish(self, outputs: list[SeqOutput]) -> Stored:
-        """Write one step's events and endings; return the jobs Redis did not take.
-        A caller that got an error calls again with the same outputs."""
-        self.discard()  # the failed try of these outputs, if any: start over
+        """Send one step and wait until it is stored; return the jobs Redis did
+        not take. After an error the step stays pending: call ``collect``."""
         self.send(outputs)
         return self.collect()
 
     def discard(self) -> None:
-        """Forget the step sent last without storing it (the caller gives it up)."""
-        if self._pending is not None and self._pending.sent:
-            self._drop_connection()  # its replies must not answer a later step
+        """Forget the step sent last without storing it (the caller gives it up,
+        and its jobs: what they hold here goes too, it would follow a hole)."""
+        if self._pending is not None:
+            if self._pending.sent:
+                self._drop_connection()  # its replies must not answer a later step
+            for event in self._pending.events:
+                self.held.pop(event.seq.job_id, None)
         self._pending = None
 
     def send(self, outputs: list[SeqOutput]) -> None:
@@ -152,12 +190,12 @@ class Publisher:
         """
         if self._pending is not None:
             raise RuntimeError("collect() the step sent before sending the next")
-        tokens = [o for o in outputs if o.index is not None]
-        calls = [self._emit(tokens)] if tokens else []
+        events = self._due(outputs)
+        calls = [self._emit(events)] if events else []
         endings = [self._ending(o) for o in outputs if o.finished]
         if endings:
             calls.append(self._finish(endings))
-        step = self._pending = _Step(tokens, endings, calls)
+        step = self._pending = _Step(events, endings, calls)
         if not calls:
             return
         try:
@@ -169,12 +207,43 @@ class Publisher:
         except (ConnectionError, TimeoutError, OSError):
             self._drop_connection()  # collect() writes the step through the pool instead
 
+    def _due(self, outputs: list[SeqOutput]) -> list[Held]:
+        """Take this step's tokens into their jobs' held events; return the
+        events to send now: a job's first token, a job that ended, an event of
+        ``max_tokens``, and one whose oldest token would wait past the window
+        if it stayed until the next step (the last step took as long)."""
+        now = self.clock()
+        next_step = now - self._last_send if self._last_send is not None else 0.0
+        self._last_send = now
+        due: list[Held] = []
+        ended: set[str] = set()
+        for o in outputs:
+            job_id = o.seq.job_id
+            if o.finished:
+                ended.add(job_id)
+            if o.index is None:
+                continue
+            held = self.held.get(job_id)
+            if held is not None and (held.seq is not o.seq or held.end != o.index):
+                due.append(self.held.pop(job_id))  # another run of the job: not one event
+                held = None
+            if held is None:
+                held = self.held[job_id] = Held(o.seq, o.index, now)
+            held.token_ids.append(o.token_id)  # type: ignore[arg-type]
+            held.texts.append(o.text)
+        horizon = now + next_step - self.window_s
+        for job_id, held in list(self.held.items()):
+            if (held.index == 0 or job_id in ended or len(held.token_ids) >= self.max_tokens
+                    or held.since <= horizon):
+                due.append(self.held.pop(job_id))
+        return due
+
     def collect(self) -> Stored:
         """Wait until the step sent last is stored; return the jobs Redis did not take.
 
         A lost connection or a lost script writes the whole step again (both
-        scripts are idempotent: a token's log entry id is its index, an ended
-        job stays ended). Raises the first error Redis answered (a
+        scripts are idempotent: an event's log entry id is where its tokens
+        end, an ended job stays ended). Raises the first error Redis answered (a
         ``RedisError``) while the step is not stored; the step stays pending:
         call again until it returns. Nothing is dropped.
         """
@@ -196,16 +265,19 @@ class Publisher:
                 raise result  # the step stays pending: the next collect() runs it again
         self._pending = None
         stored = Stored()
-        if step.tokens:
+        if step.events:
             fenced, gaps = results[0]
-            stored.fenced.update(step.tokens[i].seq.job_id for i in fenced)
-            stored.untrusted.update(step.tokens[i].seq.job_id for i in gaps)
+            stored.fenced.update(step.events[i].seq.job_id for i in fenced)
+            stored.untrusted.update(step.events[i].seq.job_id for i in gaps)
         for e, verdict in zip(step.endings, results[-1] if step.endings else []):
             if verdict == 0:
                 stored.fenced.add(e.job_id)
             elif verdict == 3:
                 stored.untrusted.add(e.job_id)
         stored.untrusted -= stored.fenced
+        # The caller drops these jobs: what they hold here is never to be sent.
+        for job_id in stored.fenced | stored.untrusted:
+            self.held.pop(job_id, None)
         return stored
 
     def _connection(self) -> Any:
@@ -275,14 +347,15 @@ class Publisher:
             logged=len(seq.generated),
         )
 
-    def _emit(self, tokens: list[SeqOutput]) -> Call:
+    def _emit(self, events: list[Held]) -> Call:
         job_key, out_key, events_key = self._job_key, self._out_key, self._events_key
         keys: list[str] = []
         args: list[Any] = [self.settings.result_ttl_s, repr(time.time())]
-        for o in tokens:
-            job_id = o.seq.job_id
+        for e in events:
+            job_id = e.seq.job_id
             keys += (job_key + job_id, out_key + job_id, events_key + job_id)
-            args += (o.seq.attempt, o.index, token_event(o.index, [o.token_id], o.text))  # type: ignore[arg-type,list-item]
+            args += (e.seq.attempt, e.index, len(e.token_ids),
+                     token_event(e.index, e.token_ids, e.texts))
         return self.scripts.emit, keys, args
 
     def _finish(self, endings: list[Ending]) -> Call:

@@ -20,8 +20,8 @@ if status == 'queued' then
              'finished_at', ARGV[1], 'text', text, 'token_ids', token_ids)
   redis.call('EXPIRE', KEYS[1], ARGV[2])
   if log_kind == 'stream' or log_kind == 'none' then
-    -- '1-0' sorts after every token entry ('0-<index+1>'): the end is always
-    -- last. An end already there (a cancel that raced this one) is kept.
+    -- '1-0' sorts after every token entry ('0-<n>', log_prefix.lua): the end
+    -- is always last. An end already there (a cancel that raced this one) is kept.
     local added = redis.pcall('XADD', KEYS[2], '1-0', 'e', ARGV[3])
     if type(added) == 'table' and added.err and not string.find(added.err, 'equal or smaller', 1, true) then
       return redis.error_reply(added.err)

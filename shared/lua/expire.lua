@@ -13,8 +13,8 @@ if cur[1] ~= 'queued' or not cur[2] or tonumber(cur[2]) > tonumber(ARGV[1]) then
   return cur[1]
 end
 -- The end entry first, before anything is changed: '1-0' sorts after every token
--- entry ('0-<index+1>'); it can exist already only if the job had ended, which a
--- queued job has not, so any error here is a real one and stops the script.
+-- entry ('0-<n>', log_prefix.lua); it can exist already only if the job had
+-- ended, which a queued job has not, so any error here is a real one and stops the script.
 redis.call('XADD', KEYS[2], '1-0', 'e', ARGV[3])
 redis.call('EXPIRE', KEYS[2], ARGV[2])
 redis.call('HSET', KEYS[1], 'status', 'expired', 'finish_reason', 'deadline',

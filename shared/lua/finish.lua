@@ -17,6 +17,7 @@
 --       tokens the log must hold ('' for no check)
 -- Returns per job: 1 when stored, 0 when fenced off, 2 when it had already ended,
 -- 3 when not stored because its log does not hold exactly its tokens.
+-- include: log_prefix.lua
 local ttl, group, worker, now = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
 local out = {}
 for i = 0, (#KEYS - 1) / 4 - 1 do
@@ -31,7 +32,7 @@ for i = 0, (#KEYS - 1) / 4 - 1 do
     if cur[1] == 'succeeded' or cur[1] == 'failed' or cur[1] == 'cancelled'
        or cur[1] == 'expired' then
       result = 2
-    elseif ARGV[a + 11] ~= '' and redis.call('XLEN', log) ~= tonumber(ARGV[a + 11]) then
+    elseif ARGV[a + 11] ~= '' and log_end(log) ~= tonumber(ARGV[a + 11]) then
       result = 3
     else
       local fields = {'status', ARGV[a + 5], 'finish_reason', ARGV[a + 6], 'error', ARGV[a + 7],

@@ -3,7 +3,8 @@
 -- would otherwise sit at the ids the new attempt writes its tokens to (its
 -- writes refused, or a consumer given tokens out of order); with them gone the
 -- log stays gap-free and each token is logged exactly once. The stream's last
--- id goes back to the prefix's end, so the next token's XADD ('0-<k+1>') lands.
+-- id goes back to the prefix's end ('0-<k>' for k tokens, log_prefix.lua), so
+-- the next event's XADD ('0-<k+n>' for n tokens) lands.
 -- KEYS: 1 job hash, 2 token log
 -- ARGV: 1 attempt of the caller
 -- Returns {'fenced'} when the attempt is no longer the caller's, else

@@ -26,7 +26,7 @@ from tokenfleet.shared.schemas import FinishReason, JobState, JobStatus, TokenEv
 from tokenfleet.shared.serialization import loads
 from tokenfleet.workers.runner import HFRunner
 
-from helpers import wait_until
+from helpers import logged_count, wait_until
 
 
 @pytest.fixture
@@ -98,7 +98,7 @@ def start_jobs(client: FleetClient, start_worker: Any, loaded_tiny: Any, setting
     followers = Followers(settings, job_ids)
     worker = start_worker(name, runner=SlowRunner(*loaded_tiny), max_batch=n, prefetch=0)
     for job_id in job_ids:
-        wait_until(lambda: r.xlen(keys.out(job_id)) >= 5, timeout=60,
+        wait_until(lambda: logged_count(r, keys, job_id) >= 5, timeout=60,
                    what=f"job {job_id} to stream 5 tokens")
     return worker, job_ids, followers
 
@@ -177,9 +177,9 @@ def test_a_resumed_job_cancelled_while_it_runs_keeps_every_streamed_token(
     job_id = job_ids[0]
     worker.publisher.hand_back = lambda seqs, suspects=frozenset(): 0
     worker.stop(grace_s=0)
-    before = r.xlen(keys.out(job_id))
+    before = logged_count(r, keys, job_id)
     start_worker("w2@test", runner=SlowRunner(*loaded_tiny), claim_idle_s=0.5)
-    wait_until(lambda: r.xlen(keys.out(job_id)) >= before + 5, timeout=30,
+    wait_until(lambda: logged_count(r, keys, job_id) >= before + 5, timeout=30,
                what="the second worker to resume the job")
     assert small_client.cancel(job_id)
     followers.join()

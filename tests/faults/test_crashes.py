@@ -15,9 +15,8 @@ import redis
 from tokenfleet import AsyncFleetClient, FleetClient
 from tokenfleet.shared.keys import GROUP, Keys
 from tokenfleet.shared.schemas import JobStatus, TokenEvent
-from tokenfleet.shared.serialization import loads
 
-from helpers import direct_greedy, wait_until
+from helpers import ChannelTally, direct_greedy, logged_tokens, stream_fault, wait_until
 
 pytestmark = [pytest.mark.faults, pytest.mark.timeout(300)]
 
@@ -27,40 +26,6 @@ WORDS = "the value of a list is returned when the module calls its function".spl
 def prompts(n: int) -> list[tuple[str, int]]:
     return [(" ".join(WORDS[i % 7: i % 7 + 2 + i % 5]), 16 + (i * 7) % 24) for i in range(n)]
 
-
-
-class ChannelTally:
-    """Counts every event published on every job channel of a namespace."""
-
-    def __init__(self, url: str, keys: Keys) -> None:
-        self.tokens: Counter[tuple[str, int]] = Counter()
-        self.ends: Counter[str] = Counter()
-        self._pubsub = redis.Redis.from_url(url).pubsub()
-        self._pubsub.psubscribe(keys.events("*"))
-        self._prefix = len(keys.events(""))
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            try:
-                message = self._pubsub.get_message(timeout=0.2)
-            except redis.exceptions.ConnectionError:
-                continue
-            if message is None or message["type"] != "pmessage":
-                continue
-            job_id = message["channel"].decode()[self._prefix:]
-            event = loads(message["data"])
-            if event["k"] == "tok":
-                self.tokens[(job_id, event["index"])] += 1
-            else:
-                self.ends[job_id] += 1
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=5)
-        self._pubsub.close()
 
 
 def follow_all(settings: Any, job_ids: list[str]) -> tuple[threading.Thread, dict[str, list[TokenEvent]]]:
@@ -115,12 +80,11 @@ def test_kill_9_mid_batch_loses_nothing_and_runs_nothing_twice(
     assert resumed, "the kill hit no job in flight"
     # Every final state was written once; every token was published once.
     assert all(tally.ends[j] == 1 for j in job_ids), "an end event was published twice"
-    duplicated = sum(c - 1 for c in tally.tokens.values() if c > 1)
+    duplicated = tally.duplicated
     assert duplicated == 0
+    assert sum(tally.tokens.values()) == sum(len(s.token_ids) for s in states)
     for state in states:
-        events = seen[state.id]
-        assert [e.index for e in events] == list(range(len(state.token_ids)))
-        assert "".join(e.text for e in events) == state.text
+        assert stream_fault(seen[state.id], state) == "", state.id
     assert [s.text for s in states] == direct_greedy(loaded_tiny, jobs)
     report.update(accepted=200, completed=len(states), lost=0, duplicated=duplicated,
                   in_flight_at_kill=in_flight, resumed=len(resumed),
@@ -189,6 +153,6 @@ def test_a_drained_worker_finishes_or_hands_back_its_jobs(
     assert [s.status for s in states] == [JobStatus.SUCCEEDED] * 24
     assert handed_back > 0 and "handed" in first.output()
     for state in states:
-        assert r.xlen(keys.out(state.id)) == len(state.token_ids) + 1
-        assert "".join(e.text for e in seen[state.id]) == state.text
+        assert logged_tokens(r, keys, state.id) == (state.token_ids, 0, True)
+        assert stream_fault(seen[state.id], state) == "", state.id
     report.update(accepted=24, completed=24, lost=0, handed_back=handed_back)

@@ -22,7 +22,7 @@ from tokenfleet.shared.schemas import JobStatus
 from tokenfleet.shared.serialization import loads, token_event
 from tokenfleet.workers.runner import HFRunner
 
-from helpers import wait_until
+from helpers import logged_count, wait_until
 
 
 @pytest.fixture
@@ -60,7 +60,7 @@ def test_a_workers_own_running_entry_is_not_reclaimed_by_it_when_it_goes_idle(
     worker = start_worker(runner=SlowRunner(*loaded_tiny), max_batch=2, prefetch=0,
                           heartbeat_s=30, claim_idle_s=0.3)
     job_id = client.submit("drain 0", max_new_tokens=80, temperature=0.0)
-    wait_until(lambda: r.xlen(keys.out(job_id)) >= 40, timeout=60,
+    wait_until(lambda: logged_count(r, keys, job_id) >= 40, timeout=60,
                what="40 tokens (some 2 s: several claim periods)")
     pending = r.xpending_range(stream, GROUP, "-", "+", 10)
     assert [p["consumer"] for p in pending] == [worker.name.encode()]
@@ -79,7 +79,7 @@ def test_a_second_entry_of_a_running_job_is_dropped_at_once_and_runs_nothing_twi
     stream = keys.queue("default")
     start_worker(runner=SlowRunner(*loaded_tiny), max_batch=2, prefetch=2, claim_idle_s=0.3)
     job_id = client.submit("drain 0", max_new_tokens=200, temperature=0.0)
-    wait_until(lambda: r.xlen(keys.out(job_id)) >= 3, timeout=60, what="the job to run")
+    wait_until(lambda: logged_count(r, keys, job_id) >= 3, timeout=60, what="the job to run")
     (live, fields), = r.xrange(stream)
     copy = r.xadd(stream, {"data": fields[b"data"]})  # the same job, a second entry
     wait_until(lambda: not r.xrange(stream, copy, copy), timeout=10,
@@ -106,15 +106,16 @@ def test_a_job_resumed_from_a_log_with_a_gap_continues_from_the_gap_and_its_log_
                                       "worker": "dead@test", "started_at": time.time()})
     written = tok(" there was a little dog", add_special_tokens=False)["input_ids"][:7]
     for i in (0, 1, 2, 5, 6):
-        r.xadd(keys.out(job_id), {"e": token_event(i, [written[i]], tok.decode([written[i]]))},
+        r.xadd(keys.out(job_id), {"e": token_event(i, [written[i]], [tok.decode([written[i]])])},
                id=f"0-{i + 1}")
     start_worker(claim_idle_s=0.2)
     state = client.wait(job_id, timeout=60)
     assert state.status is JobStatus.SUCCEEDED and state.attempts == 2
     assert len(state.token_ids) == 12 and state.token_ids[:3] == written[:3]
     events = log_events(r, keys, job_id)
-    assert [i for i, _ in events] == [f"0-{k + 1}".encode() for k in range(len(events))]
-    assert [e["index"] for _, e in events] == list(range(12))
+    ends = [e["index"] + len(e["token_ids"]) for _, e in events]
+    assert [i for i, _ in events] == [f"0-{end}".encode() for end in ends]
+    assert [e["index"] for _, e in events] == [0, *ends[:-1]] and ends[-1] == 12
     assert [t for _, e in events for t in e["token_ids"]] == state.token_ids
     assert "".join(e["text"] for _, e in events) == state.text
     assert r.xrange(keys.out(job_id), "1-0", "1-0")  # its end, after the last token

@@ -107,7 +107,9 @@ def test_sse_events_concatenate_to_the_final_text_and_resume_after_last_event_id
     assert final["status"] == "succeeded"
     assert all(e["event"] == "token" for e in tokens) and len(tokens) >= 3
     data = [orjson.loads(e["data"]) for e in tokens]
-    assert [int(e["id"]) for e in tokens] == [d["index"] for d in data]
+    # An event carries one token or several; its id is the index of its last one.
+    assert [d["index"] for d in data] == [0, *(d["index"] + len(d["token_ids"]) for d in data[:-1])]
+    assert [int(e["id"]) for e in tokens] == [d["index"] + len(d["token_ids"]) - 1 for d in data]
     assert "".join(d["text"] for d in data) == final["text"]
     assert [t for d in data for t in d["token_ids"]] == final["token_ids"]
 

@@ -1,0 +1,199 @@
+"""The output side coalesces a job's tokens: one log entry and one publish for the
+tokens made within a window, the first token and the end at once, each token
+logged and published once. A fake clock drives the window; steps are calls."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import redis
+
+from tokenfleet.shared.keys import Keys
+from tokenfleet.shared.schemas import FinishReason, SamplingParams
+from tokenfleet.shared.serialization import loads
+from tokenfleet.workers.detokenizer import TextStream
+from tokenfleet.workers.null_runner import null_tokenizer
+from tokenfleet.workers.publisher import Publisher
+from tokenfleet.workers.scheduler import SeqOutput
+from tokenfleet.workers.sequence import Sequence
+
+pytestmark = pytest.mark.timeout(60)
+
+TOKENIZER = null_tokenizer()  # the tiny model's, without its weights
+TOKEN = TOKENIZER.encode("x", add_special_tokens=False)[0]
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def clock() -> Clock:
+    return Clock()
+
+
+@pytest.fixture
+def make(settings: Any, r: redis.Redis, clock: Clock) -> Iterator[Any]:
+    """make(n_jobs, **settings) -> (publisher, sequences), their records running."""
+    keys = Keys(settings.namespace)
+
+    def make(n: int = 1, **overrides: Any) -> tuple[Publisher, list[Sequence]]:
+        publisher = Publisher(redis.Redis.from_url(settings.redis_url), keys,
+                              settings.model_copy(update=overrides), "w@test", clock=clock)
+        seqs = [Sequence(f"{settings.namespace}-{i}", [1, 2], SamplingParams(),
+                         TextStream(TOKENIZER), entry_id="") for i in range(n)]
+        for seq in seqs:
+            r.hset(keys.job(seq.job_id), mapping={"status": "running", "attempts": 1})
+        return publisher, seqs
+
+    yield make
+
+
+def step(publisher: Publisher, seqs: list[Sequence], finish: bool = False) -> None:
+    """One engine step: a token for each sequence (the last one, with ``finish``)."""
+    outputs = []
+    for seq in seqs:
+        index = len(seq.generated)
+        seq.generated.append(TOKEN)
+        text = seq.text.push(TOKEN)
+        if finish:
+            text += seq.finish(FinishReason.LENGTH)
+        outputs.append(SeqOutput(seq, index, TOKEN, text, finish))
+    stored = publisher.publish(outputs)
+    assert not stored.fenced and not stored.untrusted
+
+
+def steps(publisher: Publisher, seqs: list[Sequence], clock: Clock, n: int) -> None:
+    """``n`` steps 1 ms apart."""
+    for _ in range(n):
+        step(publisher, seqs)
+        clock.now += 0.001
+
+
+def log(r: redis.Redis, settings: Any, seq: Sequence) -> list[tuple[str, Any]]:
+    """The job's log: (entry id, event) in order."""
+    return [(i.decode(), loads(f[b"e"])) for i, f in r.xrange(Keys(settings.namespace).out(seq.job_id))]
+
+
+def test_a_jobs_first_token_goes_at_once_and_the_next_wait_for_the_window(
+    make: Any, clock: Clock, r: redis.Redis, settings: Any
+) -> None:
+    publisher, [seq] = make(coalesce_ms=20, coalesce_tokens=16)
+    step(publisher, [seq])
+    assert [i for i, _ in log(r, settings, seq)] == ["0-1"]  # the first token: at once
+    for _ in range(4):  # 1 ms steps: tokens 1-4 are held
+        clock.now += 0.001
+        step(publisher, [seq])
+    assert len(log(r, settings, seq)) == 1
+    clock.now += 0.018  # token 5 made 19 ms after token 1: the next step would pass 20
+    step(publisher, [seq])
+    entries = log(r, settings, seq)
+    assert [i for i, _ in entries] == ["0-1", "0-6"]  # an event's id is where it ends
+    assert entries[1][1]["index"] == 1 and entries[1][1]["token_ids"] == [TOKEN] * 5
+    assert entries[1][1]["text"] == "xxxxx" and entries[1][1]["offsets"] == [1, 2, 3, 4, 5]
+
+
+def test_an_event_holds_at_most_coalesce_tokens(
+    make: Any, clock: Clock, r: redis.Redis, settings: Any
+) -> None:
+    publisher, [seq] = make(coalesce_ms=1000, coalesce_tokens=4)
+    steps(publisher, [seq], clock, 9)
+    assert [i for i, _ in log(r, settings, seq)] == ["0-1", "0-5", "0-9"]
+
+
+def test_no_token_waits_past_the_window_unless_a_step_outlasts_the_one_before(
+    make: Any, clock: Clock, r: redis.Redis, settings: Any
+) -> None:
+    publisher, seqs = make(3, coalesce_ms=20, coalesce_tokens=64)
+    times: list[float] = []  # when each step ran; token k of a job is made at step k
+    sent: dict[int, int] = {}  # token -> the step that sent it
+    for step_ms in [1, 3, 7, 8, 8, 8, 12, 5, 5, 2, 9, 9, 9, 25, 1, 1, 30, 4, 4, 4, 4, 4] * 3:
+        times.append(clock.now)
+        step(publisher, seqs)
+        for _, event in log(r, settings, seqs[0]):
+            for k in range(event["index"], event["index"] + len(event["token_ids"])):
+                sent.setdefault(k, len(times) - 1)
+        clock.now += step_ms / 1000
+    late = [k for k, s in sent.items() if times[s] - times[k] > 0.020 + 1e-9]
+    # The window is kept by sending at the last step before it would pass,
+    # judged by the step before: only a step longer than that one overshoots,
+    # by no more than it outlasted it.
+    for k in late:
+        s = sent[k]
+        longer = (times[s] - times[s - 1]) - (times[s - 1] - times[s - 2])
+        assert 0 < longer and times[s] - times[k] <= 0.020 + longer + 1e-9, (k, s)
+    assert len(log(r, settings, seqs[0])) < len(times) / 2  # fewer events than tokens
+
+
+def test_an_ending_job_sends_what_it_holds_then_its_end(
+    make: Any, clock: Clock, r: redis.Redis, settings: Any
+) -> None:
+    publisher, [seq] = make(coalesce_ms=20, coalesce_tokens=16)
+    steps(publisher, [seq], clock, 3)
+    step(publisher, [seq], finish=True)
+    entries = log(r, settings, seq)
+    assert [i for i, _ in entries] == ["0-1", "0-4", "1-0"]
+    assert [t for _, e in entries[:-1] for t in e["token_ids"]] == seq.generated
+    record = r.hgetall(Keys(settings.namespace).job(seq.job_id))
+    assert record[b"status"] == b"succeeded" and loads(record[b"token_ids"]) == seq.generated
+
+
+def test_a_step_sent_again_logs_and_publishes_each_token_once(
+    make: Any, clock: Clock, r: redis.Redis, settings: Any
+) -> None:
+    publisher, seqs = make(4, coalesce_ms=20, coalesce_tokens=3)
+    pubsub = r.pubsub()
+    pubsub.psubscribe(Keys(settings.namespace).events("*"))
+    assert pubsub.get_message(timeout=5)["type"] == "psubscribe"
+    for n in range(7):
+        outputs = []
+        for seq in seqs:
+            outputs.append(SeqOutput(seq, len(seq.generated), TOKEN, "x", False))
+            seq.generated.append(TOKEN)
+        publisher.send(outputs)
+        if n % 2:
+            # The reply is lost (a dropped connection): the whole step goes again.
+            publisher._drop_connection()
+        assert not publisher.collect().untrusted
+        clock.now += 0.001
+    published = []
+    while (message := pubsub.get_message(timeout=0.5)) is not None:  # until a quiet 0.5 s
+        published.append(message)
+    pubsub.close()
+    tokens = [(m["channel"], k) for m in published for e in [loads(m["data"])]
+              for k in range(e["index"], e["index"] + len(e["token_ids"]))]
+    assert len(tokens) == len(set(tokens)) == 4 * 7  # token 6 of each: its event is full
+    for seq in seqs:
+        entries = log(r, settings, seq)
+        assert [i for i, _ in entries] == ["0-1", "0-4", "0-7"]
+
+
+def test_coalescing_off_sends_every_token_as_an_event_of_its_own(
+    make: Any, clock: Clock, r: redis.Redis, settings: Any
+) -> None:
+    publisher, [seq] = make(coalesce_ms=0)
+    steps(publisher, [seq], clock, 5)
+    entries = log(r, settings, seq)
+    assert [i for i, _ in entries] == ["0-1", "0-2", "0-3", "0-4", "0-5"]
+    assert all("offsets" not in e for _, e in entries)
+
+
+def test_a_fenced_job_holds_nothing_more(
+    make: Any, clock: Clock, r: redis.Redis, settings: Any
+) -> None:
+    publisher, [seq] = make(coalesce_ms=20, coalesce_tokens=16)
+    step(publisher, [seq])
+    r.hset(Keys(settings.namespace).job(seq.job_id), "attempts", 2)  # reclaimed elsewhere
+    clock.now += 0.001
+    outputs = [SeqOutput(seq, 1, TOKEN, "x", False)]
+    assert not publisher.publish(outputs).fenced  # held: Redis is not asked yet
+    clock.now += 0.030
+    outputs = [SeqOutput(seq, 2, TOKEN, "x", False)]
+    assert publisher.publish(outputs).fenced == {seq.job_id}
+    assert not publisher.held and len(log(r, settings, seq)) == 1
