@@ -95,7 +95,7 @@ class Settings(BaseSettings):
     # does not grow; a consumer waits at most coalesce_ms for a token. 0 (either
     # of them): every token goes at once, an entry each.
     coalesce_ms: float = Field(default=20.0, ge=0, le=10_000)
-    coalesce_tokens: int = Field(default=16, ge=0, le=4096)
+    coalesce_tokens: int = Field(default=32, ge=0, le=4096)
 
     # How long finished records, token logs and idempotency keys stay readable.
     result_ttl_s: int = Field(default=24 * 3600, ge=1)

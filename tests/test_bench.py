@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from tokenfleet.workers.bench.redis_cost import RedisSample, cost
 from tokenfleet.workers.bench.report import judge, ratios
 from tokenfleet.workers.bench.workload import FIELDS, Trace, make_jobs, percentile, summarize
 
@@ -60,6 +61,41 @@ def test_bench_runs_every_mode_and_writes_every_field(tmp_path: Path) -> None:
     assert report["config"]["torch_threads"] >= 1
     assert "tokens/s" in result.stdout and "targets" in result.stdout
     assert png.read_bytes()[:4] == b"\x89PNG"
+    for mode in ("fleet", "overhead"):  # what Redis did for each generated token
+        figures = report[mode]["2"]
+        assert figures["redis_commands"] > 0 and figures["redis_commands_per_token"] > 0
+        assert "evalsha" in figures["redis_commands_per_token_by_name"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_bench_absorb_sweeps_workers_against_one_redis(tmp_path: Path) -> None:
+    out = tmp_path / "absorb.json"
+    result = subprocess.run(
+        [sys.executable, "-m", "tokenfleet.workers.cli", "bench", "--modes", "absorb",
+         "--concurrency", "4", "--absorb-workers", "1,2", "--absorb-tokens", "400",
+         "--json", str(out)],
+        cwd=ROOT, env={**os.environ, "COLUMNS": "160"}, capture_output=True, text=True,
+        timeout=280)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    sweep = json.loads(out.read_text())["absorb"]
+    assert [(r["batch"], r["workers"]) for r in sweep["rows"]][:1] == [(4, 1)]
+    for row in sweep["rows"]:
+        assert row["tokens"] >= 400 and row["tokens_per_s"] > 0
+        assert row["redis_commands_per_token"] > 0 and row["tokens_per_redis_cpu_s"] > 0
+    assert sweep["peak_tokens_per_s"] == max(r["tokens_per_s"] for r in sweep["rows"])
+    assert "one Redis absorbing tokens" in result.stdout
+
+
+def test_redis_cost_is_the_counters_difference_per_token_less_its_own_info_calls() -> None:
+    before = RedisSample({"evalsha": 10, "xadd": 100, "info": 7}, cpu_s=1.0, at=0.0)
+    after = RedisSample({"evalsha": 20, "xadd": 140, "publish": 40, "info": 9}, cpu_s=1.5,
+                        at=2.0)
+    figures = cost(before, after, tokens=400)
+    assert figures["redis_commands"] == 90
+    assert figures["redis_commands_per_token"] == pytest.approx(0.225)
+    assert figures["redis_cpu_s_per_1k_tokens"] == pytest.approx(1.25)
+    assert list(figures["redis_commands_per_token_by_name"]) == ["xadd", "publish", "evalsha"]
 
 
 def test_every_mode_gets_the_same_jobs_and_arrival_times() -> None:
@@ -105,3 +141,8 @@ def test_targets_are_judged_against_the_issue_thresholds() -> None:
     assert verdicts["fleet/naive tokens/s at 64"] is True  # 9.5 >= 8
     assert verdicts["overhead runner / Celery no-op, jobs/s, full queue"] is True  # 12.5
     assert verdicts["added TTFT over direct, p50, low load (ms)"] is True  # 1.5 ms
+    results["fleet"]["64"]["redis_commands_per_token"] = 0.25
+    results["overhead"] = {"64": {**mode(5000.0), "redis_commands_per_token": 0.4}}
+    verdicts = {t["target"]: t["met"] for t in judge(results)}
+    assert verdicts["redis commands per token, fleet at 64"] is True  # 0.25 <= 0.3
+    assert verdicts["redis commands per token, overhead at 64"] is False

@@ -84,19 +84,18 @@ def log(r: redis.Redis, settings: Any, seq: Sequence) -> list[tuple[str, Any]]:
 def test_a_jobs_first_token_goes_at_once_and_the_next_wait_for_the_window(
     make: Any, clock: Clock, r: redis.Redis, settings: Any
 ) -> None:
-    publisher, [seq] = make(coalesce_ms=20, coalesce_tokens=16)
-    step(publisher, [seq])
+    publisher, [seq] = make(coalesce_ms=20, coalesce_tokens=32)
+    steps(publisher, [seq], clock, 1)
     assert [i for i, _ in log(r, settings, seq)] == ["0-1"]  # the first token: at once
-    for _ in range(4):  # 1 ms steps: tokens 1-4 are held
-        clock.now += 0.001
-        step(publisher, [seq])
+    steps(publisher, [seq], clock, 18)  # tokens 1-18, 1 ms apart: held
     assert len(log(r, settings, seq)) == 1
-    clock.now += 0.018  # token 5 made 19 ms after token 1: the next step would pass 20
+    # Token 19, 19 ms after token 0 went out: at the next step its consumer
+    # would have waited 20 ms. Tokens 1-19 go now, as one event.
     step(publisher, [seq])
     entries = log(r, settings, seq)
-    assert [i for i, _ in entries] == ["0-1", "0-6"]  # an event's id is where it ends
-    assert entries[1][1]["index"] == 1 and entries[1][1]["token_ids"] == [TOKEN] * 5
-    assert entries[1][1]["text"] == "xxxxx" and entries[1][1]["offsets"] == [1, 2, 3, 4, 5]
+    assert [i for i, _ in entries] == ["0-1", "0-20"]  # an event's id is where it ends
+    assert entries[1][1]["index"] == 1 and entries[1][1]["token_ids"] == [TOKEN] * 19
+    assert entries[1][1]["text"] == "x" * 19 and entries[1][1]["offsets"] == list(range(1, 20))
 
 
 def test_an_event_holds_at_most_coalesce_tokens(
@@ -107,28 +106,26 @@ def test_an_event_holds_at_most_coalesce_tokens(
     assert [i for i, _ in log(r, settings, seq)] == ["0-1", "0-5", "0-9"]
 
 
-def test_no_token_waits_past_the_window_unless_a_step_outlasts_the_one_before(
+def test_events_of_a_job_are_at_most_the_window_apart_unless_a_step_outlasts_the_last(
     make: Any, clock: Clock, r: redis.Redis, settings: Any
 ) -> None:
     publisher, seqs = make(3, coalesce_ms=20, coalesce_tokens=64)
-    times: list[float] = []  # when each step ran; token k of a job is made at step k
-    sent: dict[int, int] = {}  # token -> the step that sent it
+    times: list[float] = []  # when each step ran
+    sent_at: list[int] = []  # the step each event of the first job went out at
     for step_ms in [1, 3, 7, 8, 8, 8, 12, 5, 5, 2, 9, 9, 9, 25, 1, 1, 30, 4, 4, 4, 4, 4] * 3:
         times.append(clock.now)
         step(publisher, seqs)
-        for _, event in log(r, settings, seqs[0]):
-            for k in range(event["index"], event["index"] + len(event["token_ids"])):
-                sent.setdefault(k, len(times) - 1)
+        events = len(log(r, settings, seqs[0]))
+        sent_at += [len(times) - 1] * (events - len(sent_at))
         clock.now += step_ms / 1000
-    late = [k for k, s in sent.items() if times[s] - times[k] > 0.020 + 1e-9]
-    # The window is kept by sending at the last step before it would pass,
-    # judged by the step before: only a step longer than that one overshoots,
-    # by no more than it outlasted it.
-    for k in late:
-        s = sent[k]
-        longer = (times[s] - times[s - 1]) - (times[s - 1] - times[s - 2])
-        assert 0 < longer and times[s] - times[k] <= 0.020 + longer + 1e-9, (k, s)
-    assert len(log(r, settings, seqs[0])) < len(times) / 2  # fewer events than tokens
+    assert len(sent_at) < len(times) / 2  # coalesced: fewer events than tokens
+    # An event goes at the last step before the window would pass, judged by
+    # the step before: only a step longer than that one overshoots, by no more
+    # than it outlasted it.
+    for a, b in zip(sent_at, sent_at[1:]):
+        gap = times[b] - times[a]
+        longer = (times[b] - times[b - 1]) - (times[b - 1] - times[b - 2])
+        assert gap <= 0.020 + 1e-9 or (0 < longer and gap <= 0.020 + longer + 1e-9), (a, b)
 
 
 def test_an_ending_job_sends_what_it_holds_then_its_end(

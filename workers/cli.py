@@ -425,7 +425,7 @@ def _int_list(ctx: click.Context, param: click.Parameter, value: str | None) -> 
 
 # What ``bench --vs-vllm`` runs differently: the options of the other modes it refuses.
 NOT_VS_VLLM = ("jobs", "rate", "modes", "redis_url", "plot_path", "soak", "probe_jobs",
-               "overhead_jobs")
+               "overhead_jobs", "absorb_workers", "absorb_tokens")
 
 
 @main.command()
@@ -447,7 +447,8 @@ NOT_VS_VLLM = ("jobs", "rate", "modes", "redis_url", "plot_path", "soak", "probe
 @click.option("--rate", type=float, default=None,
               help="jobs per second arriving at a fixed rate (default: all submitted at once)")
 @click.option("--modes", default="direct,fleet,naive,overhead", show_default=True,
-              help="which of direct, fleet, naive, overhead to run")
+              help="which of direct, fleet, naive, overhead, absorb to run (absorb: how many "
+                   "tokens/s one Redis takes from K null-runner workers at each concurrency)")
 @click.option("--redis-url", default=None,
               help="an existing Redis (default: a redis-server started on a free port)")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path),
@@ -466,12 +467,16 @@ NOT_VS_VLLM = ("jobs", "rate", "modes", "redis_url", "plot_path", "soak", "probe
               help="one-token jobs and Celery no-op tasks for the per-job cost")
 @click.option("--repeat", default=1, show_default=True,
               help="run each measurement this many times, modes taking turns; keep the best")
+@click.option("--absorb-workers", default="1,2,4", show_default=True, callback=_int_list,
+              help="absorb mode: worker processes (K) to sweep, comma-separated")
+@click.option("--absorb-tokens", default=200_000, show_default=True,
+              help="absorb mode: tokens generated at each point of the sweep")
 @click.pass_context
 def bench(ctx: click.Context, model: str, vs_vllm: bool, engines: str, jobs: int,
           concurrency: list[int] | None, max_new_tokens: int | None, rate: float | None,
           modes: str, redis_url: str | None, json_path: Path | None, plot_path: Path | None,
           device: str, dtype: str, soak: int, probe_jobs: int, overhead_jobs: int,
-          repeat: int) -> None:
+          repeat: int, absorb_workers: list[int], absorb_tokens: int) -> None:
     """Benchmark the fleet against the model in-process and naive Celery, or (--vs-vllm)
     against vLLM's OpenAI server."""
     from rich.console import Console
@@ -506,7 +511,8 @@ def bench(ctx: click.Context, model: str, vs_vllm: bool, engines: str, jobs: int
                 max_new_tokens=32 if max_new_tokens is None else max_new_tokens, rate=rate,
                 modes=[m.strip() for m in modes.split(",") if m.strip()],
                 redis_url=redis_url, device=device, dtype=dtype, soak=soak,
-                probe_jobs=probe_jobs, overhead_jobs=overhead_jobs, repeat=repeat))
+                probe_jobs=probe_jobs, overhead_jobs=overhead_jobs, repeat=repeat,
+                absorb_workers=absorb_workers, absorb_tokens=absorb_tokens))
             render(results, console)
     except BenchError as exc:
         raise click.ClickException(str(exc)) from exc

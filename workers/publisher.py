@@ -10,8 +10,8 @@ the oldest one held (at most ``coalesce_tokens``) go to Redis as one event, one
 log entry and one publish, so Redis does a few commands per event instead of
 per token. A job's first token goes at once (the time to first token does not
 grow), and so does everything held for a job that ends (its end must follow
-its last token). A token waits at most the window: a job's held tokens go out
-at the last step before the window would pass.
+its last token). A consumer waits at most the window from one event of a job
+to the next: held tokens go out at the last step before the window would pass.
 
 The scripts run by EVALSHA alone: redis-py's pipelined ``Script`` asks
 ``SCRIPT EXISTS`` before every pipeline, a second round trip per step. A
@@ -116,7 +116,7 @@ class Held:
 
     seq: Sequence
     index: int  # of the first one
-    since: float  # when the first one was made (the publisher's clock)
+    since: float  # the step before the first one (the publisher's clock)
     token_ids: list[int] = field(default_factory=list)
     texts: list[str] = field(default_factory=list)  # what each token adds to the text
 
@@ -210,10 +210,14 @@ class Publisher:
     def _due(self, outputs: list[SeqOutput]) -> list[Held]:
         """Take this step's tokens into their jobs' held events; return the
         events to send now: a job's first token, a job that ended, an event of
-        ``max_tokens``, and one whose oldest token would wait past the window
-        if it stayed until the next step (the last step took as long)."""
+        ``max_tokens``, and one that would leave its consumer waiting past the
+        window if it stayed until the next step (taken to last as long as the
+        last one). The wait counts from the step before the event's first
+        token, when the job's event before it went out at the latest: so the
+        time between two events of a job stays within the window."""
         now = self.clock()
-        next_step = now - self._last_send if self._last_send is not None else 0.0
+        before = self._last_send if self._last_send is not None else now
+        next_step = now - before
         self._last_send = now
         due: list[Held] = []
         ended: set[str] = set()
@@ -228,10 +232,10 @@ class Publisher:
                 due.append(self.held.pop(job_id))  # another run of the job: not one event
                 held = None
             if held is None:
-                held = self.held[job_id] = Held(o.seq, o.index, now)
+                held = self.held[job_id] = Held(o.seq, o.index, since=before)
             held.token_ids.append(o.token_id)  # type: ignore[arg-type]
             held.texts.append(o.text)
-        horizon = now + next_step - self.window_s
+        horizon = now + next_step - self.window_s + 1e-6  # a microsecond: the window reached
         for job_id, held in list(self.held.items()):
             if (held.index == 0 or job_id in ended or len(held.token_ids) >= self.max_tokens
                     or held.since <= horizon):

@@ -36,6 +36,7 @@ from tokenfleet.workers.bench.procs import (
     rss_bytes,
     wait_for,
 )
+from tokenfleet.workers.bench.redis_cost import cost, sample
 from tokenfleet.workers.bench.taps import EventTap, ResultTap
 from tokenfleet.workers.bench.workload import Job, Trace, occupancy_from_stats, step_counts, summarize
 
@@ -215,6 +216,7 @@ class FleetSession:
         n = len(jobs)
         before = self.settled_stats(self.jobs_seen)
         cpu0, rcpu0 = cpu_seconds(self.worker.pid), redis_cpu_seconds(self.redis)
+        redis0 = sample(self.redis)
         trace = Trace.empty(n)
         ids: list[bytes] = [b""] * n
         self._count, self._target, self._tick = 0, n, tick
@@ -235,6 +237,7 @@ class FleetSession:
         self._wait(self._all_done, timeout)
         self._tick = _no_tick
         cpu1, rcpu1 = cpu_seconds(self.worker.pid), redis_cpu_seconds(self.redis)
+        redis1 = sample(self.redis)
         self.jobs_seen += n
         after = self.settled_stats(self.jobs_seen)
         for i, job_id in enumerate(ids):
@@ -246,6 +249,7 @@ class FleetSession:
                             extra=step_counts(before, after))
         figures["worker_cpu_s"] = round(cpu1 - cpu0, 3)
         figures["redis_cpu_s"] = round(rcpu1 - rcpu0, 3)
+        figures.update(cost(redis0, redis1, figures["tokens"]))
         figures["worker_rss_mb"] = round(rss_bytes(self.worker.pid) / 2**20, 1)
         return figures
 

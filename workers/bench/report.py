@@ -8,6 +8,8 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from tokenfleet.workers.bench import redis_cost
+
 # The targets, on a 2-core machine with the CPU build of torch.
 FLEET_VS_DIRECT = {64: 0.90, 256: 0.80}
 FLEET_VS_NAIVE = {64: 8.0}
@@ -84,7 +86,7 @@ def judge(results: dict[str, Any]) -> list[dict[str, Any]]:
     if memory:
         add(f"worker memory growth per job over {memory['jobs']} jobs (bytes)",
             memory["growth_bytes_per_job"], GROWTH_BYTES_PER_JOB, False)
-    return targets
+    return targets + redis_cost.targets(results)
 
 
 def fmt(value: Any, digits: int = 1) -> str:
@@ -129,6 +131,7 @@ def render(results: dict[str, Any], console: Console) -> None:
                       fmt(naive["ttft_p99_ms"], 2), "-", "-", "-", "", "")
     console.print(table)
     _render_costs(results, console)
+    redis_cost.render(results, console)
     render_targets(results["targets"], console)
 
 

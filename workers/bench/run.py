@@ -6,6 +6,8 @@ overhead mode (the fleet with the null runner). The naive Celery worker runs
 one task at a time whatever the concurrency, so it runs once. A low-load probe
 (one job at a time) measures what the fleet adds to the time to first token,
 and ``soak`` passes many jobs through one worker while watching its memory.
+``absorb`` sweeps K null-runner workers at each batch size against one Redis
+(``redis_cost``).
 """
 
 from __future__ import annotations
@@ -29,13 +31,14 @@ from rich.progress import (
     TimeElapsedColumn,
 )
 
+from tokenfleet.workers.bench import redis_cost
 from tokenfleet.workers.bench.modes import BenchEnv, Direct, FleetSession, NaiveSession, Tick, publish_cost
 from tokenfleet.workers.bench.procs import BenchError, RedisProc
 from tokenfleet.workers.bench.report import judge, ratios
 from tokenfleet.workers.bench.workload import Job, make_jobs
 from tokenfleet.workers.null_runner import NULL_MODEL
 
-MODES = ("direct", "fleet", "naive", "overhead")
+MODES = ("direct", "fleet", "naive", "overhead", "absorb")
 
 
 @dataclass
@@ -53,6 +56,8 @@ class BenchConfig:
     overhead_jobs: int = 2000  # one-token jobs (and Celery no-op tasks) for the per-job cost
     soak: int = 0  # jobs through one worker while its memory is watched; 0: no soak
     repeat: int = 1  # runs of each measurement, taking turns; the best one is kept
+    absorb_workers: list[int] = field(default_factory=lambda: [1, 2, 4])  # K of the sweep
+    absorb_tokens: int = 200_000  # tokens per point of the sweep
 
     def check(self) -> None:
         unknown = set(self.modes) - set(MODES)
@@ -61,6 +66,9 @@ class BenchConfig:
                              f"choose from {', '.join(MODES)}")
         if not self.concurrency or min(self.concurrency) < 1:
             raise BenchError("--concurrency needs one or more positive numbers, e.g. 1,4,16")
+        if not self.absorb_workers or min(self.absorb_workers) < 1 or self.absorb_tokens < 1:
+            raise BenchError("--absorb-workers needs one or more positive numbers, e.g. 1,2,4, "
+                             "and --absorb-tokens a positive number")
         if (min(self.jobs, self.max_new_tokens, self.probe_jobs, self.repeat) < 1
                 or self.overhead_jobs < 2):
             raise BenchError("--jobs, --max-new-tokens, --probe-jobs and --repeat must be at "
@@ -130,7 +138,8 @@ def _run_modes(cfg: BenchConfig, env: BenchEnv, jobs: list[Job], probe: list[Job
                ticker: Ticker) -> dict[str, Any]:
     modes = set(cfg.modes)
     out: dict[str, Any] = {"direct": {}, "fleet": {}, "naive": None, "overhead": {},
-                           "overhead_costs": None, "low_load": None, "memory": None}
+                           "overhead_costs": None, "low_load": None, "memory": None,
+                           "absorb": None}
     direct = None
     if "direct" in modes:
         with ticker.phase("loading the model", 1):
@@ -198,6 +207,9 @@ def _run_modes(cfg: BenchConfig, env: BenchEnv, jobs: list[Job], probe: list[Job
                 out["overhead_costs"] = costs
     if cfg.soak:
         out["memory"] = _soak(cfg, env, ticker)
+    if "absorb" in modes:
+        out["absorb"] = redis_cost.absorb(env, levels, cfg.absorb_workers, cfg.absorb_tokens,
+                                          ticker.phase)
     return out
 
 

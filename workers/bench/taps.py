@@ -74,7 +74,9 @@ class EventTap(PatternTap):
             if self.on_end is not None:
                 self.on_end(suffix)
         elif self.record:
-            self.tokens[suffix].append(when)
+            # An event carries one token or several (the worker coalesces them):
+            # a time for each, all heard at once.
+            self.tokens[suffix].extend([when] * len(loads(data)["token_ids"]))
 
 
 class ResultTap(PatternTap):
