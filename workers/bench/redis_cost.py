@@ -123,10 +123,17 @@ class Pool:
             self._done.set()
 
     def broadcast(self, command: str, nodes: list[str]) -> None:
-        replies = self._control.control.broadcast(command, destination=nodes, reply=True,
-                                                  timeout=10)
-        if len(replies) < len(nodes):
-            raise BenchError(f"not every worker of {nodes} answered `control {command}`")
+        """``control command`` to ``nodes``; asked again, up to three times, of
+        those that did not answer (a worker busy on a loaded machine)."""
+        left = list(nodes)
+        for _ in range(3):
+            replies = self._control.control.broadcast(command, destination=left, reply=True,
+                                                      timeout=10)
+            answered = {node for reply in replies for node in reply}
+            left = [node for node in left if node not in answered]
+            if not left:
+                return
+        raise BenchError(f"workers {left} did not answer `control {command}` in 30 s")
 
     def run(self, active: int, jobs: int, tokens_per_job: int,
             block_s: float = 0.3) -> dict[str, Any]:

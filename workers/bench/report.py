@@ -129,7 +129,8 @@ def render(results: dict[str, Any], console: Console) -> None:
         table.add_row("any", "naive", fmt(naive["tokens_per_s"], 0),
                       fmt(naive["jobs_per_s"]), fmt(naive["ttft_p50_ms"], 2),
                       fmt(naive["ttft_p99_ms"], 2), "-", "-", "-", "", "")
-    console.print(table)
+    if table.rows:  # none when only the absorb sweep ran
+        console.print(table)
     _render_costs(results, console)
     redis_cost.render(results, console)
     render_targets(results["targets"], console)
