@@ -16,8 +16,7 @@ from tokenfleet.shared.serialization import loads
 from tokenfleet.workers.detokenizer import TextStream
 from tokenfleet.workers.null_runner import null_tokenizer
 from tokenfleet.workers.publisher import Publisher
-from tokenfleet.workers.scheduler import SeqOutput
-from tokenfleet.workers.sequence import Sequence
+from tokenfleet.workers.sequence import SeqOutput, Sequence
 
 pytestmark = pytest.mark.timeout(60)
 
