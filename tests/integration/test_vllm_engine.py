@@ -10,7 +10,6 @@ import json
 import os
 import subprocess
 import sys
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -25,7 +24,7 @@ from tokenfleet.shared.keys import GROUP, Keys  # noqa: E402
 from tokenfleet.shared.schemas import FinishReason  # noqa: E402
 from tokenfleet.shared.settings import Settings  # noqa: E402
 
-from helpers import direct_greedy, wait_until  # noqa: E402
+from helpers import ChannelTally, direct_greedy, wait_until  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -104,7 +103,7 @@ def test_streams_are_whole_and_each_job_keeps_its_stop_strings(
         events = list(client.stream(job_id, timeout=60))
         state = client.wait(job_id, timeout=60)
         assert state.status is JobStatus.SUCCEEDED and state.text == text
-        assert [e.index for e in events] == list(range(len(state.token_ids)))
+        assert [t for e in events for t in e.token_ids] == state.token_ids
         assert "".join(e.text for e in events) == state.text
     state = client.wait(stopped, timeout=60)
     assert state.finish_reason == FinishReason.STOP and "(" not in state.text
@@ -138,27 +137,7 @@ def test_kill_9_of_a_vllm_worker_resumes_its_jobs_from_their_logs_without_a_dupl
     jobs = [(f"{PROMPTS[i % len(PROMPTS)]} {i}", 40 + i % 3 * 20) for i in range(24)]
     job_ids = [client.submit(p, max_new_tokens=n, temperature=0.0, require_worker=False)
                for p, n in jobs]
-    tokens: dict[tuple[str, int], int] = {}
-    lock = threading.Lock()
-    stop = threading.Event()
-
-    def tally() -> None:  # every token event published, by (job, index)
-        pubsub = redis.Redis.from_url(settings.redis_url).pubsub()
-        pubsub.psubscribe(keys.events("*"))
-        prefix = len(keys.events(""))
-        from tokenfleet.shared.serialization import loads
-        while not stop.is_set():
-            message = pubsub.get_message(timeout=0.2)
-            if message and message["type"] == "pmessage":
-                event = loads(message["data"])
-                if event["k"] == "tok":
-                    key = (message["channel"].decode()[prefix:], event["index"])
-                    with lock:
-                        tokens[key] = tokens.get(key, 0) + 1
-        pubsub.close()
-
-    listener = threading.Thread(target=tally, daemon=True)
-    listener.start()
+    tally = ChannelTally(settings.redis_url, keys)
     engine_env = {"TOKENFLEET_ENGINE": "vllm", "TOKENFLEET_MAX_BATCH": "8",
                   "TOKENFLEET_CLAIM_IDLE_S": "2", "TOKENFLEET_VLLM_CPU_KV_CACHE_BYTES": str(64 << 20)}
     first = celery_workers("vllm@first", **engine_env)
@@ -171,13 +150,14 @@ def test_kill_9_of_a_vllm_worker_resumes_its_jobs_from_their_logs_without_a_dupl
     first.kill()  # SIGKILL: no drain, no hand-back
     celery_workers("vllm@second", **engine_env)
     states = [client.wait(j, timeout=200) for j in job_ids]
-    stop.set()
-    listener.join(timeout=5)
+    tally.close()
 
     assert [s.status for s in states] == [JobStatus.SUCCEEDED] * len(jobs)
     assert any(s.attempts > 1 for s in states), "the kill hit no job in flight"
-    assert all(count == 1 for count in tokens.values()), "a token was published twice"
+    assert tally.duplicated == 0, "a token was published twice"
+    assert all(tally.ends[j] == 1 for j in job_ids), "an end was published twice"
     assert [s.text for s in states] == direct_greedy(loaded_tiny, jobs)
     for state in states:
-        assert [e.index for e in client.stream(state.id, timeout=10)] == \
-            list(range(len(state.token_ids)))
+        events = list(client.stream(state.id, timeout=10))
+        assert [t for e in events for t in e.token_ids] == state.token_ids
+        assert "".join(e.text for e in events) == state.text
