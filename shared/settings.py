@@ -7,11 +7,14 @@ defaults and limits. Environment variables are ``TOKENFLEET_<FIELD>``.
 from __future__ import annotations
 
 from functools import lru_cache
+from typing import Annotated, Literal
 
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from tokenfleet.shared.keys import QUEUE_NAME_RULE, is_queue_name
+
+MAX_BATCH_LIMIT = 4096  # the largest max_batch a worker takes
 
 
 class Settings(BaseSettings):
@@ -26,12 +29,16 @@ class Settings(BaseSettings):
     queue: str = "default"
     device: str = "cpu"
     dtype: str = "auto"
-    torch_threads: int = Field(default=0, ge=0, description="0 keeps torch's own choice")
+    # Torch's threads on the CPU; 0: this host's cores shared among its
+    # workers (``host_workers``, which ``tokenfleet worker`` sets for its own).
+    torch_threads: int = Field(default=0, ge=0)
+    host_workers: int = Field(default=1, ge=1)
 
     # Engine shape: how many sequences decode together, how many extra jobs a
     # worker may hold beyond its free slots (prefetch), and how long the feeder
-    # blocks on an empty stream before it looks again.
-    max_batch: int = Field(default=32, ge=1, le=4096)
+    # blocks on an empty stream before it looks again. "auto": as many as the
+    # KV cache's memory budget holds at the longest sequence (workers/budget.py).
+    max_batch: Annotated[int, Field(ge=1, le=MAX_BATCH_LIMIT)] | Literal["auto"] = "auto"
     prefetch: int = Field(default=4, ge=0, le=4096)
     block_ms: int = Field(default=200, ge=1)
 
@@ -48,8 +55,17 @@ class Settings(BaseSettings):
     max_stop_strings: int = Field(default=8, ge=0)
     max_metadata_bytes: int = Field(default=4096, ge=0)
     # A worker's running batch may hold at most this many tokens (prompts plus
-    # max_new_tokens of every running job): the bound on its KV cache.
-    max_batch_tokens: int = Field(default=262_144, ge=1)
+    # max_new_tokens of every running job): the bound on its KV cache. "auto":
+    # what the memory budget holds.
+    max_batch_tokens: Annotated[int, Field(ge=1)] | Literal["auto"] = "auto"
+    # The KV cache's memory budget, for the "auto"s above: on CUDA this share of
+    # the GPU memory free once the model is loaded (vLLM's gpu_memory_utilization
+    # counts the weights too; this counts what they left); on the CPU this share
+    # of the available RAM, split among the host's workers, at most
+    # cpu_kv_cache_gib (past a few GiB a CPU is compute-bound anyway).
+    gpu_memory_utilization: float = Field(default=0.9, gt=0, le=1)
+    cpu_memory_fraction: float = Field(default=0.5, gt=0, le=1)
+    cpu_kv_cache_gib: float = Field(default=8.0, gt=0)
 
     # Prometheus metrics on this port (one worker process per port); None: off.
     metrics_port: int | None = Field(default=None, ge=1, le=65535)

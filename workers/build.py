@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import logging
 import os
+from pathlib import Path
 from typing import Any
 
 from tokenfleet.shared import models
 from tokenfleet.shared.settings import Settings
+from tokenfleet.workers import budget
 from tokenfleet.workers.null_runner import NULL_MODEL, NullRunner, null_tokenizer
 from tokenfleet.workers.runner import HFRunner
 from tokenfleet.workers.service import Worker
@@ -16,11 +18,33 @@ log = logging.getLogger(__name__)
 
 
 def cpu_threads(settings: Settings) -> int:
-    """Torch's intra-op threads on the CPU. Left to itself torch takes every core,
-    and two processes (or a worker and a busy Redis) spinning on the same cores
-    run a hundred times slower than one thread each; so by default a CPU worker
-    takes half the cores."""
-    return settings.torch_threads or max(1, (os.cpu_count() or 2) // 2)
+    """Torch's intra-op threads on the CPU: this host's cores shared among its
+    worker processes (``host_workers``), so a worker alone on two cores takes
+    both, and two take one each.
+
+    No core is held back for Redis, the feeder or the publisher: they wait on
+    I/O and run while the engine thread is between steps, and on two cores a
+    second torch thread gives 1.6 times the tokens of one (issue 13's 86M
+    model). What must not happen is more threads than cores across the
+    processes of a host: torch's threads spin while they wait for each other,
+    and two processes spinning on the same cores run many times slower."""
+    return settings.torch_threads or max(1, usable_cores() // settings.host_workers)
+
+
+def usable_cores() -> int:
+    """The cores this process may run on: its CPU affinity (taskset, cpusets),
+    or fewer where a cgroup quota (docker --cpus) allows less."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        cores = os.cpu_count() or 1
+    try:
+        quota, period = Path("/sys/fs/cgroup/cpu.max").read_text().split()
+        if quota != "max":
+            cores = min(cores, max(1, int(quota) // int(period)))
+    except (OSError, ValueError):
+        pass
+    return cores
 
 
 def build_worker(settings: Settings, name: str, redis: Any = None) -> Worker:
@@ -29,6 +53,7 @@ def build_worker(settings: Settings, name: str, redis: Any = None) -> Worker:
         tokenizer = null_tokenizer()
         null = NullRunner(tokenizer)
         log.info("serving with the null runner: no model, one fixed token per step")
+        settings = budget.apply(settings, budget.resolve(settings, None, null.max_model_len))
         return Worker(settings, null, tokenizer, name=name, eos_token_ids=null.eos_token_ids,
                       max_model_len=null.max_model_len, redis=redis)
 
@@ -40,5 +65,6 @@ def build_worker(settings: Settings, name: str, redis: Any = None) -> Worker:
     runner = HFRunner(model, tokenizer)
     log.info("loaded model %s on %s (%d threads)", settings.model, settings.device,
              torch.get_num_threads())
+    settings = budget.apply(settings, budget.resolve(settings, model, runner.max_model_len))
     return Worker(settings, runner, tokenizer, name=name, eos_token_ids=runner.eos_token_ids,
                   max_model_len=runner.max_model_len, redis=redis)

@@ -107,6 +107,15 @@ def demo(redis_url: str | None, max_new_tokens: int, temperature: float,
     run_demo(redis_url, list(prompts) or PROMPTS, max_new_tokens, temperature)
 
 
+def _batch_size(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    from tokenfleet.shared.settings import MAX_BATCH_LIMIT
+
+    if value is None or value == "auto" or (value.isdigit() and 1 <= int(value) <= MAX_BATCH_LIMIT):
+        return value
+    raise click.BadParameter(f"{value!r}: give 'auto' or a number of sequences from 1 to "
+                             f"{MAX_BATCH_LIMIT}")
+
+
 @main.command()
 @click.option("--gpus", default=None,
               help="GPU ids '0,1', 'all' or 'none' (default: all if any GPU is seen)")
@@ -117,7 +126,9 @@ def demo(redis_url: str | None, max_new_tokens: int, temperature: float,
 @click.option("--name", default=None,
               help="worker name base; each process is <name>-gpu<i>@<host> or <name>-cpu@<host> "
                    "(default: the queue)")
-@click.option("--max-batch", type=int, default=None)
+@click.option("--max-batch", callback=_batch_size, default=None, metavar="auto|N",
+              help="sequences decoding together: 'auto' (the default: as many as the KV cache's "
+                   "memory budget holds) or a number")
 @click.option("--prefetch", type=int, default=None)
 @click.option("--metrics-port", type=int, default=None,
               help="serve Prometheus metrics; the worker of the i-th GPU uses PORT+i")
@@ -144,8 +155,11 @@ def worker(gpus: str | None, name: str | None, loglevel: str, metrics_port: int 
     procs = plan(chosen, base=name or settings.queue, host=socket.gethostname())
     _check_names([p.node for p in procs])
     children = []
+    # The processes that share this host's cores and RAM (workers/build.py's
+    # cpu_threads, workers/budget.py): ours, unless the environment counts more.
+    shared = {"TOKENFLEET_HOST_WORKERS": os.environ.get("TOKENFLEET_HOST_WORKERS") or str(len(procs))}
     for index, proc in enumerate(procs):
-        env = {**os.environ, **proc.env}
+        env = {**os.environ, **shared, **proc.env}
         if metrics_port is not None:
             env["TOKENFLEET_METRICS_PORT"] = str(metrics_port + index)
         children.append(Child(proc.node, celery_command(proc.node, loglevel), env))

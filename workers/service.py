@@ -34,6 +34,7 @@ from tokenfleet.shared.schemas import FinishReason
 from tokenfleet.shared.serialization import dumps
 from tokenfleet.shared.settings import Settings
 from tokenfleet.workers.admission import Admission
+from tokenfleet.workers.budget import resolved
 from tokenfleet.workers.engine import DeviceFailure, Engine, Runner
 from tokenfleet.workers.feeder import Feeder
 from tokenfleet.workers.metrics import Metrics
@@ -70,9 +71,11 @@ class Worker:
         self.model_name = model_name or settings.model
         self.keys = Keys(settings.namespace)
         self.redis = redis or connect(settings.redis_url)
-        self.scheduler = Scheduler(settings.max_batch, eos_token_ids, max_model_len,
+        # Numbers, not "auto": build_worker sizes them from the model's memory.
+        self.max_batch, max_batch_tokens = resolved(settings)
+        self.scheduler = Scheduler(self.max_batch, eos_token_ids, max_model_len,
                                    max_failures=settings.max_attempts,
-                                   max_batch_tokens=settings.max_batch_tokens)
+                                   max_batch_tokens=max_batch_tokens)
         self.engine = Engine(self.scheduler, runner, max_failed_steps=settings.max_failed_steps)
         self.publisher = Publisher(self.redis, self.keys, settings, name)
         # Ids of the jobs this worker runs now (shared: the feeder thread reads
@@ -120,7 +123,7 @@ class Worker:
             thread.start()
             self._threads.append(thread)
         log.info("worker %s serving queue %r (max batch %d, prefetch %d)",
-                 self.name, self.queue, self.settings.max_batch, self.settings.prefetch)
+                 self.name, self.queue, self.max_batch, self.settings.prefetch)
 
     def stop(self, grace_s: float | None = None) -> None:
         """Warm shutdown: stop reading, finish what runs within the grace period,
@@ -175,7 +178,7 @@ class Worker:
 
     def credits(self) -> int:
         held = self.scheduler.num_running + self.scheduler.num_waiting + len(self._inbox)
-        return self.settings.max_batch + self.settings.prefetch - held
+        return self.max_batch + self.settings.prefetch - held
 
     def cancel(self, job_id: str) -> None:
         self._aborts.append((job_id, FinishReason.CANCELLED))
@@ -354,7 +357,7 @@ class Worker:
             "name": self.name, "host": socket.gethostname(), "pid": os.getpid(),
             "queue": self.queue, "model": self.model_name, "device": self.settings.device,
             "chat": int(self.feeder.admission.has_chat_template),  # for the gateway's chat
-            "max_batch": self.settings.max_batch, "prefetch": self.settings.prefetch,
+            "max_batch": self.max_batch, "prefetch": self.settings.prefetch,
             "running": self.scheduler.num_running, "waiting": self.scheduler.num_waiting,
             "draining": int(self.feeder.paused.is_set() or self._stop_intake.is_set()),
             "fatal": self.fatal_reason or "",

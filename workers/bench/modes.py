@@ -85,10 +85,14 @@ class Direct:
 
         if device == "cpu":
             torch.set_num_threads(threads)
+        from tokenfleet.workers import budget
+        from tokenfleet.workers.runner import HFRunner
+
         self.model, self.tokenizer = models.load(model, device, dtype)
-        settings = Settings()  # the worker's defaults, for the same scheduler
+        settings = Settings(device=device)  # the worker's defaults, for the same scheduler
         self.prefetch = settings.prefetch
-        self.max_batch_tokens = settings.max_batch_tokens
+        max_model_len = HFRunner(self.model, self.tokenizer).max_model_len
+        self.max_batch_tokens = budget.resolve(settings, self.model, max_model_len).max_batch_tokens
 
     def run(self, jobs: list[Job], max_batch: int, tick: Tick = _no_tick,
             closed_loop: bool = False) -> dict[str, Any]:
