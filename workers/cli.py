@@ -11,6 +11,8 @@ from typing import Any
 
 import click
 
+from tokenfleet.workers.bench.workload import WORKLOADS
+
 ENV_OPTIONS = {  # CLI option -> setting, passed on through the environment
     "redis_url": "TOKENFLEET_REDIS_URL",
     "model": "TOKENFLEET_MODEL",
@@ -433,6 +435,8 @@ def _int_list(ctx: click.Context, param: click.Parameter, value: str) -> list[in
               callback=_int_list, help="concurrent jobs (the engine's batch size), comma-separated")
 @click.option("--max-new-tokens", default=32, show_default=True,
               help="the longest job; lengths spread over half of this to all of it")
+@click.option("--workload", type=click.Choice(WORKLOADS), default="uniform",
+              show_default=True, help="mixed: long-tailed prompt and output lengths, as chat's")
 @click.option("--rate", type=float, default=None,
               help="jobs per second arriving at a fixed rate (default: all submitted at once)")
 @click.option("--modes", default="direct,fleet,naive,overhead", show_default=True,
@@ -455,7 +459,7 @@ def _int_list(ctx: click.Context, param: click.Parameter, value: str) -> list[in
               help="one-token jobs and Celery no-op tasks for the per-job cost")
 @click.option("--repeat", default=1, show_default=True,
               help="run each measurement this many times, modes taking turns; keep the best")
-def bench(model: str, jobs: int, concurrency: list[int], max_new_tokens: int,
+def bench(model: str, jobs: int, concurrency: list[int], max_new_tokens: int, workload: str,
           rate: float | None, modes: str, redis_url: str | None, json_path: Path | None,
           plot_path: Path | None, device: str, dtype: str, soak: int, probe_jobs: int,
           overhead_jobs: int, repeat: int) -> None:
@@ -467,7 +471,7 @@ def bench(model: str, jobs: int, concurrency: list[int], max_new_tokens: int,
     from tokenfleet.workers.bench.run import BenchConfig, run_bench
 
     cfg = BenchConfig(model=model, jobs=jobs, concurrency=concurrency,
-                      max_new_tokens=max_new_tokens, rate=rate,
+                      max_new_tokens=max_new_tokens, workload=workload, rate=rate,
                       modes=[m.strip() for m in modes.split(",") if m.strip()],
                       redis_url=redis_url, device=device, dtype=dtype, soak=soak,
                       probe_jobs=probe_jobs,
