@@ -16,7 +16,14 @@ from pathlib import Path
 import pytest
 
 from tokenfleet.workers.bench.report import judge, ratios
-from tokenfleet.workers.bench.workload import FIELDS, Trace, describe, make_jobs, percentile, summarize
+from tokenfleet.workers.bench.workload import (
+    FIELDS,
+    Trace,
+    describe,
+    make_jobs,
+    percentile,
+    summarize,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 

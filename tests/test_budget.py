@@ -62,7 +62,8 @@ def test_cpu_budget_is_a_share_of_available_ram_split_among_the_hosts_workers_an
     monkeypatch.setattr(budget, "available_ram", lambda: 8 * GIB)
     cpu = torch.device("cpu")
     assert budget.memory_for_kv(Settings(cpu_memory_fraction=0.5), cpu)[0] == 4 * GIB
-    assert budget.memory_for_kv(Settings(cpu_memory_fraction=0.5, host_workers=2), cpu)[0] == 2 * GIB
+    two = Settings(cpu_memory_fraction=0.5, host_workers=2)
+    assert budget.memory_for_kv(two, cpu)[0] == 2 * GIB
     assert budget.memory_for_kv(Settings(cpu_kv_cache_gib=1), cpu)[0] == GIB
 
 

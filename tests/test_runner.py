@@ -99,7 +99,8 @@ def test_sampled_tokens_follow_the_distribution_seeded_or_not() -> None:
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05, 0.0]])).repeat(2, 1)
     counts = torch.zeros(2, 5)
     for i in range(4000):
-        rows = seqs_with([SamplingParams(temperature=1.0), SamplingParams(temperature=1.0, seed=i)])
+        rows = seqs_with([SamplingParams(temperature=1.0),
+                          SamplingParams(temperature=1.0, seed=i)])
         for row, token in enumerate(sample(logits.clone(), rows)):
             counts[row, token] += 1
     assert counts[:, 4].sum() == 0  # a token of probability 0 is never drawn

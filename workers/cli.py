@@ -112,7 +112,8 @@ def demo(redis_url: str | None, max_new_tokens: int, temperature: float,
 def _batch_size(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
     from tokenfleet.shared.settings import MAX_BATCH_LIMIT
 
-    if value is None or value == "auto" or (value.isdigit() and 1 <= int(value) <= MAX_BATCH_LIMIT):
+    if value is None or value == "auto" or (value.isdigit()
+                                            and 1 <= int(value) <= MAX_BATCH_LIMIT):
         return value
     raise click.BadParameter(f"{value!r}: give 'auto' or a number of sequences from 1 to "
                              f"{MAX_BATCH_LIMIT}")
@@ -159,7 +160,8 @@ def worker(gpus: str | None, name: str | None, loglevel: str, metrics_port: int 
     children = []
     # The processes that share this host's cores and RAM (workers/build.py's
     # cpu_threads, workers/budget.py): ours, unless the environment counts more.
-    shared = {"TOKENFLEET_HOST_WORKERS": os.environ.get("TOKENFLEET_HOST_WORKERS") or str(len(procs))}
+    shared = {"TOKENFLEET_HOST_WORKERS":
+              os.environ.get("TOKENFLEET_HOST_WORKERS") or str(len(procs))}
     for index, proc in enumerate(procs):
         env = {**os.environ, **shared, **proc.env}
         if metrics_port is not None:

@@ -22,7 +22,6 @@ from itertools import chain
 import torch
 
 from tokenfleet.shared.schemas import SamplingParams
-
 from tokenfleet.workers.sequence import Sequence
 
 
@@ -67,6 +66,8 @@ def _draw(logits: torch.Tensor, seqs: Seq[Sequence]) -> torch.Tensor:
     temperature, top_k, top_p, seeded_u = table.unbind(dim=1)
     scaled = logits / temperature[:, None].float()
     scaled = _top_k_top_p(scaled, top_k, top_p, params)
+    # In float32 a token's share of the running sum is off by about 1e-7 of the
+    # sum at most: far below any probability that matters to a draw.
     cdf = torch.softmax(scaled, dim=-1).cumsum(dim=-1)
     # Unseeded rows draw from torch's generator, in one call for all of them.
     u = torch.where(seeded_u >= 0, seeded_u, torch.rand(rows, dtype=torch.float64, device=device))
@@ -74,7 +75,8 @@ def _draw(logits: torch.Tensor, seqs: Seq[Sequence]) -> torch.Tensor:
     # Scale u to the row's own total (float sums stop a hair off 1) and keep it
     # below that total, so the search never runs past the last token; a token of
     # zero probability adds nothing to the sum and so is never the first to pass u.
-    target = torch.minimum((u[:, None] * total).float(), torch.nextafter(total, torch.zeros_like(total)))
+    below = torch.nextafter(total, torch.zeros_like(total))
+    target = torch.minimum((u[:, None] * total).float(), below)
     return torch.searchsorted(cdf, target, right=True).squeeze(1).clamp_max(vocab - 1)
 
 
