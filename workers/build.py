@@ -23,11 +23,15 @@ def cpu_threads(settings: Settings) -> int:
     both, and two take one each.
 
     No core is held back for Redis, the feeder or the publisher: they wait on
-    I/O and run while the engine thread is between steps, and on two cores a
-    second torch thread gives 1.6 times the tokens of one (issue 13's 86M
-    model). What must not happen is more threads than cores across the
-    processes of a host: torch's threads spin while they wait for each other,
-    and two processes spinning on the same cores run many times slower."""
+    I/O and mostly run while the engine thread is between steps, and a worker
+    alone on two cores made 1.6 times the tokens with two threads (issue 13,
+    the 86M model). What the default cannot see is other work on the host:
+    torch's threads spin at every op's end waiting for each other, so one
+    thread descheduled stalls the op. With other processes keeping these two
+    cores busy (a load average of 3-7), two threads made 0.3-0.9 times the
+    tokens of one on the 86M model (the bench taking turns): on such a host,
+    or with more than one worker per host outside ``tokenfleet worker``, set
+    TOKENFLEET_TORCH_THREADS or TOKENFLEET_HOST_WORKERS."""
     return settings.torch_threads or max(1, usable_cores() // settings.host_workers)
 
 
