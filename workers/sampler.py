@@ -36,15 +36,15 @@ def sample_ids(logits: torch.Tensor, seqs: Seq[Sequence]) -> torch.Tensor:
     params = [s.sampling for s in seqs]
     if any(p.repetition_penalty != 1.0 for p in params):
         logits = _penalise(logits, seqs)
-    greedy = logits.argmax(dim=-1)
     drawn = [row for row, p in enumerate(params) if p.temperature != 0.0]
     if not drawn:
-        return greedy
-    if len(drawn) < len(params):  # only the rows that sample pay for it
-        index = _to_device(torch.tensor(drawn), logits.device)
-        picked = _draw(logits.index_select(0, index), [seqs[row] for row in drawn])
-        return greedy.index_copy(0, index, picked)
-    return _draw(logits, seqs)
+        return logits.argmax(dim=-1)
+    if len(drawn) == len(params):
+        return _draw(logits, seqs)
+    # Greedy and sampled rows together: only the rows that sample pay for it.
+    index = _to_device(torch.tensor(drawn), logits.device)
+    picked = _draw(logits.index_select(0, index), [seqs[row] for row in drawn])
+    return logits.argmax(dim=-1).index_copy(0, index, picked)
 
 
 def seeded_uniform(seed: int, index: int) -> float:
