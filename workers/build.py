@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import logging
 import os
+from pathlib import Path
 from typing import Any
 
 from tokenfleet.shared import models
 from tokenfleet.shared.settings import Settings
+from tokenfleet.workers import budget
 from tokenfleet.workers.engine import Engine
 from tokenfleet.workers.hf_engine import HFEngine, Runner
 from tokenfleet.workers.null_runner import NULL_MODEL, NullRunner, null_tokenizer
@@ -20,30 +22,62 @@ log = logging.getLogger(__name__)
 
 
 def cpu_threads(settings: Settings) -> int:
-    """Torch's intra-op threads on the CPU. Left to itself torch takes every core,
-    and two processes (or a worker and a busy Redis) spinning on the same cores
-    run a hundred times slower than one thread each; so by default a CPU worker
-    takes half the cores."""
-    return settings.torch_threads or max(1, (os.cpu_count() or 2) // 2)
+    """Torch's intra-op threads on the CPU: this host's cores shared among its
+    worker processes (``host_workers``), so a worker alone on two cores takes
+    both, and two take one each.
+
+    No core is held back for Redis, the feeder or the publisher: they wait on
+    I/O and mostly run while the engine thread is between steps, and a worker
+    alone on two cores made 1.6 times the tokens with two threads (issue 13,
+    the 86M model). What the default cannot see is other work on the host:
+    torch's threads spin at every op's end waiting for each other, so one
+    thread descheduled stalls the op. With other processes keeping these two
+    cores busy (a load average of 3-7), two threads made 0.3-0.9 times the
+    tokens of one on the 86M model (the bench taking turns): on such a host,
+    or with more than one worker per host outside ``tokenfleet worker``, set
+    TOKENFLEET_TORCH_THREADS or TOKENFLEET_HOST_WORKERS."""
+    return settings.torch_threads or max(1, usable_cores() // settings.host_workers)
+
+
+def usable_cores() -> int:
+    """The cores this process may run on: its CPU affinity (taskset, cpusets),
+    or fewer where a cgroup quota (docker --cpus) allows less."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        cores = os.cpu_count() or 1
+    try:
+        quota, period = Path("/sys/fs/cgroup/cpu.max").read_text().split()
+        if quota != "max":
+            cores = min(cores, max(1, int(quota) // int(period)))
+    except (OSError, ValueError):
+        pass
+    return cores
 
 
 def build_worker(settings: Settings, name: str, redis: Any = None) -> Worker:
-    engine, tokenizer = build_engine(settings)
+    engine, tokenizer, settings = build_engine(settings)
     return Worker(settings, engine, tokenizer, name=name, redis=redis)
 
 
-def build_engine(settings: Settings) -> tuple[Engine, Any]:
-    """The engine the settings ask for, with the tokenizer its jobs are admitted by."""
+def build_engine(settings: Settings) -> tuple[Engine, Any, Settings]:
+    """The engine the settings ask for, the tokenizer its jobs are admitted by,
+    and the settings with the batch sizes left at "auto" sized for it."""
     if settings.model == NULL_MODEL:
         # No model at all (``tokenfleet bench``'s overhead mode): the fleet's own cost.
         tokenizer = null_tokenizer()
         null = NullRunner(tokenizer)
         log.info("serving with the null runner: no model, one fixed token per step")
-        return hf_engine(settings, null, null.eos_token_ids, null.max_model_len), tokenizer
+        settings = budget.apply(settings, budget.resolve(settings, None, null.max_model_len))
+        engine = hf_engine(settings, null, null.eos_token_ids, null.max_model_len)
+        return engine, tokenizer, settings
     if settings.engine == "vllm":
         from tokenfleet.workers.vllm_engine import VLLMEngine
 
-        return VLLMEngine.build(settings)
+        # vLLM sizes its own KV cache; "auto" is its own default of sequences.
+        settings = budget.apply(settings, budget.resolve(settings, None, 1))
+        vllm_engine, tokenizer = VLLMEngine.build(settings)
+        return vllm_engine, tokenizer, settings
 
     import torch
 
@@ -52,8 +86,11 @@ def build_engine(settings: Settings) -> tuple[Engine, Any]:
     model, tokenizer = models.load(settings.model, settings.device, settings.dtype)
     runner = model_runner(settings, model, tokenizer)
     log.info("loaded model %s on %s (%d threads, %s KV cache)", settings.model, settings.device,
-             torch.get_num_threads(), settings.kv_cache)
-    return hf_engine(settings, runner, runner.eos_token_ids, runner.max_model_len), tokenizer
+             torch.get_num_threads(), "paged" if isinstance(runner, PagedRunner) else "rect")
+    settings = budget.apply(settings, budget.resolve(
+        settings, model, runner.max_model_len, rows_at_longest=isinstance(runner, HFRunner)))
+    engine = hf_engine(settings, runner, runner.eos_token_ids, runner.max_model_len)
+    return engine, tokenizer, settings
 
 
 def model_runner(settings: Settings, model: Any, tokenizer: Any) -> HFRunner | PagedRunner:
@@ -69,10 +106,11 @@ def model_runner(settings: Settings, model: Any, tokenizer: Any) -> HFRunner | P
 
 def hf_engine(settings: Settings, runner: Runner, eos_token_ids: set[int],
               max_model_len: int) -> HFEngine:
+    """The built-in engine; ``settings`` with numbers for the batch sizes."""
+    max_batch, max_batch_tokens = budget.resolved(settings)
     chunked = isinstance(runner, PagedRunner)  # the rectangular cache runs whole prefills
-    scheduler = Scheduler(settings.max_batch, eos_token_ids, max_model_len,
-                          max_failures=settings.max_attempts,
-                          max_batch_tokens=settings.max_batch_tokens,
-                          max_step_tokens=(max(settings.max_step_tokens, settings.max_batch)
+    scheduler = Scheduler(max_batch, eos_token_ids, max_model_len,
+                          max_failures=settings.max_attempts, max_batch_tokens=max_batch_tokens,
+                          max_step_tokens=(max(settings.max_step_tokens, max_batch)
                                            if chunked else None))
     return HFEngine(scheduler, runner, max_failed_steps=settings.max_failed_steps)

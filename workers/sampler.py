@@ -1,81 +1,133 @@
-"""Per-sequence sampling over a batch of logits.
+"""Sampling for a whole batch in tensor ops, one wait for the device per step.
 
-Every row keeps its own temperature, top-k, top-p, repetition penalty and seed.
-Greedy rows take the argmax. Sampled rows use the exponential race (argmax of
-p / E with E ~ Exp(1)), which draws one uniform vector per row per token: a
-seeded job draws from its own generator, so its tokens do not depend on what
-else is in the batch, and a resumed job can skip the draws it already made.
+Every row keeps its own temperature, top-k, top-p, repetition penalty and seed:
+they go to the device as one [rows, 4] tensor, the tokens come back in one copy
+(the step's only host sync; every other decision is made from the parameters,
+on the host). Greedy rows take the exact argmax.
+
+Sampled rows draw by inversion: one uniform number u per row picks the token at
+which the row's cumulative probability passes u. A seeded job's u is a hash of
+its seed and the index of the token being drawn, so its tokens depend neither on
+the other rows of the batch nor on any generator state: a job resumed elsewhere,
+or prefilled again after a failed step, draws the same tokens without replaying
+anything.
 """
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence as Seq
+from itertools import chain
 
 import torch
 
+from tokenfleet.shared.schemas import SamplingParams
 from tokenfleet.workers.sequence import Sequence
-
-
-def seeded_generator(seq: Sequence, vocab: int, device: torch.device) -> torch.Generator:
-    if seq.rng is None:
-        assert seq.sampling.seed is not None
-        gen = torch.Generator(device=device)
-        gen.manual_seed(seq.sampling.seed)
-        # A resumed job already drew one vector per restored token.
-        for _ in range(len(seq.generated)):
-            torch.rand(vocab, generator=gen, device=device)
-        seq.rng = gen
-    assert isinstance(seq.rng, torch.Generator)
-    return seq.rng
 
 
 def sample(logits: torch.Tensor, seqs: Seq[Sequence]) -> list[int]:
     """One token id per row of ``logits`` ([batch, vocab])."""
+    return sample_ids(logits, seqs).tolist()  # type: ignore[no-any-return]
+
+
+def sample_ids(logits: torch.Tensor, seqs: Seq[Sequence]) -> torch.Tensor:
+    """The tokens of ``sample`` as a tensor on the logits' device (no host sync)."""
     logits = logits.float()
     params = [s.sampling for s in seqs]
-    for row, (seq, p) in enumerate(zip(seqs, params)):
-        if p.repetition_penalty != 1.0:
-            _penalise(logits[row], seq.all_ids, p.repetition_penalty)
-    greedy = [p.temperature == 0.0 for p in params]
-    if all(greedy):
-        return logits.argmax(dim=-1).tolist()  # type: ignore[no-any-return]
+    if any(p.repetition_penalty != 1.0 for p in params):
+        logits = _penalise(logits, seqs)
+    drawn = [row for row, p in enumerate(params) if p.temperature != 0.0]
+    if not drawn:
+        return logits.argmax(dim=-1)
+    if len(drawn) == len(params):
+        return _draw(logits, seqs)
+    # Greedy and sampled rows together: only the rows that sample pay for it.
+    index = _to_device(torch.tensor(drawn), logits.device)
+    picked = _draw(logits.index_select(0, index), [seqs[row] for row in drawn])
+    return logits.argmax(dim=-1).index_copy(0, index, picked)
 
+
+def seeded_uniform(seed: int, index: int) -> float:
+    """The u in [0, 1) a job seeded ``seed`` draws its token ``index`` with."""
+    digest = hashlib.blake2b(f"{seed}:{index}".encode(), digest_size=8).digest()
+    return (int.from_bytes(digest, "little") >> 11) / 2**53
+
+
+def _draw(logits: torch.Tensor, seqs: Seq[Sequence]) -> torch.Tensor:
+    """Sample one token per row; every row samples (temperature > 0)."""
+    rows, vocab = logits.shape
     device = logits.device
-    temps = torch.tensor([p.temperature or 1.0 for p in params], device=device)
-    scaled = logits / temps[:, None]
-    if any(p.top_k for p in params) or any(p.top_p < 1.0 for p in params):
-        scaled = _top_k_top_p(scaled, params)
-    probs = torch.softmax(scaled, dim=-1)
-    uniform = torch.empty_like(probs)
-    unseeded = [i for i, p in enumerate(params) if p.seed is None]
-    if unseeded:
-        uniform[unseeded] = torch.rand(len(unseeded), probs.shape[1], device=device)
-    for row, seq in enumerate(seqs):
-        if seq.sampling.seed is not None:
-            gen = seeded_generator(seq, probs.shape[1], device)
-            uniform[row] = torch.rand(probs.shape[1], generator=gen, device=device)
-    race = probs / -torch.log(uniform.clamp_min(1e-20))
-    sampled = race.argmax(dim=-1)
-    greedy_rows = torch.tensor(greedy, device=device)
-    return torch.where(greedy_rows, logits.argmax(dim=-1), sampled).tolist()  # type: ignore[no-any-return]
+    params = [s.sampling for s in seqs]
+    host = torch.tensor(
+        [[p.temperature, p.top_k or vocab, p.top_p,
+          -1.0 if p.seed is None else seeded_uniform(p.seed, len(s.generated))]
+         for s, p in zip(seqs, params)], dtype=torch.float64)
+    table = _to_device(host, device)
+    temperature, top_k, top_p, seeded_u = table.unbind(dim=1)
+    scaled = logits / temperature[:, None].float()
+    scaled = _top_k_top_p(scaled, top_k, top_p, params)
+    # In float32 a token's share of the running sum is off by about 1e-7 of the
+    # sum at most: far below any probability that matters to a draw.
+    cdf = torch.softmax(scaled, dim=-1).cumsum(dim=-1)
+    # Unseeded rows draw from torch's generator, in one call for all of them.
+    u = torch.where(seeded_u >= 0, seeded_u, torch.rand(rows, dtype=torch.float64, device=device))
+    total = cdf[:, -1:]
+    # Scale u to the row's own total (float sums stop a hair off 1) and keep it
+    # below that total, so the search never runs past the last token; a token of
+    # zero probability adds nothing to the sum and so is never the first to pass u.
+    below = torch.nextafter(total, torch.zeros_like(total))
+    target = torch.minimum((u[:, None] * total).float(), below)
+    return torch.searchsorted(cdf, target, right=True).squeeze(1).clamp_max(vocab - 1)
 
 
-def _penalise(row: torch.Tensor, history: list[int], penalty: float) -> None:
-    # As transformers does: shrink the logit of every token already in the text.
-    ids = torch.tensor(sorted(set(history)), device=row.device, dtype=torch.long)
-    seen = row[ids]
-    row[ids] = torch.where(seen < 0, seen * penalty, seen / penalty)
+def _penalise(logits: torch.Tensor, seqs: Seq[Sequence]) -> torch.Tensor:
+    """As transformers does: shrink the logit of every token already in the text
+    (prompt and output) of a row whose repetition penalty is not 1. Gathers and
+    scatters the seen tokens only, so it costs the length of the texts, not the
+    vocabulary (a token seen twice is written twice, with the same value)."""
+    rows = [row for row, s in enumerate(seqs) if s.sampling.repetition_penalty != 1.0]
+    ids = [seqs[row].all_ids for row in rows]
+    lengths = torch.tensor([len(i) for i in ids])
+    host = (torch.repeat_interleave(torch.tensor(rows), lengths),
+            torch.tensor(list(chain.from_iterable(ids)), dtype=torch.long),
+            torch.repeat_interleave(torch.tensor([seqs[row].sampling.repetition_penalty
+                                                  for row in rows]), lengths))
+    row_of, token, factor = (_to_device(t, logits.device) for t in host)
+    seen = logits[row_of, token]
+    shrunk = torch.where(seen < 0, seen * factor, seen / factor)
+    return logits.index_put((row_of, token), shrunk)
 
 
-def _top_k_top_p(scaled: torch.Tensor, params: list) -> torch.Tensor:  # type: ignore[type-arg]
+def _top_k_top_p(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                 params: list[SamplingParams]) -> torch.Tensor:
+    """Mask (to -inf) what each row's top-k, then its top-p, leave out, in
+    transformers' order. Only the rows with a bound take part, and they rank
+    only as many candidates as their largest top-k: a full sort of the
+    vocabulary (what a row with top-p and no top-k needs) costs a hundred times
+    a top-k of 50 on the CPU."""
     vocab = scaled.shape[1]
-    sorted_logits, order = scaled.sort(dim=-1, descending=True)
-    ranks = torch.arange(vocab, device=scaled.device)[None, :]
-    k = torch.tensor([p.top_k or vocab for p in params], device=scaled.device)[:, None]
-    drop = ranks >= k
-    top_p = torch.tensor([p.top_p for p in params], device=scaled.device)[:, None]
-    cumulative = torch.softmax(sorted_logits, dim=-1).cumsum(dim=-1)
-    # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
-    drop |= (cumulative - torch.softmax(sorted_logits, dim=-1)) >= top_p
-    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-    return torch.empty_like(scaled).scatter_(1, order, sorted_logits)
+    bounded = [row for row, p in enumerate(params) if p.top_k or p.top_p < 1.0]
+    if not bounded:
+        return scaled
+    index = _to_device(torch.tensor(bounded), scaled.device)
+    top_k, top_p = top_k.index_select(0, index)[:, None], top_p.index_select(0, index)[:, None]
+    most = max(min(params[row].top_k or vocab, vocab) for row in bounded)
+    values, order = scaled.index_select(0, index).topk(most, dim=-1)
+    ranks = torch.arange(most, device=scaled.device)[None, :]
+    values = values.masked_fill(ranks >= top_k, float("-inf"))
+    probs = torch.softmax(values, dim=-1)
+    # Keep the smallest prefix whose mass reaches top_p (the first token always
+    # stays); a row at top_p = 1 keeps all, whatever the float sums say.
+    before = probs.cumsum(dim=-1) - probs
+    values = values.masked_fill((before >= top_p) & (top_p < 1.0), float("-inf"))
+    kept = torch.full_like(scaled[: len(bounded)], float("-inf")).scatter_(1, order, values)
+    return scaled.index_copy(0, index, kept)
+
+
+def _to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on ``device`` without waiting for the device: a plain copy
+    to a GPU first waits for the work queued before it (the forward pass)."""
+    if device.type != "cuda":
+        return host
+    return host.pin_memory().to(device, non_blocking=True)
+

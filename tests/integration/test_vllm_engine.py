@@ -48,6 +48,7 @@ def engine(tiny_dir: Path) -> Iterator[Any]:
     from tokenfleet.workers.vllm_engine import VLLMEngine
 
     built, tokenizer = VLLMEngine.build(Settings(model=str(tiny_dir), max_batch=16,
+                                                 max_batch_tokens=16 * 1024,
                                                  vllm_cpu_kv_cache_bytes=64 << 20))
     yield built, tokenizer
 

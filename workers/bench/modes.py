@@ -87,19 +87,23 @@ class Direct:
         if device == "cpu":
             torch.set_num_threads(threads)
         self.model, self.tokenizer = models.load(model, device, dtype)
-        self.settings = Settings()  # the worker's, for the same runner and scheduler
+        self.settings = Settings(device=device)  # the worker's, for the same runner and scheduler
         self.prefetch = self.settings.prefetch
 
     def run(self, jobs: list[Job], max_batch: int, tick: Tick = _no_tick,
             closed_loop: bool = False) -> dict[str, Any]:
         """All of ``jobs`` through one engine; ``closed_loop``: one at a time."""
+        from tokenfleet.workers import budget
         from tokenfleet.workers.build import hf_engine, model_runner
         from tokenfleet.workers.detokenizer import TextStream
         from tokenfleet.workers.sequence import Sequence
 
         tok = self.tokenizer
-        settings = self.settings.model_copy(update={"max_batch": max_batch})
-        runner = model_runner(settings, self.model, tok)
+        runner = model_runner(self.settings, self.model, tok)
+        # The worker's KV-token bound for this model, at the batch size of this run.
+        sized = budget.resolve(self.settings, self.model, runner.max_model_len)
+        settings = self.settings.model_copy(update={"max_batch": max_batch,
+                                                    "max_batch_tokens": sized.max_batch_tokens})
         engine = hf_engine(settings, runner, runner.eos_token_ids, runner.max_model_len)
 
         def sequence(job_id: str, job: Job, max_new_tokens: int | None = None) -> Sequence:

@@ -101,7 +101,8 @@ def render(results: dict[str, Any], console: Console) -> None:
     cfg = results["config"]
     dtype = "" if cfg.get("dtype", "auto") == "auto" else f"{cfg['dtype']}, "
     title = (f"tokenfleet bench: {cfg['model']} on {cfg['device']} ({dtype}{cfg['torch_threads']} "
-             f"torch thread(s)), {cfg['jobs']} jobs x up to {cfg['max_new_tokens']} tokens, "
+             f"torch thread(s)), {cfg['jobs']} jobs x up to {cfg['max_new_tokens']} tokens"
+             + (" (mixed lengths), " if cfg.get("workload") == "mixed" else ", ")
              + (f"{cfg['rate']:g} jobs/s" if cfg["rate"] else "all submitted at once"))
     table = Table(title=title, caption="TTFT and ITL in ms; overhead: the fleet with the null "
                   "runner (no model); naive: one Celery task per prompt, one at a time")

@@ -35,7 +35,7 @@ from tokenfleet.workers.bench import redis_cost
 from tokenfleet.workers.bench.modes import BenchEnv, Direct, FleetSession, NaiveSession, Tick, publish_cost
 from tokenfleet.workers.bench.procs import BenchError, RedisProc
 from tokenfleet.workers.bench.report import judge, ratios
-from tokenfleet.workers.bench.workload import Job, make_jobs
+from tokenfleet.workers.bench.workload import WORKLOADS, Job, describe, make_jobs
 from tokenfleet.workers.null_runner import NULL_MODEL
 
 MODES = ("direct", "fleet", "naive", "overhead", "absorb")
@@ -47,6 +47,7 @@ class BenchConfig:
     jobs: int = 256
     concurrency: list[int] = field(default_factory=lambda: [1, 4, 16, 64, 256])
     max_new_tokens: int = 32
+    workload: str = "uniform"  # or "mixed": long-tailed lengths (workload.make_jobs)
     rate: float | None = None  # jobs per second; None: all submitted at once
     modes: list[str] = field(default_factory=lambda: list(MODES))
     redis_url: str | None = None
@@ -64,6 +65,9 @@ class BenchConfig:
         if unknown:
             raise BenchError(f"unknown mode(s) {', '.join(sorted(unknown))}; "
                              f"choose from {', '.join(MODES)}")
+        if self.workload not in WORKLOADS:
+            raise BenchError(f"unknown workload {self.workload!r}; choose from "
+                             f"{', '.join(WORKLOADS)}")
         if not self.concurrency or min(self.concurrency) < 1:
             raise BenchError("--concurrency needs one or more positive numbers, e.g. 1,4,16")
         if not self.absorb_workers or min(self.absorb_workers) < 1 or self.absorb_tokens < 1:
@@ -102,9 +106,9 @@ def run_bench(cfg: BenchConfig, console: Console | None = None) -> dict[str, Any
     cfg.check()
     console = console or Console(stderr=True)
     threads = torch_threads(cfg.device)
-    jobs = make_jobs(cfg.jobs, cfg.max_new_tokens, cfg.rate)
-    probe = [Job(j.prompt, j.max_new_tokens, 0.0) for j in make_jobs(cfg.probe_jobs,
-                                                                     cfg.max_new_tokens)]
+    jobs = make_jobs(cfg.jobs, cfg.max_new_tokens, cfg.rate, workload=cfg.workload)
+    probe = [Job(j.prompt, j.max_new_tokens, 0.0)
+             for j in make_jobs(cfg.probe_jobs, cfg.max_new_tokens, workload=cfg.workload)]
     started = time.time()
     with ExitStack() as stack:
         if cfg.redis_url is None:
@@ -129,6 +133,7 @@ def run_bench(cfg: BenchConfig, console: Console | None = None) -> dict[str, Any
         "torch": version("torch"), "transformers": version("transformers"),
         "started_at": started, "duration_s": round(time.time() - started, 1),
     }
+    results["workload"] = describe(jobs)
     results["ratios"] = ratios(results)
     results["targets"] = judge(results)
     return results

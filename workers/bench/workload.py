@@ -27,19 +27,50 @@ class Job:
     arrival_s: float  # after the start of the run; 0 for all at once
 
 
+WORKLOADS = ("uniform", "mixed")
+# The mixed workload's lengths: log-normal, as chat traffic's are (most
+# requests short, a long tail of long ones). Prompts have a median of 16 words
+# (about 100 tokens of a byte-level tokenizer), cut at 96 so the longest still
+# fits a 1,024-token context with its output; outputs a median of a quarter of
+# --max-new-tokens, cut at all of it.
+MIXED_PROMPT_WORDS = (16, 96)  # median, longest
+MIXED_SIGMA = 1.0  # of the log of a length: the p99 is about 10x the median
+
+
 def make_jobs(n: int, max_new_tokens: int, rate: float | None = None,
-              seed: int = 0) -> list[Job]:
-    """``n`` jobs with prompts of 2-12 words and between half and all of
+              seed: int = 0, workload: str = "uniform") -> list[Job]:
+    """``n`` jobs, the same for a given seed, so every mode runs the same ones.
+
+    ``uniform``: prompts of 2-12 words and between half and all of
     ``max_new_tokens`` tokens each, so that jobs leave the batch at different
-    steps and new ones join it (what continuous batching is for)."""
+    steps and new ones join it (what continuous batching is for).
+    ``mixed``: long-tailed prompt and output lengths (``MIXED_*``)."""
+    if workload not in WORKLOADS:
+        raise ValueError(f"unknown workload {workload!r}; choose from {', '.join(WORKLOADS)}")
     rng = random.Random(seed)
     low = max(1, math.ceil(max_new_tokens / 2))
-    return [
-        Job(prompt=" ".join(rng.choices(WORDS, k=rng.randint(2, 12))),
-            max_new_tokens=rng.randint(low, max_new_tokens),
-            arrival_s=i / rate if rate else 0.0)
-        for i in range(n)
-    ]
+
+    def long_tailed(median: float, longest: int) -> int:
+        return max(1, min(longest, round(rng.lognormvariate(math.log(median), MIXED_SIGMA))))
+
+    mixed = workload == "mixed"
+    jobs = []
+    for i in range(n):
+        words = long_tailed(*MIXED_PROMPT_WORDS) if mixed else rng.randint(2, 12)
+        prompt = " ".join(rng.choices(WORDS, k=words))
+        new_tokens = (long_tailed(max_new_tokens / 4, max_new_tokens) if mixed
+                      else rng.randint(low, max_new_tokens))
+        jobs.append(Job(prompt, new_tokens, i / rate if rate else 0.0))
+    return jobs
+
+
+def describe(jobs: list[Job]) -> dict[str, Any]:
+    """The lengths of a workload's jobs, for the report."""
+    words = [float(len(j.prompt.split())) for j in jobs]
+    new_tokens = [float(j.max_new_tokens) for j in jobs]
+    return {name: {"p50": percentile(values, 50), "p99": percentile(values, 99),
+                   "max": max(values, default=None)}
+            for name, values in (("prompt_words", words), ("max_new_tokens", new_tokens))}
 
 
 @dataclass
