@@ -89,8 +89,9 @@ def test_the_heartbeat_shows_the_batch_size_the_budget_gave(settings: Any) -> No
         worker.redis.close()
 
 
-@pytest.mark.parametrize("cores, workers, threads", [(2, 1, 2), (2, 2, 1), (2, 3, 1), (16, 4, 4)])
-def test_torch_threads_share_the_cores_among_the_hosts_workers(
+@pytest.mark.parametrize("cores, workers, threads",
+                         [(1, 1, 1), (2, 1, 1), (2, 2, 1), (2, 3, 1), (8, 1, 7), (16, 4, 3)])
+def test_torch_threads_share_the_cores_but_one_among_the_hosts_workers(
         monkeypatch: pytest.MonkeyPatch, cores: int, workers: int, threads: int) -> None:
     monkeypatch.setattr(build, "usable_cores", lambda: cores)
     assert build.cpu_threads(Settings(host_workers=workers)) == threads

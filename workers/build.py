@@ -22,21 +22,21 @@ log = logging.getLogger(__name__)
 
 
 def cpu_threads(settings: Settings) -> int:
-    """Torch's intra-op threads on the CPU: this host's cores shared among its
-    worker processes (``host_workers``), so a worker alone on two cores takes
-    both, and two take one each.
+    """Torch's intra-op threads on the CPU: this host's cores but one, shared
+    among its worker processes (``host_workers``): one thread alone on two
+    cores, seven on eight, three each for four workers on sixteen.
 
-    No core is held back for Redis, the feeder or the publisher: they wait on
-    I/O and mostly run while the engine thread is between steps, and a worker
-    alone on two cores made 1.6 times the tokens with two threads (issue 13,
-    the 86M model). What the default cannot see is other work on the host:
-    torch's threads spin at every op's end waiting for each other, so one
-    thread descheduled stalls the op. With other processes keeping these two
-    cores busy (a load average of 3-7), two threads made 0.3-0.9 times the
-    tokens of one on the 86M model (the bench taking turns): on such a host,
-    or with more than one worker per host outside ``tokenfleet worker``, set
-    TOKENFLEET_TORCH_THREADS or TOKENFLEET_HOST_WORKERS."""
-    return settings.torch_threads or max(1, usable_cores() // settings.host_workers)
+    The core left over is for what runs beside torch: each worker's feeder,
+    publisher and heartbeat (Python, under the GIL), the OS, and on a small host
+    Redis or the gateway. torch's threads spin at every op's end waiting for
+    each other, so one of them descheduled by that work stalls the whole op;
+    vLLM's CPU backend keeps a core for its front end for the same reason.
+    Measured on two cores with everything on the host (``tokenfleet bench
+    --vs-vllm``, issue 13): one thread gave 0.83 / 0.94 of vLLM serve's tokens
+    (plain / streamed) on tiny against 0.60 / 0.55 with two, and on the 86M
+    shape 223 against 204 tokens/s. On a host that runs nothing but one worker
+    of a compute-bound model, TOKENFLEET_TORCH_THREADS can take every core."""
+    return settings.torch_threads or max(1, (usable_cores() - 1) // settings.host_workers)
 
 
 def usable_cores() -> int:
