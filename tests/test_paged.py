@@ -134,9 +134,10 @@ def test_a_model_with_windowed_or_capped_attention_gets_the_rectangular_cache(
     from tokenfleet.workers.runner import HFRunner
 
     model, tok = loaded_tiny
-    assert isinstance(model_runner(Settings(), model, tok), PagedRunner)
+    paged = Settings(kv_cache="paged")
+    assert isinstance(model_runner(paged, model, tok), PagedRunner)
     model.config.sliding_window = 16
     try:
-        assert isinstance(model_runner(Settings(), model, tok), HFRunner)
+        assert isinstance(model_runner(paged, model, tok), HFRunner)
     finally:
         model.config.sliding_window = None
