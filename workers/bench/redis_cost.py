@@ -45,19 +45,23 @@ ABSORB_TOKENS_PER_JOB = 512  # long jobs: the per-token cost, not the per-job co
 
 @dataclass(frozen=True)
 class RedisSample:
-    """Redis's counters at one moment: calls by command, CPU seconds, wall clock."""
+    """Redis's counters at one moment: calls by command, CPU seconds, bytes in
+    and out over the network, wall clock."""
 
     calls: dict[str, int]
     cpu_s: float
     at: float
+    net_bytes: int = 0
 
 
 def sample(client: redis.Redis) -> RedisSample:
     stats = client.info("commandstats")
     cpu = client.info("cpu")
+    net = client.info("stats")
     calls = {name.removeprefix("cmdstat_"): int(v["calls"]) for name, v in stats.items()}
     return RedisSample(calls, float(cpu["used_cpu_user"]) + float(cpu["used_cpu_sys"]),
-                       time.perf_counter())
+                       time.perf_counter(),
+                       int(net["total_net_input_bytes"]) + int(net["total_net_output_bytes"]))
 
 
 def cost(before: RedisSample, after: RedisSample, tokens: int) -> dict[str, Any]:
@@ -74,6 +78,8 @@ def cost(before: RedisSample, after: RedisSample, tokens: int) -> dict[str, Any]
         "redis_commands": total,
         "redis_commands_per_token": round(total / per, 4),
         "redis_cpu_s_per_1k_tokens": round(cpu / per * 1000, 5),
+        # Both directions, pub/sub deliveries to every subscriber included.
+        "redis_net_bytes_per_token": round((after.net_bytes - before.net_bytes) / per, 1),
         "redis_commands_per_token_by_name": {name: round(n / per, 4) for name, n in top},
     }
 
@@ -243,7 +249,7 @@ def render(results: dict[str, Any], console: Console) -> None:
     if rows:
         table = Table(title="what Redis does per generated token (INFO commandstats / cpu)")
         for name in ("mode", "conc", "tokens", "commands", "cmd/token", "cpu s/1k tok",
-                     "most called (per token)"):
+                     "net B/token", "most called (per token)"):
             table.add_column(name, justify="left" if name in ("mode", "most called (per token)")
                              else "right")
         for mode, c, f in rows:
@@ -251,7 +257,8 @@ def render(results: dict[str, Any], console: Console) -> None:
                             list(f["redis_commands_per_token_by_name"].items())[:4])
             table.add_row(mode, c, f"{f['tokens']:,}", f"{f['redis_commands']:,}",
                           f"{f['redis_commands_per_token']:.3f}",
-                          f"{f['redis_cpu_s_per_1k_tokens']:.4f}", top)
+                          f"{f['redis_cpu_s_per_1k_tokens']:.4f}",
+                          f"{f.get('redis_net_bytes_per_token', 0):,.0f}", top)
         console.print(table)
     sweep = results.get("absorb")
     if not sweep:
