@@ -119,14 +119,14 @@ class AsyncFleetClient:
 
     async def wait(self, job_id: str, timeout: float | None = None) -> JobState:
         deadline = None if timeout is None else time.monotonic() + timeout
-        async with self._subscriptions.listen(self.keys.events(job_id)) as messages:
+        # The end channel: a waiter hears one message, not one per token.
+        async with self._subscriptions.listen(self.keys.ends(job_id)) as messages:
             while True:
                 state = await self.status(job_id)
                 if state.status.is_terminal:
                     return state
-                # Token messages do not change the status: listen on until the
-                # end message or a quiet interval (or a queued job's deadline),
-                # then read the record again.
+                # Listen until the end message or a quiet interval (or a queued
+                # job's deadline), then read the record again.
                 wake = expires_at(state)
                 while True:
                     payload = await _next(messages, deadline, wake)

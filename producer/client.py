@@ -139,14 +139,14 @@ class FleetClient:
         """Block until the job ends; ``TimeoutError`` after ``timeout`` seconds."""
         deadline = None if timeout is None else time.monotonic() + timeout
         with self.redis.pubsub() as pubsub:
-            _subscribe(pubsub, self.keys.events(job_id))
+            # The end channel: a waiter hears one message, not one per token.
+            _subscribe(pubsub, self.keys.ends(job_id))
             while True:
                 state = self.status(job_id)
                 if state.status.is_terminal:
                     return state
-                # Token messages do not change the status: listen on until the
-                # end message or a quiet interval (or a queued job's deadline),
-                # then read the record again.
+                # Listen until the end message or a quiet interval (or a queued
+                # job's deadline), then read the record again.
                 wake = expires_at(state)
                 while True:
                     message = pubsub.get_message(timeout=time_slice(deadline, wake))

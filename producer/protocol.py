@@ -157,7 +157,7 @@ def cancel_args(job_id: str, model: str, priority: str, keys: Keys,
                 settings: Settings) -> tuple[list[str], list[Any]]:
     return (
         [keys.job(job_id), keys.out(job_id), keys.events(job_id),
-         keys.queue(level_queue(model, priority)), keys.backlog(model)],
+         keys.queue(level_queue(model, priority)), keys.backlog(model), keys.ends(job_id)],
         [
             repr(time.time()),
             settings.result_ttl_s,
@@ -192,7 +192,8 @@ def expires_at(state: JobState) -> float | None:
 def expire_args(state: JobState, keys: Keys, settings: Settings) -> tuple[list[str], list[Any]]:
     return (
         [keys.job(state.id), keys.out(state.id), keys.events(state.id),
-         keys.queue(level_queue(state.model, state.priority)), keys.backlog(state.model)],
+         keys.queue(level_queue(state.model, state.priority)), keys.backlog(state.model),
+         keys.ends(state.id)],
         [
             repr(time.time()),
             settings.result_ttl_s,

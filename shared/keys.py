@@ -52,6 +52,11 @@ class Keys:
         """Pub/sub channel: live events of one job."""
         return f"{self.namespace}:ev:{job_id}"
 
+    def ends(self, job_id: str) -> str:
+        """Pub/sub channel: one job's end event only, for a waiter that wants no
+        tokens (``wait``, the gateway's plain completions)."""
+        return f"{self.namespace}:end:{job_id}"
+
     @property
     def dlq(self) -> str:
         """Stream: jobs that failed past their retries or could not be parsed."""

@@ -374,7 +374,7 @@ class Publisher:
                               "entry_id": e.entry_id, "worker": self.worker, "at": time.time(),
                               "error": e.error})
             keys += (job_key + job_id, out_key + job_id, events_key + job_id,
-                     self.keys.queue(e.queue))
+                     self.keys.ends(job_id), self.keys.queue(e.queue))
             args += ("" if e.attempt is None else e.attempt, e.entry_id,
                      end_event(e.status, e.finish_reason, e.error), dead, e.status.value,
                      e.finish_reason.value if e.finish_reason else "", e.error or "", e.text,

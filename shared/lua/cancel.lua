@@ -4,7 +4,8 @@
 -- that log's contiguous prefix). A running one is flagged and its worker told on
 -- the cancels channel (it leaves the batch within one step, with its text).
 -- Returns 'cancelled', 'requested', 'ended' (nothing to cancel) or 'missing'.
--- KEYS: 1 job hash, 2 token log, 3 event channel, 4 queue stream, 5 backlog counter
+-- KEYS: 1 job hash, 2 token log, 3 event channel, 4 queue stream, 5 backlog counter,
+--       6 end channel
 -- ARGV: 1 now, 2 result TTL, 3 end event JSON, 4 cancels channel, 5 job id, 6 group
 -- include: log_prefix.lua
 local status = redis.call('HGET', KEYS[1], 'status')
@@ -29,6 +30,7 @@ if status == 'queued' then
     redis.call('EXPIRE', KEYS[2], ARGV[2])
   end
   redis.call('PUBLISH', KEYS[3], ARGV[3])
+  redis.call('PUBLISH', KEYS[6], ARGV[3])
   -- Off the queue now, so it no longer counts against max_queue. If a worker
   -- has read it but not yet taken it, that worker finds it cancelled and acks.
   -- The record names its live entry (submit and requeue keep it so).

@@ -9,7 +9,8 @@
 -- (OOM, READONLY, MISCONF: checked before a script's first write only) ends the
 -- script with nothing of that job written; jobs before it in the call stay
 -- ended, and a retry of the whole call finds them ended (2) and acknowledges.
--- KEYS: 1 dead letters, then per job 4: job hash, token log, event channel, queue stream
+-- KEYS: 1 dead letters, then per job 5: job hash, token log, event channel, end
+--       channel (the end event alone, for waiters), queue stream
 -- ARGV: 1 result TTL, 2 group, 3 worker name, 4 now,
 --       then per job 11: attempt ('' for no ownership check), stream entry id
 --       ('' for none), end event JSON, dead-letter JSON ('' for none), status,
@@ -20,8 +21,9 @@
 -- include: log_prefix.lua
 local ttl, group, worker, now = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
 local out = {}
-for i = 0, (#KEYS - 1) / 4 - 1 do
-  local job, log, chan, queue = KEYS[4 * i + 2], KEYS[4 * i + 3], KEYS[4 * i + 4], KEYS[4 * i + 5]
+for i = 0, (#KEYS - 1) / 5 - 1 do
+  local k = 5 * i + 1
+  local job, log, chan, ends, queue = KEYS[k + 1], KEYS[k + 2], KEYS[k + 3], KEYS[k + 4], KEYS[k + 5]
   local a = 11 * i + 4
   local attempt, entry, event = ARGV[a + 1], ARGV[a + 2], ARGV[a + 3]
   local cur = redis.call('HMGET', job, 'status', 'attempts')
@@ -52,6 +54,7 @@ for i = 0, (#KEYS - 1) / 4 - 1 do
       end
       redis.call('EXPIRE', log, ttl)
       redis.call('PUBLISH', chan, event)
+      redis.call('PUBLISH', ends, event)
       if ARGV[a + 4] ~= '' then redis.call('XADD', KEYS[1], '*', 'data', ARGV[a + 4]) end
     end
     if entry ~= '' and result ~= 3 then

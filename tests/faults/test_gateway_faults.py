@@ -25,8 +25,9 @@ WAITING = "waiting"  # a queue whose (pinned) live worker never reads: its jobs 
 
 
 def job_channels(r: redis.Redis, namespace: str) -> list[bytes]:
-    """The job channels someone (the gateway) is subscribed to."""
-    return list(r.pubsub_channels(Keys(namespace).events("*")))
+    """The job channels someone (the gateway) is subscribed to: events and ends."""
+    keys = Keys(namespace)
+    return [*r.pubsub_channels(keys.events("*")), *r.pubsub_channels(keys.ends("*"))]
 
 
 async def stream_then_hang_up(http: httpx.AsyncClient, method: str, path: str,

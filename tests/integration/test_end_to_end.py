@@ -197,3 +197,24 @@ def test_a_healthy_worker_serves_a_burst_without_a_warning(
     for job_id in jobs:
         assert client.wait(job_id, timeout=60).status is JobStatus.SUCCEEDED
     assert [r.getMessage() for r in caplog.records if r.name.startswith("workers")] == []
+
+
+def test_a_waiter_hears_the_end_alone_not_every_token(
+        client: FleetClient, start_worker: Any, r: Any, settings: Any) -> None:
+    """wait() (and the gateway's plain completions) follow the job's end channel:
+    one message per job, where the events channel carries every token."""
+    start_worker()
+    keys = Keys(settings.namespace)
+    heard = r.pubsub()
+    heard.psubscribe(keys.ends("*"), keys.events("*"))
+    assert heard.get_message(timeout=5)["type"] == "psubscribe"
+    assert heard.get_message(timeout=5)["type"] == "psubscribe"
+    job_id = client.submit("Count the messages", max_new_tokens=24, temperature=0.0)
+    state = client.wait(job_id, timeout=60)
+    assert state.status is JobStatus.SUCCEEDED
+    counts = {"ends": 0, "events": 0}
+    while (message := heard.get_message(timeout=0.5)) is not None:
+        channel = message["channel"].decode()
+        counts["ends" if channel == keys.ends(job_id) else "events"] += 1
+    heard.close()
+    assert counts["ends"] == 1 and counts["events"] >= 2
