@@ -124,7 +124,10 @@ class Engine(ABC):
         seq = self._held.pop(job_id, None)
         if seq is not None:
             self._release(seq)
-        self._inbox = deque(s for s in self._inbox if s.job_id != job_id)
+        # In place, never a new deque: the feeder thread may be appending to it.
+        # list() and remove() are single calls, atomic under the GIL.
+        for waiting in [s for s in list(self._inbox) if s.job_id == job_id]:
+            self._inbox.remove(waiting)
 
     def end(self, seq: Sequence, reason: FinishReason, error: str | None = None) -> None:
         """End a held sequence between steps; its output comes with the next."""
