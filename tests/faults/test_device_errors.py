@@ -14,15 +14,14 @@ import redis
 
 from tokenfleet import FleetClient
 from tokenfleet.shared.keys import GROUP, Keys
-from tokenfleet.shared.schemas import JobStatus, SamplingParams
-from tokenfleet.shared.serialization import loads
-from tokenfleet.workers.detokenizer import TextStream
-from tokenfleet.workers.hf_engine import HFEngine, is_fatal_device_error
+from tokenfleet.shared.schemas import JobStatus
+from tokenfleet.workers.engine import is_fatal_device_error
 from tokenfleet.workers.publisher import is_transient
 from tokenfleet.workers.runner import HFRunner
-from tokenfleet.workers.scheduler import Batch, Scheduler
-from tokenfleet.workers.sequence import Sequence
+from tokenfleet.workers.scheduler import Batch
 from tokenfleet.workers.service import FATAL_EXIT_CODE
+
+from helpers import direct_greedy, logged_tokens
 
 
 @pytest.fixture
@@ -60,19 +59,9 @@ def submit(client: FleetClient, n: int, tokens: int) -> list[str]:
     return [client.submit(p, max_new_tokens=tokens, temperature=0.0) for p in prompts(n)]
 
 
-def direct_greedy(loaded: tuple[Any, Any], n: int, tokens: int) -> list[str]:
+def greedy_texts(loaded: tuple[Any, Any], n: int, tokens: int) -> list[str]:
     """What the texts must be: the same engine in-process, no Redis, no faults."""
-    model, tok = loaded
-    runner = HFRunner(model, tok)
-    sched = Scheduler(64, runner.eos_token_ids, runner.max_model_len)
-    seqs = [Sequence(str(i), tok(p)["input_ids"], SamplingParams(max_new_tokens=tokens,
-                     temperature=0.0), TextStream(tok)) for i, p in enumerate(prompts(n))]
-    engine = HFEngine(sched, runner)
-    for seq in seqs:
-        engine.add(seq)
-    while engine.has_work:
-        engine.step()
-    return [s.text.text for s in seqs]
+    return direct_greedy(loaded, [(p, tokens) for p in prompts(n)])
 
 
 def check_handed_back(r: redis.Redis, keys: Keys, job_ids: list[str], worker: str) -> int:
@@ -95,8 +84,7 @@ def check_completed(client: FleetClient, r: redis.Redis, keys: Keys, job_ids: li
     states = [client.wait(j, timeout=120) for j in job_ids]
     assert [s.status for s in states] == [JobStatus.SUCCEEDED] * len(job_ids)
     for state in states:
-        logged = [t for _, f in r.xrange(keys.out(state.id), "0-1", "0-18446744073709551615")
-                  for t in loads(f[b"e"])["token_ids"]]
+        logged, _, _ = logged_tokens(r, keys, state.id)
         assert logged == state.token_ids, f"job {state.id}: its log is not its result"
     assert [s.text for s in states] == reference
     return states
@@ -121,7 +109,7 @@ def test_a_cuda_error_stops_the_worker_and_another_completes_its_jobs(
     assert handed_back == 6
 
     start_worker("healthy@test")
-    states = check_completed(client, r, keys, job_ids, direct_greedy(loaded_tiny, 6, 40))
+    states = check_completed(client, r, keys, job_ids, greedy_texts(loaded_tiny, 6, 40))
     # Resumed from their logs: the tokens made before the failure were kept.
     assert all(s.attempts == 2 for s in states)
     report.update(jobs=6, handed_back=handed_back, completed=len(states), failed=0,
@@ -145,7 +133,7 @@ def test_steps_failing_in_a_row_make_the_worker_give_up(
     assert handed_back == 4
 
     start_worker("healthy@test")
-    states = check_completed(client, r, keys, job_ids, direct_greedy(loaded_tiny, 4, 30))
+    states = check_completed(client, r, keys, job_ids, greedy_texts(loaded_tiny, 4, 30))
     report.update(jobs=4, failed_steps=3, handed_back=handed_back, completed=len(states),
                   failed=0, dead_lettered=0)
 
