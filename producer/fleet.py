@@ -8,7 +8,7 @@ from typing import Any
 from redis.exceptions import NoPermissionError, ResponseError
 
 from tokenfleet.protocol import live_since
-from tokenfleet.shared.keys import GROUP, PRIORITIES, level_queue
+from tokenfleet.shared.keys import GROUP, PRIORITIES, level_queue, model_of
 from tokenfleet.shared.scripts import Scripts
 from tokenfleet.shared.serialization import loads
 
@@ -23,8 +23,7 @@ def fleet_status(client: Any) -> dict[str, Any]:
     """
     r, keys = client.redis, client.keys
     now = time.time()
-    prefix = keys.queue("")
-    models = sorted({raw.decode()[len(prefix):].split(":")[0]
+    models = sorted({model_of(keys.queue_of(raw.decode()))
                      for raw in r.scan_iter(match=keys.queues_pattern(), count=500)})
     queues = [_queue(r, keys, model, now) for model in models]
     workers = []
@@ -65,6 +64,8 @@ def _typed(fields: dict[str, str]) -> dict[str, Any]:
 
 _NUMBERS: dict[str, type] = {"pid": int, "max_batch": int, "prefetch": int, "running": int,
                              "waiting": int, "draining": int, "last_seen": float}
+
+
 def _forget(r: Any, keys: Any, models: list[str]) -> None:
     """Delete the keys of unused queues that no worker ever served; the script
     checks again, atomically, so a submit or a worker in between keeps its queue."""
@@ -81,7 +82,8 @@ def _queue(r: Any, keys: Any, model: str, now: float) -> dict[str, Any]:
     """One model's queue: its priority levels added up."""
     info: dict[str, Any] = {"queue": model, "depth": 0, "lag": 0, "pending": 0,
                             "oldest_wait_s": None, "levels": {},
-                            "backlog_tokens": int(r.get(keys.backlog(model)) or 0)}
+                            "backlog_tokens": int(r.get(keys.backlog(model)) or 0),
+                            "dead_letters": r.xlen(keys.dlq(model))}
     for priority in PRIORITIES:
         stream = keys.queue(level_queue(model, priority))
         depth = r.xlen(stream)
@@ -130,14 +132,14 @@ def view(report: dict[str, Any]) -> Any:
 
     queues = Table(title="queues")
     for col in ("queue", "depth (high/normal/low)", "lag", "pending", "oldest wait",
-                "backlog tokens", "workers"):
+                "backlog tokens", "dead letters", "workers"):
         queues.add_column(col)
     for q in report["queues"]:
         wait = "-" if q["oldest_wait_s"] is None else f"{q['oldest_wait_s']:.1f}s"
         served = str(q["workers"]) if q["workers"] else "[red]none[/red]"
         levels = "/".join(str(q["levels"][p]) for p in PRIORITIES)
         queues.add_row(q["queue"], f"{q['depth']} ({levels})", str(q["lag"]), str(q["pending"]),
-                       wait, str(q["backlog_tokens"]), served)
+                       wait, str(q["backlog_tokens"]), str(q["dead_letters"]), served)
     workers = Table(title="workers")
     for col in ("node", "device", "model", "queue", "batch", "peak", "tokens/s", "jobs",
                 "heartbeat"):

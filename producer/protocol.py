@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tokenfleet.shared.errors import IdempotencyConflict, JobNotFound, QueueFull
-from tokenfleet.shared.keys import GROUP, PRIORITIES, Keys, level_queue
+from tokenfleet.shared.keys import GROUP, PRIORITIES, Keys, level_queue, new_job_id
 from tokenfleet.shared.schemas import (
     EndEvent,
     FinishReason,
@@ -78,7 +78,7 @@ def submission(request: GenerationRequest, keys: Keys, settings: Settings,
                require_worker: bool = True) -> Submission:
     """The keys and arguments of submit.lua for one request. With ``require_worker``
     the script refuses a queue no live worker serves (``NoWorker``)."""
-    job_id = uuid.uuid4().hex
+    job_id = new_job_id(request.model, uuid.uuid4().hex)
     now = time.time()
     deadline_at = now + request.deadline_s if request.deadline_s else None
     entry = QueueEntry(job_id=job_id, request=request, created_at=now, deadline_at=deadline_at)
@@ -102,7 +102,7 @@ def submission(request: GenerationRequest, keys: Keys, settings: Settings,
         keys=[
             keys.queue(level_queue(model, request.priority)),
             keys.job(job_id),
-            keys.idempotency(idem or "-"),
+            keys.idempotency(model, idem or "-"),
             *(keys.queue(level_queue(model, p)) for p in PRIORITIES),
             keys.backlog(model),
             keys.queue_workers(model),
@@ -149,8 +149,7 @@ def submitted_id(result: list[bytes], request: GenerationRequest,
 
 def served_queues(names: list[bytes], live_counts: list[int], keys: Keys) -> list[str]:
     """Queue names from ``<ns>:served:<model>`` keys that have a live worker."""
-    prefix = len(keys.queue_workers(""))
-    return sorted(name.decode()[prefix:] for name, n in zip(names, live_counts) if n)
+    return sorted(keys.served_model(name.decode()) for name, n in zip(names, live_counts) if n)
 
 
 def cancel_args(job_id: str, model: str, priority: str, keys: Keys,

@@ -50,9 +50,8 @@ async def served(client: Any, queue: str) -> Served | None:
 
 async def served_queues(client: Any) -> list[Served]:
     """Every queue with a live worker, by name."""
-    prefix = client.keys.queue_workers("")
-    queues = {key.decode()[len(prefix):]
-              async for key in client.redis.scan_iter(match=client.keys.queue_workers("*"),
+    queues = {client.keys.served_model(key.decode())
+              async for key in client.redis.scan_iter(match=client.keys.served_pattern(),
                                                        count=500)}
     found = [await served(client, queue) for queue in sorted(queues)]
     return [s for s in found if s is not None]

@@ -30,6 +30,8 @@ from typing import Any
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from tokenfleet.shared.redis_conn import ready
+
 log = logging.getLogger(__name__)
 
 # How long a new listener waits for the server to confirm its subscription.
@@ -131,7 +133,7 @@ class Subscriptions:
             if not gone and not new:
                 return
             if self._pubsub is None:
-                self._pubsub = self._redis.pubsub()
+                self._pubsub = (await ready(self._redis)).pubsub()
             if gone:
                 self._sent -= gone
                 self._live -= gone  # a listener back for one waits for a new confirmation

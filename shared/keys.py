@@ -1,4 +1,13 @@
-"""Every Redis key and channel name the fleet uses, in one place."""
+"""Every Redis key and channel name the fleet uses, in one place.
+
+Redis Cluster runs a script only when all its keys hash to one slot. Every key
+of a queue and of its jobs carries the queue's hash tag, ``{<model>}``, and a
+job id carries its queue (``<model>:<32 hex>``), so the keys of any job follow
+from its id alone: a submit (the queue stream and the new record) and a step's
+finish (all of a worker's jobs and the dead letters) each touch one slot. A
+queue is the unit that spreads over the shards; on a single Redis the tags
+change nothing.
+"""
 
 from __future__ import annotations
 
@@ -29,38 +38,74 @@ def level_queue(model: str, priority: str) -> str:
     return model if priority == "normal" else f"{model}:{priority}"
 
 
+def model_of(level: str) -> str:
+    """The model (queue) of a level's queue name: ``default:high`` -> ``default``."""
+    return level.partition(":")[0]
+
+
+def new_job_id(model: str, hex_id: str) -> str:
+    """A job's id: its queue, then a random part (``default:3f2a...``)."""
+    return f"{model}:{hex_id}"
+
+
+def job_model(job_id: str) -> str | None:
+    """The queue a job id names, or None for an id that names none."""
+    model, sep, rest = job_id.partition(":")
+    return model if sep and rest and is_queue_name(model) else None
+
+
+def job_id_in(name: str, prefix: str) -> str:
+    """The job id in a job's key or channel name that starts with ``prefix``
+    (``keys.events("")``, say): ``_tagged``'s inverse."""
+    return name.removeprefix(prefix).replace("{", "", 1).replace("}", "", 1)
+
+
+def _tagged(job_id: str) -> str:
+    """The id as it goes into key names: its queue part in a hash tag."""
+    model = job_model(job_id)
+    return job_id if model is None else f"{{{model}}}{job_id[len(model):]}"
+
+
 @dataclass(frozen=True)
 class Keys:
     namespace: str = "tokenfleet"
 
-    def queue(self, model: str) -> str:
-        """Stream of queued jobs for one model (queue name)."""
-        return f"{self.namespace}:q:{model}"
+    def queue(self, level: str) -> str:
+        """Stream of queued jobs of one level of a model: ``<ns>:q:{default}``,
+        ``<ns>:q:{default}:high``."""
+        model, sep, priority = level.partition(":")
+        return f"{self.namespace}:q:{{{model}}}{sep}{priority}"
 
     def queues_pattern(self) -> str:
         return f"{self.namespace}:q:*"
 
+    def queue_of(self, stream: str) -> str:
+        """The level's queue name of a stream key (``queue``'s inverse)."""
+        return stream.removeprefix(f"{self.namespace}:q:").replace("{", "", 1).replace("}", "", 1)
+
     def job(self, job_id: str) -> str:
         """Hash: the job record."""
-        return f"{self.namespace}:job:{job_id}"
+        return f"{self.namespace}:job:{_tagged(job_id)}"
 
     def out(self, job_id: str) -> str:
         """Stream: the job's token log, for replay by late subscribers."""
-        return f"{self.namespace}:out:{job_id}"
+        return f"{self.namespace}:out:{_tagged(job_id)}"
 
     def events(self, job_id: str) -> str:
-        """Pub/sub channel: live events of one job."""
-        return f"{self.namespace}:ev:{job_id}"
+        """Pub/sub channel: live events of one job (a script's key: tagged too)."""
+        return f"{self.namespace}:ev:{_tagged(job_id)}"
 
     def ends(self, job_id: str) -> str:
         """Pub/sub channel: one job's end event only, for a waiter that wants no
         tokens (``wait``, the gateway's plain completions)."""
-        return f"{self.namespace}:end:{job_id}"
+        return f"{self.namespace}:end:{_tagged(job_id)}"
 
-    @property
-    def dlq(self) -> str:
-        """Stream: jobs that failed past their retries or could not be parsed."""
-        return f"{self.namespace}:dlq"
+    def dlq(self, model: str) -> str:
+        """Stream: a queue's jobs that failed past their retries or could not be parsed."""
+        return f"{self.namespace}:dlq:{{{model_of(model)}}}"
+
+    def dlq_pattern(self) -> str:
+        return f"{self.namespace}:dlq:*"
 
     def worker(self, name: str) -> str:
         """Hash with a TTL: heartbeat and stats of one worker process."""
@@ -71,18 +116,23 @@ class Keys:
 
     def backlog(self, model: str) -> str:
         """Counter: queued work of a model in tokens (prompt estimate + max_new_tokens)."""
-        return f"{self.namespace}:backlog:{model}"
+        return f"{self.namespace}:backlog:{{{model}}}"
 
     def queue_workers(self, model: str) -> str:
         """Sorted set: live workers of a model, scored by their last heartbeat."""
-        return f"{self.namespace}:served:{model}"
+        return f"{self.namespace}:served:{{{model}}}"
 
     def served_pattern(self) -> str:
         return f"{self.namespace}:served:*"
 
-    def idempotency(self, key: str) -> str:
-        """String with a TTL: '<job id> <fingerprint of the request>' of a key."""
-        return f"{self.namespace}:idem:{key}"
+    def served_model(self, key: str) -> str:
+        """The model of a ``queue_workers`` key."""
+        return key.removeprefix(f"{self.namespace}:served:").strip("{}")
+
+    def idempotency(self, model: str, key: str) -> str:
+        """String with a TTL: '<job id> <fingerprint of the request>' of a key.
+        A key is the queue's: the same key on two queues names two jobs."""
+        return f"{self.namespace}:idem:{{{model}}}:{key}"
 
     @property
     def cancels(self) -> str:
@@ -91,5 +141,6 @@ class Keys:
 
     @property
     def celery_prefix(self) -> str:
-        """Prefix of Celery's own keys (its broker queues, pidbox)."""
-        return f"{self.namespace}:celery:"
+        """Prefix of Celery's own keys (its broker queues, pidbox): one hash tag,
+        so that on a Redis Cluster they all live on the node Celery is given."""
+        return f"{{{self.namespace}:celery}}:"

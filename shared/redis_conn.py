@@ -10,6 +10,10 @@ retried: a wrong host or port, or a Redis that is not up, is one clear error
 traceback. Refused credentials (``RedisAuthFailed``) and missing permissions are
 never retried: they do not change by waiting.
 ``rediss://`` and ``user:password@`` URLs work as redis-py parses them.
+
+``redis+cluster://host:port`` (``rediss+cluster://`` with TLS), any node, gives
+a Redis Cluster client instead. It offers the commands, scripts, pipelines and
+pub/sub the fleet uses; the keys of each script share a slot (``keys.py``).
 """
 
 from __future__ import annotations
@@ -20,6 +24,8 @@ from urllib.parse import urlsplit, urlunsplit
 
 import redis
 import redis.asyncio as aioredis
+import redis.asyncio.cluster as aiocluster
+import redis.cluster
 from redis.asyncio.retry import Retry as AsyncRetry
 from redis.backoff import ExponentialBackoff
 from redis.exceptions import AuthenticationError, AuthorizationError, ConnectionError, TimeoutError
@@ -161,12 +167,68 @@ def _options() -> dict[str, Any]:
     }
 
 
+# The schemes of a Redis Cluster URL, and the plain scheme of its nodes.
+CLUSTER_SCHEMES = {"redis+cluster": "redis", "rediss+cluster": "rediss"}
+
+
+def is_cluster(url: str) -> bool:
+    return urlsplit(url).scheme in CLUSTER_SCHEMES
+
+
+def node_url(url: str, host: str | None = None, port: int | None = None) -> str:
+    """A plain URL of one node: the cluster URL's node, or ``host:port`` with the
+    same scheme, credentials and options."""
+    parts = urlsplit(url)
+    scheme = CLUSTER_SCHEMES.get(parts.scheme, parts.scheme)
+    netloc = parts.netloc
+    if host is not None:
+        auth = netloc.rpartition("@")[0]
+        netloc = (auth + "@" if auth else "") + (f"[{host}]" if ":" in host else host) + f":{port}"
+    return urlunsplit(parts._replace(scheme=scheme, netloc=netloc))
+
+
 def connect(url: str) -> redis.Redis:
+    if is_cluster(url):
+        # Typed as a plain client: RedisCluster answers every command the fleet sends.
+        return redis.cluster.RedisCluster.from_url(  # type: ignore[return-value]
+            node_url(url), retry=_FailFastRetry(_Link(url)), **_options())
     return redis.Redis.from_url(url, retry=_FailFastRetry(_Link(url)), **_options())
 
 
 def connect_async(url: str) -> aioredis.Redis:
+    if is_cluster(url):
+        return aiocluster.RedisCluster.from_url(  # type: ignore[return-value]
+            node_url(url), retry=_AsyncFailFastRetry(_Link(url)), **_options())
     return aioredis.Redis.from_url(url, retry=_AsyncFailFastRetry(_Link(url)), **_options())
+
+
+def node_client(client: Any, key: str) -> Any:
+    """The plain client of the node that holds ``key`` (the client itself when it
+    is not a cluster's): for raw connections, which a cluster client has none of."""
+    if isinstance(client, redis.cluster.RedisCluster):
+        return client.get_node_from_key(key).redis_connection  # type: ignore[no-untyped-call]
+    return client
+
+
+async def ready(client: Any) -> Any:
+    """``client`` once it may open a pub/sub: a cluster client reads the slot map first."""
+    if isinstance(client, aiocluster.RedisCluster):
+        await client.initialize()
+    return client
+
+
+def broker_url(url: str, celery_prefix: str) -> str:
+    """Celery's broker: the Redis itself, or on a cluster the node that holds
+    Celery's keys (one hash tag: ``Keys.celery_prefix``); Kombu's Redis transport
+    speaks to one server, not to a cluster."""
+    if not is_cluster(url):
+        return url
+    client = connect(url)
+    try:
+        node = client.get_node_from_key(celery_prefix)  # type: ignore[attr-defined]
+        return node_url(url, node.host, int(node.port))
+    finally:
+        client.close()
 
 
 def text(value: bytes | str | None) -> str | None:

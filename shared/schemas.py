@@ -309,7 +309,7 @@ class QueueEntry(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    job_id: str = Field(min_length=1, max_length=64)
+    job_id: str = Field(min_length=1, max_length=128)  # "<queue (64)>:<32 hex>"
     request: GenerationRequest
     created_at: float
     deadline_at: float | None = None

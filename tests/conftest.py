@@ -24,11 +24,40 @@ sys.path.insert(0, str(Path(__file__).parent))
 from helpers import RedisServer, wait_until  # noqa: E402,F401
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--redis", choices=("single", "cluster"), default="single",
+                     help="what the tests' settings and `r` point at: one redis-server, or a "
+                          "Redis Cluster of three masters (tests marked single_redis skip)")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if config.getoption("--redis") != "cluster":
+        return
+    for item in items:
+        marker = item.get_closest_marker("single_redis")
+        if marker is not None:
+            item.add_marker(pytest.mark.skip(reason=f"single Redis only: {marker.args[0]}"))
+
+
 @pytest.fixture(scope="session")
 def redis_server() -> Iterator[RedisServer]:
     server = RedisServer()
     yield server
     server.close()
+
+
+@pytest.fixture(scope="session")
+def redis_url(request: pytest.FixtureRequest) -> Iterator[str]:
+    """The Redis the tests' settings name: the session's redis-server, or with
+    ``--redis cluster`` a cluster of three masters of its own."""
+    if request.config.getoption("--redis") == "cluster":
+        from helpers import RedisClusterServers
+
+        cluster = RedisClusterServers(masters=3)
+        yield cluster.url
+        cluster.close()
+    else:
+        yield request.getfixturevalue("redis_server").url
 
 
 @pytest.fixture
@@ -37,16 +66,19 @@ def namespace() -> str:
 
 
 @pytest.fixture
-def settings(redis_server: RedisServer, namespace: str) -> Any:
+def settings(redis_url: str, namespace: str) -> Any:
     from tokenfleet.shared.settings import Settings
 
-    return Settings(redis_url=redis_server.url, namespace=namespace, block_ms=20,
+    return Settings(redis_url=redis_url, namespace=namespace, block_ms=20,
                     heartbeat_s=0.5, max_batch=16, max_batch_tokens=262_144, prefetch=4)
 
 
 @pytest.fixture
-def r(redis_server: RedisServer) -> Iterator[redis.Redis]:
-    client = redis.Redis.from_url(redis_server.url)
+def r(redis_url: str) -> Iterator[redis.Redis]:
+    from tokenfleet.shared.redis_conn import connect
+
+    # Plain redis-py on one server (no retries, as a test wants); a cluster client else.
+    client = connect(redis_url) if "+cluster" in redis_url else redis.Redis.from_url(redis_url)
     yield client
     client.close()
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import shutil
 import subprocess
 import tempfile
@@ -14,6 +15,8 @@ from typing import Any
 import pytest
 import redis
 
+from tokenfleet.shared.keys import job_id_in
+from tokenfleet.shared.redis_conn import connect
 from tokenfleet.workers.bench.procs import free_port  # noqa: F401  (the tests use it too)
 
 
@@ -43,6 +46,23 @@ def direct_greedy(loaded: tuple[Any, Any], jobs: list[tuple[str, int]]) -> list[
 # -- a job's tokens as Redis and its consumers hold them --------------------------
 # An event carries one token or several (the worker coalesces a job's tokens);
 # its log entry id is '0-<n>', n the index after its last token (log_prefix.lua).
+
+def follow_all(settings: Any, job_ids: list[str]) -> tuple[threading.Thread, dict[str, list[Any]]]:
+    """Stream every job from the start, on a loop of its own, as async consumers would."""
+    from tokenfleet import AsyncFleetClient
+
+    seen: dict[str, list[Any]] = {}
+
+    async def main() -> None:
+        async with AsyncFleetClient(settings=settings) as c:
+            async def one(job_id: str) -> None:
+                seen[job_id] = [e async for e in c.stream(job_id, timeout=240)]
+            await asyncio.gather(*(one(j) for j in job_ids))
+
+    thread = threading.Thread(target=lambda: asyncio.run(main()), daemon=True)
+    thread.start()
+    return thread, seen
+
 
 def logged_count(r: redis.Redis, keys: Any, job_id: str) -> int:
     """How many tokens the job's log holds: its top token entry's id."""
@@ -90,9 +110,9 @@ class ChannelTally:
     def __init__(self, url: str, keys: Any) -> None:
         self.tokens: Counter[tuple[str, int]] = Counter()
         self.ends: Counter[str] = Counter()
-        self._pubsub = redis.Redis.from_url(url).pubsub()
+        self._pubsub = connect(url).pubsub()  # a plain or a cluster URL
         self._pubsub.psubscribe(keys.events("*"))
-        self._prefix = len(keys.events(""))
+        self._prefix = keys.events("")
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
@@ -107,7 +127,7 @@ class ChannelTally:
                 continue
             if message is None or message["type"] != "pmessage":
                 continue
-            job_id = message["channel"].decode()[self._prefix:]
+            job_id = job_id_in(message["channel"].decode(), self._prefix)
             event = loads(message["data"])
             if event["k"] == "tok":
                 for k in range(event["index"], event["index"] + len(event["token_ids"])):
@@ -150,7 +170,7 @@ def wait_until(condition: Callable[[], Any], timeout: float, what: str,
 class RedisServer:
     """A redis-server the tests own: they may stop, kill and restart it."""
 
-    def __init__(self, appendonly: bool = False) -> None:
+    def __init__(self, appendonly: bool = False, cluster: bool = False) -> None:
         binary = shutil.which("redis-server")
         if binary is None:
             pytest.fail("redis-server is not installed: `apt-get install redis-server` "
@@ -159,6 +179,8 @@ class RedisServer:
         self.port = free_port()
         self.dir = tempfile.mkdtemp(prefix="tokenfleet-redis-")
         self.appendonly = appendonly
+        self.cluster = cluster
+        self.bus_port = free_port() if cluster else 0
         self.proc: subprocess.Popen[bytes] | None = None
         self.start()
 
@@ -170,6 +192,10 @@ class RedisServer:
         args = [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
                 "--dir", self.dir, "--appendonly", "yes" if self.appendonly else "no",
                 "--appendfsync", "always"]
+        if self.cluster:
+            # The bus port is port + 10000 unless given: a free port above 55535 has none.
+            args += ["--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
+                     "--cluster-port", str(self.bus_port)]
         self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         client = redis.Redis(port=self.port, socket_connect_timeout=0.2)
         wait_until(lambda: _pings(client), timeout=10, what="redis-server to answer PING")
@@ -190,6 +216,35 @@ class RedisServer:
     def close(self) -> None:
         self.kill()
         shutil.rmtree(self.dir, ignore_errors=True)
+
+
+class RedisClusterServers:
+    """A Redis Cluster of ``masters`` redis-servers on free ports, no replicas,
+    made as a user makes one: ``redis-cli --cluster create``."""
+
+    def __init__(self, masters: int = 3) -> None:
+        cli = shutil.which("redis-cli")
+        if cli is None:
+            pytest.fail("redis-cli is not installed (it comes with redis-server; .ci/run "
+                        "installs both)")
+        self.nodes = [RedisServer(cluster=True) for _ in range(masters)]
+        subprocess.run([cli, "--cluster", "create",
+                        *(f"127.0.0.1:{n.port}" for n in self.nodes),
+                        "--cluster-replicas", "0", "--cluster-yes"],
+                       check=True, capture_output=True, timeout=60)
+        probe = redis.Redis(port=self.nodes[0].port)
+        wait_until(lambda: probe.cluster("info").get("cluster_state") == "ok", timeout=30,
+                   what="the cluster to cover every slot")
+        probe.close()
+
+    @property
+    def url(self) -> str:
+        """Any one node: the clients find the others."""
+        return f"redis+cluster://127.0.0.1:{self.nodes[0].port}"
+
+    def close(self) -> None:
+        for node in self.nodes:
+            node.close()
 
 
 def _pings(client: redis.Redis) -> bool:

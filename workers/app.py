@@ -14,6 +14,7 @@ from urllib.parse import parse_qs, urlparse
 from celery import Celery
 
 from tokenfleet.shared.keys import Keys
+from tokenfleet.shared.redis_conn import broker_url, node_url
 from tokenfleet.shared.settings import get_settings
 from tokenfleet.workers.bootstep import EngineStep
 
@@ -39,9 +40,10 @@ def broker_ssl(url: str) -> dict[str, Any] | None:
 
 app = Celery("tokenfleet")
 app.conf.update(
-    broker_url=_settings.redis_url,
+    # On a Redis Cluster, the node that holds Celery's keys (redis_conn.broker_url).
+    broker_url=broker_url(_settings.redis_url, Keys(_settings.namespace).celery_prefix),
     broker_connection_retry_on_startup=True,
-    broker_use_ssl=broker_ssl(_settings.redis_url),
+    broker_use_ssl=broker_ssl(node_url(_settings.redis_url)),
     broker_transport_options={"global_keyprefix": Keys(_settings.namespace).celery_prefix},
     task_serializer="json",
     result_serializer="json",

@@ -20,7 +20,7 @@ from typing import Any
 from pydantic import ValidationError
 from redis.exceptions import ConnectionError, ResponseError, TimeoutError
 
-from tokenfleet.shared.keys import GROUP, Keys
+from tokenfleet.shared.keys import GROUP, Keys, job_model, model_of
 from tokenfleet.shared.schemas import FinishReason, JobStatus, QueueEntry
 from tokenfleet.shared.scripts import Scripts
 from tokenfleet.shared.serialization import loads
@@ -85,6 +85,13 @@ class Intake:
                 entry = QueueEntry.model_validate_json(data)
             except (KeyError, ValueError, ValidationError) as exc:
                 self.publisher.dead_letter(queue, entry_id, fields, _reason(exc))
+                continue
+            if job_model(entry.job_id) != model_of(queue):
+                # Its keys would not share the queue's hash tag (keys.py): on a
+                # cluster no script could touch them together with the queue's.
+                self.publisher.dead_letter(
+                    queue, entry_id, fields, f"job id {entry.job_id[:80]!r} is not of queue "
+                    f"{model_of(queue)!r}: ids are '<queue>:<random part>', as submit makes them")
                 continue
             if self._running.get(entry.job_id) == (stream, entry_id) and self.holds(entry.job_id):
                 continue  # this very entry runs here: taking it again would fence our own attempt

@@ -46,7 +46,8 @@ from redis.exceptions import (
     TryAgainError,
 )
 
-from tokenfleet.shared.keys import GROUP, Keys
+from tokenfleet.shared.keys import GROUP, Keys, model_of
+from tokenfleet.shared.redis_conn import node_client
 from tokenfleet.shared.schemas import FinishReason, JobStatus
 from tokenfleet.shared.scripts import Scripts
 from tokenfleet.shared.serialization import dumps, end_event, token_event
@@ -147,10 +148,9 @@ class Publisher:
         self.settings = settings
         self.worker = worker
         self.scripts = Scripts(redis)
-        # Key prefixes: a step's hundreds of key names are one concatenation each.
-        self._job_key, self._out_key, self._events_key = keys.job(""), keys.out(""), keys.events("")
         self._pending: _Step | None = None  # sent, not yet collected
         self._conn: Any = None
+        self._node: Any = None  # the client _conn came from
         # Coalescing: the window (seconds) and the most tokens one event holds;
         # a window of 0 or 1 token sends every token at once.
         self.clock = clock
@@ -286,15 +286,22 @@ class Publisher:
 
     def _connection(self) -> Any:
         """The publisher's own connection: replies are read a step later, so no
-        other command may share it."""
+        other command may share it. On a cluster: to the node of this worker's
+        queue, whose slot all its jobs' keys share."""
         if self._conn is None:
-            self._conn = self.redis.connection_pool.get_connection()
+            self._node = self._node_client()
+            self._conn = self._node.connection_pool.get_connection()
         return self._conn
+
+    def _node_client(self) -> Any:
+        """The client of the node of this worker's queue: all its jobs' keys share
+        the queue's slot, and a cluster client refuses scripts in a pipeline."""
+        return node_client(self.redis, self.keys.queue(self.settings.queue))
 
     def _drop_connection(self) -> None:
         if self._conn is not None:
             self._conn.disconnect()
-            self.redis.connection_pool.release(self._conn)
+            self._node.connection_pool.release(self._conn)
             self._conn = None
 
     @staticmethod
@@ -321,7 +328,7 @@ class Publisher:
         for seq in seqs:
             if not seq.entry_json:
                 continue
-            model = seq.queue.split(":")[0]  # the level's queue name -> the model's
+            model = model_of(seq.queue)
             calls.append((self.scripts.requeue,
                           [self.keys.queue(seq.queue), self.keys.job(seq.job_id),
                            self.keys.backlog(model)],
@@ -335,7 +342,7 @@ class Publisher:
         record = {"reason": reason, "queue": queue, "entry_id": entry_id,
                   "worker": self.worker, "at": time.time(), "entry": _printable(raw)}
         pipe = self.redis.pipeline(transaction=True)
-        pipe.xadd(self.keys.dlq, {"data": dumps(record)})
+        pipe.xadd(self.keys.dlq(queue), {"data": dumps(record)})
         pipe.xack(stream, GROUP, entry_id)
         pipe.xdel(stream, entry_id)
         pipe.execute()
@@ -352,19 +359,19 @@ class Publisher:
         )
 
     def _emit(self, events: list[Held]) -> Call:
-        job_key, out_key, events_key = self._job_key, self._out_key, self._events_key
+        k = self.keys
         keys: list[str] = []
         args: list[Any] = [self.settings.result_ttl_s, repr(time.time())]
         for e in events:
             job_id = e.seq.job_id
-            keys += (job_key + job_id, out_key + job_id, events_key + job_id)
+            keys += (k.job(job_id), k.out(job_id), k.events(job_id))
             args += (e.seq.attempt, e.index, len(e.token_ids),
                      token_event(e.index, e.token_ids, e.texts))
         return self.scripts.emit, keys, args
 
     def _finish(self, endings: list[Ending]) -> Call:
-        job_key, out_key, events_key = self._job_key, self._out_key, self._events_key
-        keys: list[str] = [self.keys.dlq]
+        k = self.keys
+        keys: list[str] = [k.dlq(endings[0].queue)]  # a worker's jobs are of one model
         args: list[Any] = [self.settings.result_ttl_s, GROUP, self.worker, repr(time.time())]
         for e in endings:
             job_id = e.job_id
@@ -373,8 +380,8 @@ class Publisher:
                 dead = dumps({"reason": e.dead_letter, "job_id": job_id, "queue": e.queue,
                               "entry_id": e.entry_id, "worker": self.worker, "at": time.time(),
                               "error": e.error})
-            keys += (job_key + job_id, out_key + job_id, events_key + job_id,
-                     self.keys.ends(job_id), self.keys.queue(e.queue))
+            keys += (k.job(job_id), k.out(job_id), k.events(job_id), k.ends(job_id),
+                     k.queue(e.queue))
             args += ("" if e.attempt is None else e.attempt, e.entry_id,
                      end_event(e.status, e.finish_reason, e.error), dead, e.status.value,
                      e.finish_reason.value if e.finish_reason else "", e.error or "", e.text,
@@ -393,7 +400,7 @@ class Publisher:
         lost = [i for i, result in enumerate(results) if isinstance(result, NoScriptError)]
         if lost:
             for script in {id(calls[i][0]): calls[i][0] for i in lost}.values():
-                script.sha = self.redis.script_load(script.script)
+                script.sha = self._node_client().script_load(script.script)
             results = self._pipeline(calls)
         for result in results:
             if isinstance(result, Exception):
@@ -401,7 +408,7 @@ class Publisher:
         return results
 
     def _pipeline(self, calls: list[Call]) -> list[Any]:
-        pipe = self.redis.pipeline(transaction=False)
+        pipe = self._node_client().pipeline(transaction=False)
         for script, keys, args in calls:
             pipe.evalsha(script.sha, len(keys), *keys, *args)
         return pipe.execute(raise_on_error=False)  # type: ignore[no-any-return]

@@ -84,10 +84,10 @@ def test_5000_random_stream_entries_end_in_the_dead_letters_with_a_reason(
     dlq_worker: tuple[Any, redis.Redis, Keys], fields: dict[str, Any]
 ) -> None:
     worker, r, keys = dlq_worker
-    last = r.xinfo_stream(keys.dlq)["last-generated-id"] if r.exists(keys.dlq) else b"0-0"
+    last = r.xinfo_stream(keys.dlq("default"))["last-generated-id"] if r.exists(keys.dlq("default")) else b"0-0"
     entry_id = r.xadd(keys.queue("default"), fields)
     # Block until the worker dead-letters it (an event, not a sleep).
-    reply = r.xread({keys.dlq: last}, count=1, block=10_000)
+    reply = r.xread({keys.dlq("default"): last}, count=1, block=10_000)
     assert reply, f"entry {fields!r} was neither run nor dead-lettered"
     record = loads(reply[0][1][0][1][b"data"])
     assert record["entry_id"] == entry_id.decode() and record["reason"]
@@ -137,6 +137,6 @@ def test_a_poison_job_fails_alone_and_its_31_batch_mates_succeed(
     bad = states.pop(poison)
     assert bad.status is JobStatus.FAILED and "index out of range" in (bad.error or "")
     assert all(s.status is JobStatus.SUCCEEDED for s in states.values())
-    dead = [loads(f[b"data"]) for _, f in r.xrange(Keys(settings.namespace).dlq)]
+    dead = [loads(f[b"data"]) for _, f in r.xrange(Keys(settings.namespace).dlq("default"))]
     assert [d["job_id"] for d in dead] == [poison]
     report.update(batch=32, succeeded=len(states), failed=1, dead_lettered=len(dead))

@@ -3,8 +3,6 @@ a worker drained with jobs in flight."""
 
 from __future__ import annotations
 
-import asyncio
-import threading
 import time
 from collections import Counter
 from typing import Any
@@ -12,11 +10,11 @@ from typing import Any
 import pytest
 import redis
 
-from tokenfleet import AsyncFleetClient, FleetClient
+from tokenfleet import FleetClient
 from tokenfleet.shared.keys import GROUP, Keys
-from tokenfleet.shared.schemas import JobStatus, TokenEvent
+from tokenfleet.shared.schemas import JobStatus
 
-from helpers import ChannelTally, direct_greedy, logged_tokens, stream_fault, wait_until
+from helpers import ChannelTally, direct_greedy, follow_all, logged_tokens, stream_fault, wait_until
 
 pytestmark = [pytest.mark.faults, pytest.mark.timeout(300)]
 
@@ -26,21 +24,6 @@ WORDS = "the value of a list is returned when the module calls its function".spl
 def prompts(n: int) -> list[tuple[str, int]]:
     return [(" ".join(WORDS[i % 7: i % 7 + 2 + i % 5]), 16 + (i * 7) % 24) for i in range(n)]
 
-
-
-def follow_all(settings: Any, job_ids: list[str]) -> tuple[threading.Thread, dict[str, list[TokenEvent]]]:
-    """Stream every job from the start, on a loop of its own, as async consumers would."""
-    seen: dict[str, list[TokenEvent]] = {}
-
-    async def main() -> None:
-        async with AsyncFleetClient(settings=settings) as c:
-            async def one(job_id: str) -> None:
-                seen[job_id] = [e async for e in c.stream(job_id, timeout=240)]
-            await asyncio.gather(*(one(j) for j in job_ids))
-
-    thread = threading.Thread(target=lambda: asyncio.run(main()), daemon=True)
-    thread.start()
-    return thread, seen
 
 
 def test_kill_9_mid_batch_loses_nothing_and_runs_nothing_twice(
@@ -91,6 +74,7 @@ def test_kill_9_mid_batch_loses_nothing_and_runs_nothing_twice(
                   recovery_s=round(recovery_s, 2))
 
 
+@pytest.mark.single_redis("restarts a redis-server of its own")
 def test_redis_restart_mid_run_every_accepted_job_finishes(
     aof_redis: Any, namespace: str, celery_workers: Any, report: dict[str, Any]
 ) -> None:

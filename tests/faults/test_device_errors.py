@@ -68,7 +68,7 @@ def check_handed_back(r: redis.Redis, keys: Keys, job_ids: list[str], worker: st
     """Nothing failed or dead-lettered, nothing left pending with the worker;
     returns how many jobs went back to the queue."""
     statuses = [r.hget(keys.job(j), "status") for j in job_ids]
-    assert b"failed" not in statuses and r.xlen(keys.dlq) == 0, statuses
+    assert b"failed" not in statuses and r.xlen(keys.dlq("default")) == 0, statuses
     consumers = {c["name"]: c["pending"] for c in r.xinfo_consumers(keys.queue("default"), GROUP)}
     assert consumers.get(worker.encode(), 0) == 0, consumers
     # It left the fleet: no heartbeat says it is healthy.

@@ -13,7 +13,7 @@ import pytest
 import redis
 
 from tokenfleet import AsyncFleetClient, FleetClient
-from tokenfleet.shared.keys import Keys
+from tokenfleet.shared.keys import Keys, job_id_in
 from tokenfleet.shared.schemas import JobStatus
 
 from gateway_server import gateway, pin_live_worker, port_of  # noqa: F401  (a fixture)
@@ -98,7 +98,7 @@ def test_clients_that_hang_up_mid_stream_leave_no_subscription_behind(
     # A completion stream that lost its client cancels its job; none is left to run.
     keys = Keys(settings.namespace)
     mine = set(running) | set(queued)
-    completions = [k.decode().rsplit(":", 1)[1] for k in r.scan_iter(match=keys.job("*"))]
+    completions = [job_id_in(k.decode(), keys.job("")) for k in r.scan_iter(match=keys.job("*"))]
     completions = [j for j in completions if j not in mine]
     assert len(completions) == 30
     wait_until(lambda: all(client.status(j).status.is_terminal for j in completions),
@@ -121,6 +121,7 @@ def test_clients_that_hang_up_mid_stream_leave_no_subscription_behind(
 OUTAGE_S = 4.0
 
 
+@pytest.mark.single_redis("restarts a redis-server of its own")
 async def test_streams_on_one_client_ride_out_a_redis_outage_side_by_side(
     aof_redis: Any, start_worker: Any, settings: Any, report: dict[str, Any],
 ) -> None:

@@ -33,7 +33,7 @@ pytestmark = [pytest.mark.faults, pytest.mark.timeout(120)]
 
 
 def dead_letters(r: redis.Redis, keys: Keys) -> list[dict[str, Any]]:
-    return [loads(f[b"data"]) for _, f in r.xrange(keys.dlq)]
+    return [loads(f[b"data"]) for _, f in r.xrange(keys.dlq("default"))]
 
 
 def test_three_hostile_records_in_one_read_are_dead_lettered_alone_and_ten_good_jobs_succeed(
@@ -60,7 +60,7 @@ def test_three_hostile_records_in_one_read_are_dead_lettered_alone_and_ten_good_
 
     assert [s.status for s in states] == [JobStatus.SUCCEEDED] * 10
     assert all(s.attempts == 1 for s in states)
-    wait_until(lambda: r.xlen(keys.dlq) >= 3, timeout=10, what="three dead letters")
+    wait_until(lambda: r.xlen(keys.dlq("default")) >= 3, timeout=10, what="three dead letters")
     dead = dead_letters(r, keys)
     reasons = {d.get("job_id") or loads(d["entry"]["data"])["job_id"]: d["reason"] for d in dead}
     assert len(dead) == 3, dead

@@ -216,6 +216,7 @@ def acl_user(r: redis.Redis, redis_server: RedisServer) -> Iterator[str]:
     r.execute_command("ACL", "DELUSER", name)
 
 
+@pytest.mark.single_redis("sets an ACL user on the session's redis-server")
 def test_a_wrong_password_fails_at_once_and_is_never_retried(
     redis_server: RedisServer, acl_user: str, settings: Any, report: dict[str, Any]
 ) -> None:
@@ -240,6 +241,7 @@ def test_a_wrong_password_fails_at_once_and_is_never_retried(
     report.update(auth_error_after_s=round(seconds, 3))
 
 
+@pytest.mark.single_redis("sets an ACL user on the session's redis-server")
 def test_credentials_refused_on_a_reconnect_are_not_retried_either(
     redis_server: RedisServer, acl_user: str, settings: Any, r: redis.Redis
 ) -> None:
@@ -256,6 +258,7 @@ def test_credentials_refused_on_a_reconnect_are_not_retried_either(
         assert time.monotonic() - started < 2.0
 
 
+@pytest.mark.single_redis("sets an ACL user on the session's redis-server")
 async def test_the_async_client_fails_at_once_on_a_wrong_password(
     redis_server: RedisServer, acl_user: str, settings: Any
 ) -> None:
@@ -291,6 +294,7 @@ async def test_the_async_client_fails_at_once_on_an_unreachable_redis(settings: 
     assert time.monotonic() - started < 3.0
 
 
+@pytest.mark.single_redis("restarts a redis-server of its own")
 def test_a_connection_that_was_up_is_still_retried_through_a_restart(
     aof_redis: RedisServer, report: dict[str, Any]
 ) -> None:

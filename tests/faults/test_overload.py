@@ -12,7 +12,8 @@ import pytest
 import redis
 
 from tokenfleet import FleetClient, QueueFull
-from tokenfleet.shared.keys import Keys
+from tokenfleet.shared.keys import Keys, job_id_in
+from tokenfleet.shared.redis_conn import connect
 from tokenfleet.shared.serialization import loads
 
 from helpers import wait_until
@@ -34,8 +35,8 @@ class EndTally:
 
     def __init__(self, url: str, keys: Keys) -> None:
         self.ended: dict[str, str] = {}
-        self._prefix = len(keys.events(""))
-        self._pubsub = redis.Redis.from_url(url).pubsub()
+        self._prefix = keys.events("")
+        self._pubsub = connect(url).pubsub()  # a plain or a cluster URL
         self._pubsub.psubscribe(keys.events("*"))
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -45,7 +46,7 @@ class EndTally:
         while not self._stop.is_set():
             message = self._pubsub.get_message(timeout=0.2)
             if message and message["type"] == "pmessage" and b'"k":"end"' in message["data"]:
-                job_id = message["channel"].decode()[self._prefix:]
+                job_id = job_id_in(message["channel"].decode(), self._prefix)
                 self.ended[job_id] = loads(message["data"])["status"]
 
     def close(self) -> None:

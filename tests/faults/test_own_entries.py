@@ -88,7 +88,7 @@ def test_a_second_entry_of_a_running_job_is_dropped_at_once_and_runs_nothing_twi
     assert [p["message_id"] for p in r.xpending_range(stream, GROUP, "-", "+", 10)] == [live]
     state = client.wait(job_id, timeout=60)
     assert state.status is JobStatus.SUCCEEDED and state.attempts == 1
-    assert r.xlen(stream) == 0 and r.xlen(keys.dlq) == 0
+    assert r.xlen(stream) == 0 and r.xlen(keys.dlq("default")) == 0
 
 
 def test_a_job_resumed_from_a_log_with_a_gap_continues_from_the_gap_and_its_log_stays_gap_free(

@@ -144,7 +144,7 @@ def test_a_malformed_entry_goes_to_the_dead_letters_and_the_worker_keeps_serving
     r.xadd(stream, {"data": '{"job_id": "x", "request": {"prompt": ""}, "created_at": 1}'})
     job_id = client.submit("Still serving", max_new_tokens=5)
     assert client.wait(job_id, timeout=60).status is JobStatus.SUCCEEDED
-    dead = [loads(f[b"data"]) for _, f in r.xrange(keys.dlq)]
+    dead = [loads(f[b"data"]) for _, f in r.xrange(keys.dlq("default"))]
     reasons = sorted(d["reason"] for d in dead)
     assert len(dead) == 3, reasons
     assert any("missing field" in x for x in reasons)

@@ -13,6 +13,7 @@ import redis
 
 from tokenfleet import FleetClient
 from tokenfleet.shared import errors
+from tokenfleet.shared.keys import job_id_in
 from tokenfleet.shared.schemas import JobStatus
 from tokenfleet.shared.settings import Settings
 
@@ -253,7 +254,7 @@ def test_a_client_that_leaves_a_completion_stream_cancels_its_job(
                      ) as response:
         assert response.status_code == 200
         [job_key] = list(r.scan_iter(match=f"{settings.namespace}:job:*"))
-    job_id = job_key.decode().rsplit(":", 1)[1]
+    job_id = job_id_in(job_key.decode(), f"{settings.namespace}:job:")
     assert client.wait(job_id, timeout=30).status is JobStatus.CANCELLED
 
 
@@ -265,7 +266,7 @@ def test_a_client_that_gives_up_on_a_completion_cancels_its_job(
         http.post("/v1/completions", json={"model": UNSERVED, "prompt": "nobody waits"},
                   timeout=httpx.Timeout(60, read=0.5))
     [job_key] = list(r.scan_iter(match=f"{settings.namespace}:job:*"))
-    job_id = job_key.decode().rsplit(":", 1)[1]
+    job_id = job_id_in(job_key.decode(), f"{settings.namespace}:job:")
     assert client.wait(job_id, timeout=30).status is JobStatus.CANCELLED
 
 

@@ -68,6 +68,7 @@ class EventTap(PatternTap):
         super().__init__(url, keys.events(""))
 
     def handle(self, suffix: bytes, data: bytes, when: float) -> None:
+        suffix = suffix.replace(b"{", b"", 1).replace(b"}", b"", 1)  # the job id (keys.job_id_in)
         if data.startswith(END_PREFIX):
             if self.record:
                 self.ended[suffix] = when
