@@ -195,10 +195,43 @@ def connect(url: str) -> redis.Redis:
     return redis.Redis.from_url(url, retry=_FailFastRetry(_Link(url)), **_options())
 
 
+class _AsyncCluster(aiocluster.RedisCluster):
+    """redis-py's asyncio cluster client, whose pub/sub goes through a plain
+    client of one node (a PUBLISH reaches the subscribers of every node).
+
+    Its own pub/sub borrows a connection of a node's command pool and hands it
+    back disconnected when it closes. Under the gateway, with streams opening
+    and closing by the hundred, commands then failed on the nodes' connections
+    (AttributeError: no writer; RuntimeError: handler is closed; redis-py 8.1).
+    With subscriptions off the command pools most of those failures went; some
+    remain under that churn (README, "Redis Cluster").
+    """
+
+    url: str  # the cluster URL, for the nodes' plain URLs
+    _plain: dict[str, aioredis.Redis]
+
+    def pubsub(self, node: Any = None, host: Any = None, port: Any = None, **kwargs: Any) -> Any:
+        """A pub/sub on a plain connection to a node of our choosing (the
+        arguments that would pick one are ignored)."""
+        chosen = self.get_random_node()  # the slot map is read: see ``ready``
+        plain = self._plain.get(chosen.name)
+        if plain is None:
+            plain = self._plain[chosen.name] = connect_async(
+                node_url(self.url, chosen.host, int(chosen.port)))
+        return plain.pubsub(**kwargs)
+
+    async def aclose(self) -> None:
+        for plain in self._plain.values():
+            await plain.aclose()
+        await super().aclose()
+
+
 def connect_async(url: str) -> aioredis.Redis:
     if is_cluster(url):
-        return aiocluster.RedisCluster.from_url(  # type: ignore[return-value]
-            node_url(url), retry=_AsyncFailFastRetry(_Link(url)), **_options())
+        client: Any = _AsyncCluster.from_url(node_url(url), retry=_AsyncFailFastRetry(_Link(url)),
+                                             **_options())
+        client.url, client._plain = url, {}
+        return client  # type: ignore[no-any-return]
     return aioredis.Redis.from_url(url, retry=_AsyncFailFastRetry(_Link(url)), **_options())
 
 
