@@ -104,9 +104,6 @@ class Keys:
         """Stream: a queue's jobs that failed past their retries or could not be parsed."""
         return f"{self.namespace}:dlq:{{{model_of(model)}}}"
 
-    def dlq_pattern(self) -> str:
-        return f"{self.namespace}:dlq:*"
-
     def worker(self, name: str) -> str:
         """Hash with a TTL: heartbeat and stats of one worker process."""
         return f"{self.namespace}:workers:{name}"
