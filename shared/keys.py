@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import NamedTuple
 
 # The consumer group every worker of a queue joins.
 GROUP = "workers"
@@ -57,13 +58,27 @@ def job_model(job_id: str) -> str | None:
 def job_id_in(name: str, prefix: str) -> str:
     """The job id in a job's key or channel name that starts with ``prefix``
     (``keys.events("")``, say): ``_tagged``'s inverse."""
-    return name.removeprefix(prefix).replace("{", "", 1).replace("}", "", 1)
+    return _untagged(name.removeprefix(prefix))
+
+
+def _untagged(name: str) -> str:
+    """A key name's part after its prefix, its hash tag's braces taken out."""
+    return name.replace("{", "", 1).replace("}", "", 1)
 
 
 def _tagged(job_id: str) -> str:
     """The id as it goes into key names: its queue part in a hash tag."""
     model = job_model(job_id)
     return job_id if model is None else f"{{{model}}}{job_id[len(model):]}"
+
+
+class JobKeys(NamedTuple):
+    """The keys and channels of one job (``Keys.of_job``)."""
+
+    job: str
+    out: str
+    events: str
+    ends: str
 
 
 @dataclass(frozen=True)
@@ -81,7 +96,7 @@ class Keys:
 
     def queue_of(self, stream: str) -> str:
         """The level's queue name of a stream key (``queue``'s inverse)."""
-        return stream.removeprefix(f"{self.namespace}:q:").replace("{", "", 1).replace("}", "", 1)
+        return _untagged(stream.removeprefix(f"{self.namespace}:q:"))
 
     def job(self, job_id: str) -> str:
         """Hash: the job record."""
@@ -99,6 +114,13 @@ class Keys:
         """Pub/sub channel: one job's end event only, for a waiter that wants no
         tokens (``wait``, the gateway's plain completions)."""
         return f"{self.namespace}:end:{_tagged(job_id)}"
+
+    def of_job(self, job_id: str) -> JobKeys:
+        """A job's record, log and channels at once: the id is parsed once (a
+        step's publisher names hundreds of them)."""
+        ns, tagged = self.namespace, _tagged(job_id)
+        return JobKeys(f"{ns}:job:{tagged}", f"{ns}:out:{tagged}", f"{ns}:ev:{tagged}",
+                       f"{ns}:end:{tagged}")
 
     def dlq(self, model: str) -> str:
         """Stream: a queue's jobs that failed past their retries or could not be parsed."""
@@ -124,7 +146,7 @@ class Keys:
 
     def served_model(self, key: str) -> str:
         """The model of a ``queue_workers`` key."""
-        return key.removeprefix(f"{self.namespace}:served:").strip("{}")
+        return _untagged(key.removeprefix(f"{self.namespace}:served:"))
 
     def idempotency(self, model: str, key: str) -> str:
         """String with a TTL: '<job id> <fingerprint of the request>' of a key.

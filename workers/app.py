@@ -19,6 +19,7 @@ from tokenfleet.shared.settings import get_settings
 from tokenfleet.workers.bootstep import EngineStep
 
 _settings = get_settings()
+_celery_prefix = Keys(_settings.namespace).celery_prefix
 
 CERT_REQS = {"none": ssl.CERT_NONE, "optional": ssl.CERT_OPTIONAL, "required": ssl.CERT_REQUIRED}
 
@@ -41,10 +42,10 @@ def broker_ssl(url: str) -> dict[str, Any] | None:
 app = Celery("tokenfleet")
 app.conf.update(
     # On a Redis Cluster, the node that holds Celery's keys (redis_conn.broker_url).
-    broker_url=broker_url(_settings.redis_url, Keys(_settings.namespace).celery_prefix),
+    broker_url=broker_url(_settings.redis_url, _celery_prefix),
     broker_connection_retry_on_startup=True,
     broker_use_ssl=broker_ssl(node_url(_settings.redis_url)),
-    broker_transport_options={"global_keyprefix": Keys(_settings.namespace).celery_prefix},
+    broker_transport_options={"global_keyprefix": _celery_prefix},
     task_serializer="json",
     result_serializer="json",
     event_serializer="json",

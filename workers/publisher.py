@@ -363,8 +363,8 @@ class Publisher:
         keys: list[str] = []
         args: list[Any] = [self.settings.result_ttl_s, repr(time.time())]
         for e in events:
-            job_id = e.seq.job_id
-            keys += (k.job(job_id), k.out(job_id), k.events(job_id))
+            j = k.of_job(e.seq.job_id)
+            keys += (j.job, j.out, j.events)
             args += (e.seq.attempt, e.index, len(e.token_ids),
                      token_event(e.index, e.token_ids, e.texts))
         return self.scripts.emit, keys, args
@@ -380,8 +380,8 @@ class Publisher:
                 dead = dumps({"reason": e.dead_letter, "job_id": job_id, "queue": e.queue,
                               "entry_id": e.entry_id, "worker": self.worker, "at": time.time(),
                               "error": e.error})
-            keys += (k.job(job_id), k.out(job_id), k.events(job_id), k.ends(job_id),
-                     k.queue(e.queue))
+            j = k.of_job(job_id)
+            keys += (j.job, j.out, j.events, j.ends, k.queue(e.queue))
             args += ("" if e.attempt is None else e.attempt, e.entry_id,
                      end_event(e.status, e.finish_reason, e.error), dead, e.status.value,
                      e.finish_reason.value if e.finish_reason else "", e.error or "", e.text,
