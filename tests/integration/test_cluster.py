@@ -19,7 +19,6 @@ import pytest
 
 from tokenfleet import FleetClient
 from tokenfleet.shared.keys import GROUP, Keys
-from tokenfleet.shared.redis_conn import connect
 from tokenfleet.shared.schemas import JobStatus
 from tokenfleet.shared.serialization import loads
 
@@ -34,25 +33,12 @@ QUEUES = ("default", "other")
 
 
 @pytest.fixture(scope="module")
-def cluster() -> Iterator[RedisClusterServers]:
+def redis_url() -> Iterator[str]:
+    """This module's Redis is a cluster of three masters, whatever ``--redis`` says:
+    conftest's ``settings`` and ``r`` (a cluster client here) follow it."""
     servers = RedisClusterServers(masters=3)
-    yield servers
+    yield servers.url
     servers.close()
-
-
-@pytest.fixture
-def settings(cluster: RedisClusterServers, namespace: str) -> Any:
-    from tokenfleet.shared.settings import Settings
-
-    return Settings(redis_url=cluster.url, namespace=namespace, block_ms=20, heartbeat_s=0.5,
-                    max_batch=16, max_batch_tokens=262_144, prefetch=4)
-
-
-@pytest.fixture
-def r(cluster: RedisClusterServers) -> Iterator[Any]:
-    client = connect(cluster.url)
-    yield client
-    client.close()
 
 
 def node_of(r: Any, key: str) -> str:
