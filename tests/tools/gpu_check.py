@@ -118,7 +118,7 @@ def pinning(model: str, say: Any) -> dict[str, Any]:
             "peak_mib_by_pid": peaks}
 
 
-def budget_vs_used(model_name: str, concurrency: list[int], say: Any) -> dict[str, Any]:
+def kv_budget(model_name: str, say: Any) -> dict[str, Any]:
     """The budget ``--max-batch auto`` computes here, before any run."""
     import torch
 
@@ -175,7 +175,7 @@ def main() -> None:
         say(f"   ({time.monotonic() - t0:.0f} s)")
     if "budget" not in skip and args.device == "cuda":
         say("== budget")
-        figures["budget"] = budget_vs_used(args.model, concurrency, say)
+        figures["budget"] = kv_budget(args.model, say)
 
     say("== bench: direct, fleet")
     from rich.console import Console
