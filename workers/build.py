@@ -9,7 +9,7 @@ from typing import Any
 
 from tokenfleet.shared import models
 from tokenfleet.shared.settings import Settings
-from tokenfleet.workers import budget
+from tokenfleet.workers import budget, cpu_linear
 from tokenfleet.workers.engine import Engine
 from tokenfleet.workers.hf_engine import HFEngine, Runner
 from tokenfleet.workers.null_runner import NULL_MODEL, NullRunner, null_tokenizer
@@ -95,7 +95,10 @@ def build_engine(settings: Settings) -> tuple[Engine, Any, Settings]:
 
 def model_runner(settings: Settings, model: Any, tokenizer: Any) -> HFRunner | PagedRunner:
     """The runner over the KV cache the settings ask for (the rectangular one for
-    a model the paged attention does not serve)."""
+    a model the paged attention does not serve), its linear layers packed for
+    oneDNN on the CPU unless the settings say not to (in place, once)."""
+    if settings.cpu_packed_linear:
+        cpu_linear.pack(model)
     if settings.kv_cache == "paged":
         why = unsupported(model)
         if why is None:
