@@ -141,3 +141,31 @@ def test_a_model_with_windowed_or_capped_attention_gets_the_rectangular_cache(
         assert isinstance(model_runner(paged, model, tok), HFRunner)
     finally:
         model.config.sliding_window = None
+
+
+def test_a_job_dropped_and_taken_again_under_its_id_gets_fresh_blocks(
+        loaded_tiny: tuple[Any, Any]) -> None:
+    # The job is handed back (drop) and taken again by this worker between two
+    # steps: the blocks its first run left under its id must not be reused, or
+    # its block table is longer than its length says and the step fails.
+    engine, _ = paged_engine(loaded_tiny, max_step_tokens=64)
+    model, tok = loaded_tiny
+
+    def job(job_id: str, prompt: str, n: int) -> Sequence:
+        return Sequence(job_id, tok(prompt)["input_ids"],
+                        SamplingParams(max_new_tokens=n, temperature=0.0), TextStream(tok))
+
+    engine.add(job("again", PROMPTS[2], 30))
+    for _ in range(25):
+        engine.step()
+    other = job("other", PROMPTS[3], 30)
+    engine.add(other)
+    engine.step()
+    engine.drop("again")
+    again = job("again", PROMPTS[4], 20)
+    engine.add(again)
+    while engine.has_work:
+        engine.step()
+    assert engine.stats.failed_steps == 0
+    assert again.generated == reference(model, tok, PROMPTS[4], 20)
+    assert other.generated == reference(model, tok, PROMPTS[3], 30)

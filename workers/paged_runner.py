@@ -91,6 +91,10 @@ class PagedRunner(ModelLimits):
         chunks: list[Chunk] = []
         for seq, n in order:
             start, end = seq.num_computed, seq.num_computed + n
+            if start == 0:
+                # A prefill from the start: blocks left under this id (a job
+                # dropped and taken again between two steps) hold nothing of it.
+                cache.release(seq.job_id)
             table = cache.reserve(seq.job_id, end, self._like)
             first = len(ids)
             ids.extend(seq.all_ids[start:end])
