@@ -114,6 +114,7 @@ def hf_engine(settings: Settings, runner: Runner, eos_token_ids: set[int],
     chunked = isinstance(runner, PagedRunner)  # the rectangular cache runs whole prefills
     scheduler = Scheduler(max_batch, eos_token_ids, max_model_len,
                           max_failures=settings.max_attempts, max_batch_tokens=max_batch_tokens,
+                          max_prefill_tokens=settings.max_step_tokens,
                           max_step_tokens=(max(settings.max_step_tokens, max_batch)
                                            if chunked else None))
     return HFEngine(scheduler, runner, max_failed_steps=settings.max_failed_steps)

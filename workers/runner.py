@@ -1,8 +1,8 @@
 """The model runner: a Hugging Face causal LM over one batched KV cache.
 
 Rows of the cache are sequences, left-padded to a common length. A prefill runs
-the new prompts together and adds their rows; a decode step feeds each row's
-last token. Rows of sequences that left are given up before the next forward
+the new prompts together, packed end to end in one row with no padding, and
+adds their rows; a decode step feeds each row's last token. Rows of sequences that left are given up before the next forward
 (``tokenfleet.workers.kv_cache`` keeps that cheap), so the cache stays as wide as the
 longest sequence still running. Rows are in the cache's order, not the
 scheduler's: inputs are gathered and tokens handed back by job id. The runner
@@ -73,20 +73,40 @@ class HFRunner(ModelLimits):
             return [tokens[s.job_id] for s in batch.seqs]
 
     def _prefill(self, seqs: list[Sequence]) -> torch.Tensor:
+        """The prompts packed end to end in one row, each attending to its own
+        tokens only (a block-diagonal causal mask): the linear layers see no
+        padding. Their keys and values then go into the cache's rows."""
         lengths = [s.num_tokens for s in seqs]
-        width = max(lengths)
-        ids = torch.full((len(seqs), width), self.pad_id, dtype=torch.long)
-        mask = torch.zeros((len(seqs), width), dtype=torch.long)
-        for row, seq in enumerate(seqs):
-            ids[row, width - lengths[row]:] = torch.tensor(seq.all_ids)
-            mask[row, width - lengths[row]:] = 1
-        ids, mask = ids.to(self.device), mask.to(self.device)
-        positions = (mask.cumsum(dim=1) - 1).clamp_min(0)
+        count = torch.tensor(lengths, device=self.device)
+        ends = count.cumsum(0)
+        starts = ends - count
+        total, width = sum(lengths), max(lengths)
+        ids = torch.tensor([t for s in seqs for t in s.all_ids], device=self.device)[None]
+        owner = torch.repeat_interleave(torch.arange(len(seqs), device=self.device), count)
+        positions = torch.arange(total, device=self.device) - starts[owner]
+        # The scheduler bounds a step's prompts together (max_prefill_tokens), so
+        # the mask stays small; one prompt alone, maybe long, gets the model's
+        # own causal attention, with no mask made.
+        mask = None
+        if len(seqs) > 1:
+            causal = torch.ones((total, total), dtype=torch.bool, device=self.device).tril_()
+            mask = ((owner[:, None] == owner[None, :]) & causal)[None, None]
         cache = DynamicCache()
-        out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions,
-                         use_cache=True, logits_to_keep=1, **{self._cache_arg: cache})
-        self._append_rows([s.job_id for s in seqs], cache, mask)
-        return out.logits[:, -1, :]
+        out = self.model(input_ids=ids, attention_mask=mask,
+                         position_ids=positions[None], use_cache=True,
+                         logits_to_keep=ends - 1,
+                         **{self._cache_arg: cache})
+        # Row r of the rectangle, right-aligned: column c holds token
+        # c - (width - length) of prompt r; left of it, padding (masked; the
+        # pack's first token, so finite).
+        column = torch.arange(width, device=self.device)
+        pad = width - count
+        rows_mask = (column[None, :] >= pad[:, None]).long()
+        source = (starts[:, None] + column[None, :] - pad[:, None]) * rows_mask
+        self._append_rows([s.job_id for s in seqs], [
+            (layer.keys[0][:, source].transpose(0, 1), layer.values[0][:, source].transpose(0, 1))
+            for layer in cache.layers], rows_mask)
+        return out.logits[0]
 
     def _decode(self, seqs: list[Sequence]) -> torch.Tensor:
         """One token for every row; ``seqs`` in row order."""
@@ -133,11 +153,13 @@ class HFRunner(ModelLimits):
                 layer.drop_left(first)
             self.mask = self.mask[:, first:]
 
-    def _append_rows(self, job_ids: list[str], cache: DynamicCache, mask: torch.Tensor) -> None:
+    def _append_rows(self, job_ids: list[str],
+                     layers: list[tuple[torch.Tensor, torch.Tensor]], mask: torch.Tensor) -> None:
+        """Add rows: each layer's (keys, values) [rows, heads, columns, head_dim],
+        left-padded as ``mask`` [rows, columns] says."""
         width = max(self.mask.shape[1], mask.shape[1])
-        for mine, theirs in zip(self.cache.slot_layers, cache.layers):
-            assert theirs.keys is not None and theirs.values is not None
-            mine.append(theirs.keys, theirs.values, width)
+        for mine, (keys, values) in zip(self.cache.slot_layers, layers):
+            mine.append(keys, values, width)
         self.mask = torch.cat([_pad_left(self.mask, width), _pad_left(mask, width)])
         self.positions = torch.cat([self.positions, mask.sum(dim=1)])
         self.rows = self.rows + job_ids
