@@ -1,5 +1,6 @@
-"""Linear layers packed for oneDNN: the same model, the same greedy text as
-plain `transformers` `generate()`, and left alone where packing cannot apply."""
+"""Linear layers packed for oneDNN and prompts packed in one row: the same
+model, the same greedy text as plain `transformers` `generate()` (after a failed
+step too), and layers left alone where packing cannot apply."""
 
 from __future__ import annotations
 
@@ -10,11 +11,13 @@ import pytest
 import torch
 from torch import nn
 
+from tokenfleet.shared.schemas import JobStatus
 from tokenfleet.workers import cpu_linear
 from tokenfleet.workers.cpu_linear import PackedLinear
 from tokenfleet.workers.hf_engine import HFEngine
 from tokenfleet.workers.runner import HFRunner
-from tokenfleet.workers.scheduler import Scheduler
+from tokenfleet.workers.scheduler import Batch, Scheduler
+from tokenfleet.workers.sequence import Sequence
 
 from test_paged import add_prompts, assert_generate_tokens
 from test_runner import PROMPTS
@@ -48,15 +51,43 @@ def test_every_linear_is_packed_and_computes_the_same(packed_tiny: tuple[Any, An
     assert cpu_linear.pack(packed) == 0  # packed already: nothing left to pack
 
 
-def test_batched_greedy_on_packed_layers_equals_generate(packed_tiny: tuple[Any, Any, Any]) -> None:
-    model, packed, tok = packed_tiny
-    runner = HFRunner(packed, tok)
+def run_prompts(runner: HFRunner, tok: Any) -> tuple[HFEngine, list[Sequence]]:
+    """test_paged's prompts through ``runner``, batches of 4, later jobs joining."""
     engine = HFEngine(Scheduler(max_batch=4, eos_token_ids=runner.eos_token_ids,
                                 max_model_len=runner.max_model_len), runner)
     seqs = add_prompts(engine, tok)
     while engine.has_work:
         engine.step()
+    return engine, seqs
+
+
+def test_batched_greedy_on_packed_layers_equals_generate(packed_tiny: tuple[Any, Any, Any]) -> None:
+    model, packed, tok = packed_tiny
+    _, seqs = run_prompts(HFRunner(packed, tok), tok)
     assert_generate_tokens((model, tok), seqs)  # generate() on the unpacked model
+
+
+class FailsOnce(HFRunner):
+    """Its 6th step (decoding, with later jobs joined) fails once, as a device error would."""
+
+    steps = 0
+
+    def run(self, batch: Batch) -> list[int]:
+        self.steps += 1
+        if self.steps == 6:
+            raise RuntimeError("forward failed")
+        return super().run(batch)
+
+
+def test_a_failed_step_is_recovered_by_packed_prefills_of_what_was_generated(
+        packed_tiny: tuple[Any, Any, Any]) -> None:
+    # After a failed step every held job is prefilled again with its prompt and
+    # the tokens it made so far: packed prompts of many lengths in one pass.
+    model, packed, tok = packed_tiny
+    engine, seqs = run_prompts(FailsOnce(packed, tok), tok)
+    assert engine.stats.failed_steps == 1
+    assert all(s.final_status is JobStatus.SUCCEEDED for s in seqs)
+    assert_generate_tokens((model, tok), seqs)
 
 
 def test_a_float16_model_is_left_as_it_is() -> None:
