@@ -90,6 +90,23 @@ def test_a_failed_step_is_recovered_by_packed_prefills_of_what_was_generated(
     assert_generate_tokens((model, tok), seqs)
 
 
+def test_a_model_with_windowed_attention_gets_padded_prefills(
+        loaded_tiny: tuple[Any, Any]) -> None:
+    # A block-diagonal mask of our own would attend past a sliding window: such
+    # a model's prompts are left-padded and the model makes its own masks.
+    model, tok = loaded_tiny
+    assert HFRunner(model, tok)._packs
+    model.config.sliding_window = 6
+    try:
+        assert not HFRunner(model, tok)._packs
+    finally:
+        model.config.sliding_window = None
+    padded = HFRunner(model, tok)
+    padded._packs = False
+    _, seqs = run_prompts(padded, tok)
+    assert_generate_tokens(loaded_tiny, seqs)
+
+
 def test_a_float16_model_is_left_as_it_is() -> None:
     model = nn.Sequential(nn.Linear(8, 8)).half()
     assert cpu_linear.available(model) == "torch.float16 weights"

@@ -134,7 +134,9 @@ def test_a_model_with_windowed_or_capped_attention_gets_the_rectangular_cache(
     from tokenfleet.workers.runner import HFRunner
 
     model, tok = loaded_tiny
-    paged = Settings(kv_cache="paged")
+    # Not packed for oneDNN: the model is the session's, which other tests
+    # compare with generate() on its own nn.Linear layers.
+    paged = Settings(kv_cache="paged", cpu_packed_linear=False)
     assert isinstance(model_runner(paged, model, tok), PagedRunner)
     model.config.sliding_window = 16
     try:

@@ -13,8 +13,8 @@ from tokenfleet.workers import budget, cpu_linear
 from tokenfleet.workers.engine import Engine
 from tokenfleet.workers.hf_engine import HFEngine, Runner
 from tokenfleet.workers.null_runner import NULL_MODEL, NullRunner, null_tokenizer
-from tokenfleet.workers.paged_runner import PagedRunner, unsupported
-from tokenfleet.workers.runner import HFRunner
+from tokenfleet.workers.paged_runner import PagedRunner
+from tokenfleet.workers.runner import HFRunner, not_plain_attention
 from tokenfleet.workers.scheduler import Scheduler
 from tokenfleet.workers.service import Worker
 
@@ -100,7 +100,7 @@ def model_runner(settings: Settings, model: Any, tokenizer: Any) -> HFRunner | P
     if settings.cpu_packed_linear:
         cpu_linear.pack(model)
     if settings.kv_cache == "paged":
-        why = unsupported(model)
+        why = not_plain_attention(model)
         if why is None:
             return PagedRunner(model, tokenizer)
         log.warning("%s: %s; serving it with the rectangular KV cache", settings.model, why)

@@ -16,30 +16,12 @@ import torch
 
 from tokenfleet.workers import paged_cache
 from tokenfleet.workers.paged_cache import Chunk, Decodes, PagedKVCache, StepPlan
-from tokenfleet.workers.runner import ModelLimits
+from tokenfleet.workers.runner import ModelLimits, not_plain_attention
 from tokenfleet.workers.sampler import sample
 from tokenfleet.workers.scheduler import Batch
 
 # Decodes within this many tokens of each other always attend together.
 GROUP_SLACK = 64
-
-
-def unsupported(model: Any) -> str | None:
-    """Why the paged attention cannot serve ``model`` (None: it can). It
-    computes plain causal attention over all of a sequence's keys: a model
-    whose attention windows, caps or sinks its scores needs the rectangular
-    cache, which runs the model's own attention."""
-    text = model.config.get_text_config(decoder=True)
-    if getattr(text, "sliding_window", None) and getattr(text, "use_sliding_window", True):
-        return "sliding-window attention"
-    if getattr(text, "attn_logit_softcapping", None):
-        return "attention logit soft-capping"
-    layer_types = getattr(text, "layer_types", None) or []
-    if any(t != "full_attention" for t in layer_types):
-        return f"attention layers of types {sorted(set(layer_types))}"
-    if "sink" in type(model).__name__.lower() or getattr(text, "attention_sinks", None):
-        return "attention sinks"
-    return None
 
 
 class PagedRunner(ModelLimits):

@@ -1,8 +1,9 @@
 """The model runner: a Hugging Face causal LM over one batched KV cache.
 
 Rows of the cache are sequences, left-padded to a common length. A prefill runs
-the new prompts together, packed end to end in one row with no padding, and
-adds their rows; a decode step feeds each row's last token. Rows of sequences that left are given up before the next forward
+the new prompts together, packed end to end in one row with no padding (left-
+padded to the longest for a model whose attention is not plain causal SDPA),
+and adds their rows; a decode step feeds each row's last token. Rows of sequences that left are given up before the next forward
 (``tokenfleet.workers.kv_cache`` keeps that cheap), so the cache stays as wide as the
 longest sequence still running. Rows are in the cache's order, not the
 scheduler's: inputs are gathered and tokens handed back by job id. The runner
@@ -22,6 +23,25 @@ from tokenfleet.workers.kv_cache import SlotCache
 from tokenfleet.workers.sampler import sample
 from tokenfleet.workers.scheduler import Batch
 from tokenfleet.workers.sequence import Sequence
+
+
+def not_plain_attention(model: Any) -> str | None:
+    """Why ``model``'s attention is not plain causal attention over all of a
+    sequence's keys (None: it is). The paged attention computes only that, and
+    so does a packed prefill's mask: a model whose attention windows, caps or
+    sinks its scores gets the rectangular cache and padded prefills, which run
+    the model's own attention and masks."""
+    text = model.config.get_text_config(decoder=True)
+    if getattr(text, "sliding_window", None) and getattr(text, "use_sliding_window", True):
+        return "sliding-window attention"
+    if getattr(text, "attn_logit_softcapping", None):
+        return "attention logit soft-capping"
+    layer_types = getattr(text, "layer_types", None) or []
+    if any(t != "full_attention" for t in layer_types):
+        return f"attention layers of types {sorted(set(layer_types))}"
+    if "sink" in type(model).__name__.lower() or getattr(text, "attention_sinks", None):
+        return "attention sinks"
+    return None
 
 
 class ModelLimits:
@@ -51,6 +71,11 @@ class HFRunner(ModelLimits):
         params = inspect.signature(model.forward).parameters
         self._cache_arg = "cache" if "cache" in params else "past_key_values"
         self._layers = int(model.config.get_text_config(decoder=True).num_hidden_layers)
+        # Packed prefills pass their own boolean mask, which only SDPA takes as
+        # given, and mean plain causal attention: a model that windows its
+        # attention (or runs eager or flash attention) gets padded prefills.
+        self._packs = (getattr(model.config, "_attn_implementation", None) == "sdpa"
+                       and not_plain_attention(model) is None)
         self.rows: list[str] = []  # job id of each cache row
         self.cache = SlotCache(self._layers)
         self.mask = torch.zeros(0, 0, dtype=torch.long, device=self.device)
@@ -73,9 +98,16 @@ class HFRunner(ModelLimits):
             return [tokens[s.job_id] for s in batch.seqs]
 
     def _prefill(self, seqs: list[Sequence]) -> torch.Tensor:
+        if len(seqs) > 1 and self._packs:
+            return self._prefill_packed(seqs)
+        return self._prefill_padded(seqs)
+
+    def _prefill_packed(self, seqs: list[Sequence]) -> torch.Tensor:
         """The prompts packed end to end in one row, each attending to its own
         tokens only (a block-diagonal causal mask): the linear layers see no
-        padding. Their keys and values then go into the cache's rows."""
+        padding. Their keys and values then go into the cache's rows. The
+        scheduler bounds a step's prompts together (max_prefill_tokens), so the
+        [tokens, tokens] mask stays small."""
         lengths = [s.num_tokens for s in seqs]
         count = torch.tensor(lengths, device=self.device)
         ends = count.cumsum(0)
@@ -84,17 +116,11 @@ class HFRunner(ModelLimits):
         ids = torch.tensor([t for s in seqs for t in s.all_ids], device=self.device)[None]
         owner = torch.repeat_interleave(torch.arange(len(seqs), device=self.device), count)
         positions = torch.arange(total, device=self.device) - starts[owner]
-        # The scheduler bounds a step's prompts together (max_prefill_tokens), so
-        # the mask stays small; one prompt alone, maybe long, gets the model's
-        # own causal attention, with no mask made.
-        mask = None
-        if len(seqs) > 1:
-            causal = torch.ones((total, total), dtype=torch.bool, device=self.device).tril_()
-            mask = ((owner[:, None] == owner[None, :]) & causal)[None, None]
+        causal = torch.ones((total, total), dtype=torch.bool, device=self.device).tril_()
+        mask = (owner[:, None] == owner[None, :]) & causal
         cache = DynamicCache()
-        out = self.model(input_ids=ids, attention_mask=mask,
-                         position_ids=positions[None], use_cache=True,
-                         logits_to_keep=ends - 1,
+        out = self.model(input_ids=ids, attention_mask=mask[None, None],
+                         position_ids=positions[None], use_cache=True, logits_to_keep=ends - 1,
                          **{self._cache_arg: cache})
         # Row r of the rectangle, right-aligned: column c holds token
         # c - (width - length) of prompt r; left of it, padding (masked; the
@@ -107,6 +133,25 @@ class HFRunner(ModelLimits):
             (layer.keys[0][:, source].transpose(0, 1), layer.values[0][:, source].transpose(0, 1))
             for layer in cache.layers], rows_mask)
         return out.logits[0]
+
+    def _prefill_padded(self, seqs: list[Sequence]) -> torch.Tensor:
+        """The prompts left-padded to the longest, the model making its own masks
+        (one prompt alone: no padding at all)."""
+        lengths = [s.num_tokens for s in seqs]
+        width = max(lengths)
+        ids = torch.full((len(seqs), width), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(seqs), width), dtype=torch.long)
+        for row, seq in enumerate(seqs):
+            ids[row, width - lengths[row]:] = torch.tensor(seq.all_ids)
+            mask[row, width - lengths[row]:] = 1
+        ids, mask = ids.to(self.device), mask.to(self.device)
+        positions = (mask.cumsum(dim=1) - 1).clamp_min(0)
+        cache = DynamicCache()
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions,
+                         use_cache=True, logits_to_keep=1, **{self._cache_arg: cache})
+        self._append_rows([s.job_id for s in seqs], [(layer.keys, layer.values)
+                                                     for layer in cache.layers], mask)
+        return out.logits[:, -1, :]
 
     def _decode(self, seqs: list[Sequence]) -> torch.Tensor:
         """One token for every row; ``seqs`` in row order."""
