@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import AsyncGenerator
 from typing import Any
@@ -136,18 +137,31 @@ class AsyncFleetClient:
 
     async def stream(self, job_id: str, timeout: float | None = None
                      ) -> AsyncGenerator[TokenEvent, None]:
+        async with contextlib.aclosing(self.stream_batches(job_id, timeout)) as batches:
+            async for batch in batches:
+                for event in batch:
+                    yield event
+
+    async def stream_batches(self, job_id: str, timeout: float | None = None
+                             ) -> AsyncGenerator[list[TokenEvent], None]:
+        """``stream``'s events in lists: each time, every event in by then. A
+        reader that falls behind (the gateway on a busy host) takes the backlog
+        in one go and can write it out as one frame."""
         deadline = None if timeout is None else time.monotonic() + timeout
         cursor = EventCursor()
         async with self._subscriptions.listen(self.keys.events(job_id)) as messages:
             await self._catch_up(job_id, cursor)
-            for event in cursor.take():
-                yield event
+            if events := cursor.take():
+                yield events
             while not cursor.ended:
                 payload = await _next(messages, deadline, cursor.expires_at)
                 if payload is None or not cursor.feed(payload):
                     await self._catch_up(job_id, cursor)
-                for event in cursor.take():
-                    yield event
+                while not cursor.ended and not messages.empty():
+                    if not cursor.feed(messages.get_nowait()):
+                        await self._catch_up(job_id, cursor)
+                if events := cursor.take():
+                    yield events
                 if not cursor.ended:
                     check_deadline(deadline, job_id)
 

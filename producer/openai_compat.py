@@ -216,9 +216,12 @@ async def chunks(client: AsyncFleetClient, job_id: str, head: dict[str, Any], ch
     async with cancel_unless_ended(client, job_id) as ended:
         if opening is not None:
             yield data({**head, "choices": [opening]})
-        async for event in client.stream(job_id):
-            if event.text:
-                yield data({**head, "choices": [choice(event.text, None)]})
+        async for events in client.stream_batches(job_id):
+            # A backlog goes out as one write: the same chunks, fewer frames.
+            frame = b"".join(data({**head, "choices": [choice(e.text, None)]})
+                             for e in events if e.text)
+            if frame:
+                yield frame
         state = await client.status(job_id)
         ended.set()
         if state.status is not JobStatus.SUCCEEDED:

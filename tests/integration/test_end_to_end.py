@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import random
 import threading
 from typing import Any
@@ -183,6 +184,23 @@ async def test_the_async_client_streams_and_waits(settings: Any, start_worker: A
         state = await c.wait(job_id, timeout=60)
         assert state.status is JobStatus.SUCCEEDED and text == state.text
         assert (await c.status(job_id)).id == job_id
+
+
+async def test_a_reader_that_fell_behind_gets_the_backlog_in_one_batch(
+        settings: Any, start_worker: Any) -> None:
+    # What the gateway relies on to write a backlog as one frame: events that
+    # came in while the reader was busy elsewhere come out together, in order.
+    start_worker(coalesce_ms=0)  # an event per token: a backlog of many
+    async with AsyncFleetClient(settings=settings) as c:
+        job_id = await c.submit("Hello", max_new_tokens=24, temperature=0.0)
+        async with contextlib.aclosing(c.stream_batches(job_id, timeout=60)) as batches:
+            first = await anext(batches)
+            state = await c.wait(job_id, timeout=60)  # busy until the job has ended
+            rest = [batch async for batch in batches]
+    events = first + [e for batch in rest for e in batch]
+    assert [e.index for e in events] == [0] + [e.end for e in events[:-1]]  # contiguous
+    assert [t for e in events for t in e.token_ids] == state.token_ids
+    assert len(events) - len(first) > 2 and len(rest) == 1
 
 
 def test_a_healthy_worker_serves_a_burst_without_a_warning(
