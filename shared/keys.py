@@ -81,6 +81,10 @@ class JobKeys(NamedTuple):
     ends: str
 
 
+# What names each of a job's keys: ``<ns>:<kind>:<tagged job id>``.
+JOB_KINDS = JobKeys(job="job", out="out", events="ev", ends="end")
+
+
 @dataclass(frozen=True)
 class Keys:
     namespace: str = "tokenfleet"
@@ -100,27 +104,26 @@ class Keys:
 
     def job(self, job_id: str) -> str:
         """Hash: the job record."""
-        return f"{self.namespace}:job:{_tagged(job_id)}"
+        return f"{self.namespace}:{JOB_KINDS.job}:{_tagged(job_id)}"
 
     def out(self, job_id: str) -> str:
         """Stream: the job's token log, for replay by late subscribers."""
-        return f"{self.namespace}:out:{_tagged(job_id)}"
+        return f"{self.namespace}:{JOB_KINDS.out}:{_tagged(job_id)}"
 
     def events(self, job_id: str) -> str:
         """Pub/sub channel: live events of one job (a script's key: tagged too)."""
-        return f"{self.namespace}:ev:{_tagged(job_id)}"
+        return f"{self.namespace}:{JOB_KINDS.events}:{_tagged(job_id)}"
 
     def ends(self, job_id: str) -> str:
         """Pub/sub channel: one job's end event only, for a waiter that wants no
         tokens (``wait``, the gateway's plain completions)."""
-        return f"{self.namespace}:end:{_tagged(job_id)}"
+        return f"{self.namespace}:{JOB_KINDS.ends}:{_tagged(job_id)}"
 
     def of_job(self, job_id: str) -> JobKeys:
         """A job's record, log and channels at once: the id is parsed once (a
         step's publisher names hundreds of them)."""
-        ns, tagged = self.namespace, _tagged(job_id)
-        return JobKeys(f"{ns}:job:{tagged}", f"{ns}:out:{tagged}", f"{ns}:ev:{tagged}",
-                       f"{ns}:end:{tagged}")
+        head, tail = f"{self.namespace}:", f":{_tagged(job_id)}"
+        return JobKeys(*(head + kind + tail for kind in JOB_KINDS))
 
     def dlq(self, model: str) -> str:
         """Stream: a queue's jobs that failed past their retries or could not be parsed."""

@@ -57,7 +57,7 @@ class Settings(BaseSettings):
     # 256 against ~95 with one whole prefill, at the same tokens/s.
     max_step_tokens: int = Field(default=256, ge=1)
     # On the CPU, the built-in engine's linear layers run through oneDNN with
-    # weights packed once at load (workers/cpu_linear.py): 1.1-2x faster per
+    # weights packed once at load (workers/cpu_linear.py): 1.1-1.6x faster per
     # GEMM here. False: transformers' own nn.Linear, whose float32 sums are
     # what generate() computes, bit for bit.
     cpu_packed_linear: bool = True

@@ -3,9 +3,10 @@
 Rows of the cache are sequences, left-padded to a common length. A prefill runs
 the new prompts together, packed end to end in one row with no padding (left-
 padded to the longest for a model whose attention is not plain causal SDPA),
-and adds their rows; a decode step feeds each row's last token. Rows of sequences that left are given up before the next forward
-(``tokenfleet.workers.kv_cache`` keeps that cheap), so the cache stays as wide as the
-longest sequence still running. Rows are in the cache's order, not the
+and adds their rows; a decode step feeds each row's last token. Rows of
+sequences that left are given up before the next forward
+(``tokenfleet.workers.kv_cache`` keeps that cheap), so the cache stays as wide
+as the longest sequence still running. Rows are in the cache's order, not the
 scheduler's: inputs are gathered and tokens handed back by job id. The runner
 knows tensors and sequence ids only: no Redis, no Celery, no job states.
 """
