@@ -38,8 +38,8 @@ async def with_keepalive(source: AsyncIterable[bytes], interval: float) -> Async
 
     The source runs in one task of its own for the whole stream and hands its
     frames over through a buffer, so a keep-alive never cancels it half-way, and
-    a frame costs a hand-over: not a task, a cancel scope and a wait each (they
-    were a fifth of a busy gateway's CPU). Frames that piled up while the
+    a frame costs a hand-over: not a task, a cancel scope, a wait and a timeout
+    each (they were a fifth of a busy gateway's CPU). Frames that piled up while the
     client's socket was slow go out as one write. That task is outside the
     cancel scope of the request: when the request ends (its client hung up, or
     the response is complete) it is cancelled here, through a cancel scope of its
@@ -49,20 +49,13 @@ async def with_keepalive(source: AsyncIterable[bytes], interval: float) -> Async
     await until the task has left it; it also leaves the source's shielded
     cleanup alone.
     """
-    frames = _Frames()
+    frames = _Frames(interval)
     scope = anyio.CancelScope()
     pump = asyncio.ensure_future(_pump(source, frames, scope))
     pump.add_done_callback(frames.ended)
     try:
         while True:
-            if not frames.items:
-                try:
-                    # Waiting takes nothing out: a keep-alive loses no frame.
-                    async with asyncio.timeout(interval):
-                        await frames.arrived()
-                except TimeoutError:
-                    yield KEEPALIVE
-                    continue
+            await frames.arrived()
             ready, end = frames.take()
             if ready:
                 yield ready
@@ -70,6 +63,7 @@ async def with_keepalive(source: AsyncIterable[bytes], interval: float) -> Async
                 end.reraise()
                 return
     finally:
+        frames.close()
         scope.cancel()
         pump.add_done_callback(_retrieve)
 
@@ -86,12 +80,20 @@ class _End:
 
 
 class _Frames:
-    """Frames from the source's task to the response's, in order, then an ``_End``."""
+    """Frames from the source's task to the response's, in order, then an ``_End``;
+    and the keep-alive clock: one timer for the whole stream that wakes the
+    response when ``interval`` s passed since it last sent something, rather
+    than a timeout armed and cancelled around every wait for a frame."""
 
-    def __init__(self) -> None:
+    def __init__(self, interval: float) -> None:
         self.items: list[bytes] = []
         self.end: _End | None = None
+        self._quiet = False
         self._arrived = asyncio.Event()
+        self._loop = asyncio.get_running_loop()
+        self._interval = interval
+        self._sent_at = self._loop.time()
+        self._timer = self._loop.call_at(self._sent_at + interval, self._tick)
 
     def put(self, item: bytes | _End) -> None:
         if isinstance(item, _End):
@@ -107,15 +109,33 @@ class _Frames:
             self.put(_End(RuntimeError("the stream's source stopped without an end")))
 
     async def arrived(self) -> None:
-        """Until a frame or the end is in."""
+        """Until a frame or the end is in, or it is time for a keep-alive.
+        Waiting takes nothing out: a keep-alive loses no frame."""
         self._arrived.clear()
-        if not self.items and self.end is None:
+        if not self.items and self.end is None and not self._quiet:
             await self._arrived.wait()
 
     def take(self) -> tuple[bytes, _End | None]:
-        """Every frame in, as one, and the end if it came after them."""
+        """What to send now (every frame in, as one; else a keep-alive if it is
+        time; else nothing), and the end if it came after those frames."""
         ready, self.items = b"".join(self.items), []
+        if not ready and self._quiet:
+            ready = KEEPALIVE
+        if ready:
+            self._quiet = False
+            self._sent_at = self._loop.time()
         return ready, self.end
+
+    def close(self) -> None:
+        self._timer.cancel()
+
+    def _tick(self) -> None:
+        due = self._sent_at + self._interval
+        if self._loop.time() >= due:
+            self._quiet = True
+            self._arrived.set()
+            due = self._loop.time() + self._interval
+        self._timer = self._loop.call_at(due, self._tick)
 
 
 async def _pump(source: AsyncIterable[bytes], frames: _Frames, scope: anyio.CancelScope) -> None:

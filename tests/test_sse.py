@@ -72,3 +72,15 @@ async def test_a_stream_cut_off_runs_its_sources_cleanup(stopped_at: str) -> Non
     assert await asyncio.wait_for(anext(out), timeout=5) in (b"a", b"ab")
     await out.aclose()
     await asyncio.wait_for(cleaned.wait(), timeout=5)
+
+
+async def test_a_stream_that_keeps_sending_gets_no_keep_alive() -> None:
+    # The keep-alive clock counts from the last thing sent, not from the start.
+    async def source() -> AsyncIterator[bytes]:
+        for i in range(12):
+            await asyncio.sleep(0.05)  # the pace of a slow job's tokens, well inside 0.3 s
+            yield b"%d;" % i
+
+    frames = await asyncio.wait_for(collect(with_keepalive(source(), interval=0.3)), timeout=10)
+    assert KEEPALIVE not in frames
+    assert b"".join(frames) == b"".join(b"%d;" % i for i in range(12))
