@@ -6,6 +6,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoPermissionError
 
 from tokenfleet.protocol import (
@@ -29,7 +30,7 @@ from tokenfleet.protocol import (
 )
 from tokenfleet.shared.errors import JobNotFound, NoWorker
 from tokenfleet.shared.keys import Keys
-from tokenfleet.shared.redis_conn import connect
+from tokenfleet.shared.redis_conn import connect, resubscribe_after
 from tokenfleet.shared.schemas import GenerationRequest, JobState, JobStatus, TokenEvent
 from tokenfleet.shared.scripts import Scripts
 from tokenfleet.shared.settings import Settings, get_settings
@@ -138,6 +139,16 @@ class FleetClient:
     def wait(self, job_id: str, timeout: float | None = None) -> JobState:
         """Block until the job ends; ``TimeoutError`` after ``timeout`` seconds."""
         deadline = None if timeout is None else time.monotonic() + timeout
+        failures = 0
+        while True:
+            try:
+                return self._wait(job_id, deadline)
+            except RedisConnectionError:
+                failures += 1
+                if not resubscribe_after(self.redis, failures):
+                    raise
+
+    def _wait(self, job_id: str, deadline: float | None) -> JobState:
         with self.redis.pubsub() as pubsub:
             # The end channel: a waiter hears one message, not one per token.
             _subscribe(pubsub, self.keys.ends(job_id))
@@ -162,6 +173,18 @@ class FleetClient:
         """
         deadline = None if timeout is None else time.monotonic() + timeout
         cursor = EventCursor()
+        failures = 0
+        while not cursor.ended:
+            try:
+                # Subscribed again (a cluster node lost), it goes on from the cursor.
+                yield from self._follow(job_id, cursor, deadline)
+            except RedisConnectionError:
+                failures += 1
+                if not resubscribe_after(self.redis, failures):
+                    raise
+
+    def _follow(self, job_id: str, cursor: EventCursor,
+                deadline: float | None) -> Iterator[TokenEvent]:
         with self.redis.pubsub() as pubsub:
             _subscribe(pubsub, self.keys.events(job_id))
             self._catch_up(job_id, cursor)

@@ -30,7 +30,7 @@ from typing import Any
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from tokenfleet.shared.redis_conn import ready
+from tokenfleet.shared.redis_conn import ready, refreshed_slot_map
 
 log = logging.getLogger(__name__)
 
@@ -169,9 +169,25 @@ class Subscriptions:
                 log.warning("pub/sub connection lost (%s); reconnecting", exc)
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, BACKOFF_S[1])
+                if await refreshed_slot_map(self._redis):
+                    await self._leave_node()
+                    return
                 continue
             if message is not None:
                 self._take(message)
+
+    async def _leave_node(self) -> None:
+        """On a cluster, the pub/sub's node may be gone for good (a master whose
+        replica took over): every wanted channel is subscribed again, on a node
+        of the slot map just read, by the keeper, which then starts a reader."""
+        with contextlib.suppress(Exception):
+            await self._pubsub.aclose()
+        # No await from here on: the keeper runs once this reader is done.
+        self._pubsub = None
+        self._sent.clear()
+        self._live.clear()
+        self._unsure.clear()
+        self._changed()
 
     def _take(self, message: dict[str, Any]) -> None:
         channel = message["channel"]

@@ -18,6 +18,7 @@ pub/sub the fleet uses; the keys of each script share a slot (``keys.py``).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
@@ -187,10 +188,45 @@ def node_url(url: str, host: str | None = None, port: int | None = None) -> str:
     return urlunsplit(parts._replace(scheme=scheme, netloc=netloc))
 
 
+class _Cluster(redis.cluster.RedisCluster):
+    """redis-py's cluster client, whose commands ride out a failover.
+
+    Its own loop retries a command that met a connection error at once, reading
+    the slot map again each time: a master that died is still in the map until
+    its replica is promoted (the cluster's node timeout and an election later, a
+    second or more), so all its tries go to the dead node and the command fails.
+    Here that whole loop is retried with the backoff a single Redis's client has
+    (``RETRIES``), so a failover is ridden out as a restart is.
+    """
+
+    def execute_command(self, *args: Any, **kwargs: Any) -> Any:
+        once = super().execute_command
+        return self.retry.call_with_retry(
+            lambda: once(*args, **kwargs), _ignore)  # type: ignore[no-untyped-call]
+
+
+def _ignore(error: Exception, *failures: int) -> None:
+    """A failed try needs nothing undone: the cluster client dropped the connection."""
+
+
+def resubscribe_after(client: Any, failures: int) -> bool:
+    """Whether a pub/sub whose connection failed for good (redis-py's retries
+    spent) should be made again, after a pause: on a cluster, yes, up to
+    ``RETRIES`` times, with the slot map read again, since a replica may have
+    taken the channel's node's place; on one Redis, no: it is down.
+    """
+    if not isinstance(client, redis.cluster.RedisCluster) or failures > RETRIES:
+        return False
+    _sleep(ExponentialBackoff(cap=2.0, base=0.05).compute(failures))
+    with contextlib.suppress(redis.exceptions.RedisError):
+        client.nodes_manager.initialize()
+    return True
+
+
 def connect(url: str) -> redis.Redis:
     if is_cluster(url):
         # Typed as a plain client: RedisCluster answers every command the fleet sends.
-        return redis.cluster.RedisCluster.from_url(  # type: ignore[return-value]
+        return _Cluster.from_url(  # type: ignore[return-value]
             node_url(url), retry=_FailFastRetry(_Link(url)), **_options())
     return redis.Redis.from_url(url, retry=_FailFastRetry(_Link(url)), **_options())
 
@@ -210,6 +246,11 @@ class _AsyncCluster(aiocluster.RedisCluster):
     url: str  # the cluster URL, for the nodes' plain URLs
     _plain: dict[str, aioredis.Redis]
 
+    async def execute_command(self, *args: Any, **kwargs: Any) -> Any:
+        """As ``_Cluster.execute_command``: a failover is ridden out as a restart is."""
+        once = super().execute_command
+        return await self.retry.call_with_retry(lambda: once(*args, **kwargs), _aignore)
+
     def pubsub(self, node: Any = None, host: Any = None, port: Any = None, **kwargs: Any) -> Any:
         """A pub/sub on a plain connection to a node of our choosing (the
         arguments that would pick one are ignored)."""
@@ -224,6 +265,20 @@ class _AsyncCluster(aiocluster.RedisCluster):
         for plain in self._plain.values():
             await plain.aclose()
         await super().aclose()
+
+
+async def _aignore(error: Exception, *failures: int) -> None:
+    """As ``_ignore``."""
+
+
+async def refreshed_slot_map(client: Any) -> bool:
+    """On a cluster client, read the slot map again (a replica may have taken a
+    failed master's place) and say True; on one Redis, False."""
+    if not isinstance(client, aiocluster.RedisCluster):
+        return False
+    with contextlib.suppress(redis.exceptions.RedisError, OSError):
+        await client.nodes_manager.initialize()
+    return True
 
 
 def connect_async(url: str) -> aioredis.Redis:

@@ -170,7 +170,8 @@ def wait_until(condition: Callable[[], Any], timeout: float, what: str,
 class RedisServer:
     """A redis-server the tests own: they may stop, kill and restart it."""
 
-    def __init__(self, appendonly: bool = False, cluster: bool = False) -> None:
+    def __init__(self, appendonly: bool = False, cluster: bool = False,
+                 extra: tuple[str, ...] = ()) -> None:
         binary = shutil.which("redis-server")
         if binary is None:
             pytest.fail("redis-server is not installed: `apt-get install redis-server` "
@@ -181,6 +182,7 @@ class RedisServer:
         self.appendonly = appendonly
         self.cluster = cluster
         self.bus_port = free_port() if cluster else 0
+        self.extra = extra
         self.proc: subprocess.Popen[bytes] | None = None
         self.start()
 
@@ -196,6 +198,7 @@ class RedisServer:
             # The bus port is port + 10000 unless given: a free port above 55535 has none.
             args += ["--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
                      "--cluster-port", str(self.bus_port)]
+        args += self.extra
         self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         client = redis.Redis(port=self.port, socket_connect_timeout=0.2)
         wait_until(lambda: _pings(client), timeout=10, what="redis-server to answer PING")
@@ -219,18 +222,25 @@ class RedisServer:
 
 
 class RedisClusterServers:
-    """A Redis Cluster of ``masters`` redis-servers on free ports, no replicas,
-    made as a user makes one: ``redis-cli --cluster create``."""
+    """A Redis Cluster of ``masters`` redis-servers on free ports, each with
+    ``replicas`` replicas, made as a user makes one: ``redis-cli --cluster create``.
+    ``node_timeout_ms`` is how long a master may be unreachable before its
+    replica takes over; without ``full_coverage`` the other masters go on serving
+    their slots meanwhile (else every node answers CLUSTERDOWN)."""
 
-    def __init__(self, masters: int = 3) -> None:
+    def __init__(self, masters: int = 3, replicas: int = 0, node_timeout_ms: int = 15000,
+                 full_coverage: bool = True) -> None:
         cli = shutil.which("redis-cli")
         if cli is None:
             pytest.fail("redis-cli is not installed (it comes with redis-server; .ci/run "
                         "installs both)")
-        self.nodes = [RedisServer(cluster=True) for _ in range(masters)]
+        extra = ("--cluster-node-timeout", str(node_timeout_ms),
+                 "--cluster-require-full-coverage", "yes" if full_coverage else "no")
+        self.nodes = [RedisServer(cluster=True, extra=extra)
+                      for _ in range(masters * (1 + replicas))]
         subprocess.run([cli, "--cluster", "create",
                         *(f"127.0.0.1:{n.port}" for n in self.nodes),
-                        "--cluster-replicas", "0", "--cluster-yes"],
+                        "--cluster-replicas", str(replicas), "--cluster-yes"],
                        check=True, capture_output=True, timeout=60)
         probe = redis.Redis(port=self.nodes[0].port)
         wait_until(lambda: probe.cluster("info").get("cluster_state") == "ok", timeout=30,
