@@ -112,8 +112,13 @@ class Subscriptions:
             try:
                 await self._sync()
                 backoff = BACKOFF_S[0]
-            except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
+            except (RedisConnectionError, RedisTimeoutError, OSError, RuntimeError) as exc:
                 # redis-py has retried already; go on trying, but never block a listener.
+                # RuntimeError: redis-py's reconnect inside a (un)subscribe reads the
+                # server's greeting while the reader waits on the same connection
+                # ("read() called while another coroutine is already waiting"), in
+                # an outage; the keeper died of it and the channels it had yet to
+                # subscribe stayed on polling.
                 log.warning("pub/sub (un)subscribe failed (%s); trying again", exc)
                 self._wake.set()
                 await asyncio.sleep(backoff)

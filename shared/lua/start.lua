@@ -21,9 +21,11 @@
 local STATUSES = {queued = true, running = true, succeeded = true, failed = true,
                   cancelled = true, expired = true}
 
--- An absent field (false) or a decimal integer that HINCRBY/DECRBY accept.
+-- An absent field (false) or a decimal integer of at most 15 digits: one that
+-- DECRBY accepts and a Lua number (a double) holds exactly, since the attempt
+-- count comes back to the worker through one.
 local function integer(v)
-  return not v or (#v <= 18 and string.match(v, '^%-?%d+$') ~= nil)
+  return not v or (#v <= 15 and string.match(v, '^%-?%d+$') ~= nil)
 end
 
 local function quoted(v)
@@ -42,14 +44,21 @@ end
 local out = {}
 for i = 3, #KEYS do
   local key, entry, held = KEYS[i], ARGV[2 * i - 2], ARGV[2 * i - 1]
-  local kind = redis.call('TYPE', key).ok
+  -- One read for a record that is a hash (all but hostile ones): HMGET fails
+  -- on another type, and gives nothing but nils for no key at all.
+  local cur = redis.pcall('HMGET', key, 'status', 'cancel', 'started_at', 'handbacks',
+                          'weight', 'attempts', 'entry')
+  local kind = 'hash'
+  if type(cur) == 'table' and cur.err then
+    kind = redis.call('TYPE', key).ok
+  elseif not cur[1] and redis.call('EXISTS', key) == 0 then
+    kind = 'none'
+  end
   if kind == 'none' then
     out[i - 2] = {'missing'}
   elseif kind ~= 'hash' then
     out[i - 2] = {'bad', 'job record is a ' .. kind .. ', not a hash', '0'}
   else
-    local cur = redis.call('HMGET', key, 'status', 'cancel', 'started_at', 'handbacks',
-                           'weight', 'attempts', 'entry')
     local status, handbacks, weight, attempts, live = cur[1], cur[4], cur[5], cur[6], cur[7]
     local reason
     if not status then
@@ -57,11 +66,11 @@ for i = 3, #KEYS do
     elseif not STATUSES[status] then
       reason = 'job record has an unknown status ' .. quoted(status)
     elseif not integer(attempts) then
-      reason = "job record's attempts is not an integer: " .. quoted(attempts)
+      reason = "job record's attempts is not an integer of at most 15 digits: " .. quoted(attempts)
     elseif not integer(handbacks) then
-      reason = "job record's handbacks is not an integer: " .. quoted(handbacks)
+      reason = "job record's handbacks is not an integer of at most 15 digits: " .. quoted(handbacks)
     elseif not integer(weight) then
-      reason = "job record's weight is not an integer: " .. quoted(weight)
+      reason = "job record's weight is not an integer of at most 15 digits: " .. quoted(weight)
     end
     if reason then
       -- It leaves the queue for the dead letters: its work no longer waits.
@@ -80,11 +89,13 @@ for i = 3, #KEYS do
     else
       -- Leaving the queue: its work no longer counts in the backlog.
       if status == 'queued' then leave_backlog(weight) end
-      local attempt = redis.call('HINCRBY', key, 'attempts', 1)
       -- 'entry' binds the record to the entry it runs from (a record written
       -- before the field existed gets it here), so any other copy is stale.
-      redis.call('HSET', key, 'status', 'running', 'worker', ARGV[1], 'entry', entry)
-      if not cur[3] then redis.call('HSET', key, 'started_at', ARGV[2]) end
+      local attempt = (tonumber(attempts) or 0) + 1
+      local fields = {'attempts', attempt, 'status', 'running', 'worker', ARGV[1],
+                      'entry', entry}
+      if not cur[3] then fields[#fields + 1], fields[#fields + 2] = 'started_at', ARGV[2] end
+      redis.call('HSET', key, unpack(fields))
       out[i - 2] = {'run', attempt, cur[2] or '0', handbacks or '0'}
     end
   end

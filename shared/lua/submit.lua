@@ -30,12 +30,11 @@ end
 -- Finished entries are deleted, so the length is what is waiting or running.
 local depth = redis.call('XLEN', KEYS[4]) + redis.call('XLEN', KEYS[5]) + redis.call('XLEN', KEYS[6])
 if depth >= tonumber(ARGV[3]) then return {'full', tostring(depth)} end
-local fields = {}
-for i = 9, #ARGV do fields[#fields + 1] = ARGV[i] end
-redis.call('HSET', KEYS[2], unpack(fields))
 local entry = redis.call('XADD', KEYS[1], '*', 'data', ARGV[2])
 -- The record knows its entry, so a cancel can take it off the queue at once.
-redis.call('HSET', KEYS[2], 'entry', entry, 'weight', ARGV[6])
+local fields = {'entry', entry, 'weight', ARGV[6]}
+for i = 9, #ARGV do fields[#fields + 1] = ARGV[i] end
+redis.call('HSET', KEYS[2], unpack(fields))
 redis.call('INCRBY', KEYS[7], ARGV[6])
 if ARGV[5] == '1' then
   redis.call('SET', KEYS[3], ARGV[1] .. ' ' .. ARGV[7], 'EX', ARGV[4])

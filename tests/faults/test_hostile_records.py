@@ -3,6 +3,7 @@ dead-lettered alone with its reason, and the rest of the read runs.
 
 - job records with an unknown status, a non-integer ``attempts``, or a key that
   is a string instead of a hash, read in the same XREADGROUP as good jobs;
+- a record with no status, one gone, one with an ``attempts`` of 16 digits;
 - an unexpected error while admitting one entry of a read.
 """
 
@@ -81,6 +82,40 @@ def test_three_hostile_records_in_one_read_are_dead_lettered_alone_and_ten_good_
     assert all(t.is_alive() for t in worker._threads)
     report.update(good=10, succeeded=10, hostile=3, dead_lettered=len(dead), stuck=0,
                   all_good_done_s=round(done_s, 2))
+
+
+def test_a_record_without_status_one_gone_and_an_attempt_count_too_long_in_one_read(
+    client: FleetClient, start_worker: Any, r: redis.Redis, settings: Any,
+    report: dict[str, Any],
+) -> None:
+    # The intake reads a record with one HMGET and looks further only when that
+    # read is odd: a hash with no status is still a hash (a failed job, its
+    # reason), no key at all is a record gone (its entry dead-lettered). An
+    # attempt count longer than a Lua number holds exactly (it would come back
+    # to the worker rounded, and fence off its own run) fails its job. The good
+    # jobs of the same read run.
+    keys = Keys(settings.namespace)
+    good = [client.submit(f"good job {i}", max_new_tokens=4, priority="high") for i in range(4)]
+    no_status, gone, too_long = (client.submit(f"odd {i}", max_new_tokens=4, priority="high")
+                                 for i in range(3))
+    r.hdel(keys.job(no_status), "status")
+    r.delete(keys.job(gone))
+    r.hset(keys.job(too_long), "attempts", "1234567890123456")
+
+    start_worker(max_batch=32, prefetch=4, claim_idle_s=2.0)
+    assert [client.wait(j, timeout=60).status for j in good] == [JobStatus.SUCCEEDED] * 4
+    wait_until(lambda: r.xlen(keys.dlq("default")) >= 3, timeout=10, what="three dead letters")
+    reasons = {(d.get("job_id") or loads(d["entry"]["data"])["job_id"]): d["reason"]
+               for d in dead_letters(r, keys)}
+    assert reasons[no_status] == "job record has no status"
+    assert "no job record" in reasons[gone]
+    assert "attempts is not an integer of at most 15 digits" in reasons[too_long]
+    for job_id in (no_status, too_long):
+        assert client.status(job_id).status is JobStatus.FAILED
+    assert r.hget(keys.job(too_long), "attempts") == b"1234567890123456"  # left as found
+    stream = keys.queue(level_queue("default", "high"))
+    assert r.xlen(stream) == 0 and r.xpending(stream, GROUP)["pending"] == 0
+    report.update({"good": 4, "dead_lettered": 3})
 
 
 def test_an_error_admitting_one_entry_fails_that_job_alone(
