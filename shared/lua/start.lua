@@ -28,6 +28,8 @@ local function integer(v)
   return not v or (#v <= 15 and string.match(v, '^%-?%d+$') ~= nil)
 end
 
+local NOT_INTEGER = ' is not an integer of at most 15 digits: '
+
 local function quoted(v)
   return "'" .. string.sub(v, 1, 40) .. "'"
 end
@@ -66,11 +68,11 @@ for i = 3, #KEYS do
     elseif not STATUSES[status] then
       reason = 'job record has an unknown status ' .. quoted(status)
     elseif not integer(attempts) then
-      reason = "job record's attempts is not an integer of at most 15 digits: " .. quoted(attempts)
+      reason = "job record's attempts" .. NOT_INTEGER .. quoted(attempts)
     elseif not integer(handbacks) then
-      reason = "job record's handbacks is not an integer of at most 15 digits: " .. quoted(handbacks)
+      reason = "job record's handbacks" .. NOT_INTEGER .. quoted(handbacks)
     elseif not integer(weight) then
-      reason = "job record's weight is not an integer of at most 15 digits: " .. quoted(weight)
+      reason = "job record's weight" .. NOT_INTEGER .. quoted(weight)
     end
     if reason then
       -- It leaves the queue for the dead letters: its work no longer waits.

@@ -32,8 +32,9 @@ local depth = redis.call('XLEN', KEYS[4]) + redis.call('XLEN', KEYS[5]) + redis.
 if depth >= tonumber(ARGV[3]) then return {'full', tostring(depth)} end
 local entry = redis.call('XADD', KEYS[1], '*', 'data', ARGV[2])
 -- The record knows its entry, so a cancel can take it off the queue at once.
-local fields = {'entry', entry, 'weight', ARGV[6]}
+local fields = {}
 for i = 9, #ARGV do fields[#fields + 1] = ARGV[i] end
+for _, v in ipairs({'entry', entry, 'weight', ARGV[6]}) do fields[#fields + 1] = v end
 redis.call('HSET', KEYS[2], unpack(fields))
 redis.call('INCRBY', KEYS[7], ARGV[6])
 if ARGV[5] == '1' then
