@@ -30,7 +30,7 @@ from typing import Any
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from tokenfleet.shared.redis_conn import ready, refreshed_slot_map
+from tokenfleet.shared.redis_conn import left_node, ready
 
 log = logging.getLogger(__name__)
 
@@ -174,7 +174,7 @@ class Subscriptions:
                 log.warning("pub/sub connection lost (%s); reconnecting", exc)
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, BACKOFF_S[1])
-                if await refreshed_slot_map(self._redis):
+                if await left_node(self._redis, self._pubsub):
                     await self._leave_node()
                     return
                 continue
@@ -183,8 +183,8 @@ class Subscriptions:
 
     async def _leave_node(self) -> None:
         """On a cluster, the pub/sub's node may be gone for good (a master whose
-        replica took over): every wanted channel is subscribed again, on a node
-        of the slot map just read, by the keeper, which then starts a reader."""
+        replica took over): every wanted channel is subscribed again, on another
+        node of the slot map just read, by the keeper, which then starts a reader."""
         with contextlib.suppress(Exception):
             await self._pubsub.aclose()
         # No await from here on: the keeper runs once this reader is done.

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import random
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
@@ -245,6 +246,7 @@ class _AsyncCluster(aiocluster.RedisCluster):
 
     url: str  # the cluster URL, for the nodes' plain URLs
     _plain: dict[str, aioredis.Redis]
+    lost: set[str]  # nodes a pub/sub lost its connection to: passed over by pubsub()
 
     async def execute_command(self, *args: Any, **kwargs: Any) -> Any:
         """As ``_Cluster.execute_command``: a failover is ridden out as a restart is."""
@@ -254,7 +256,12 @@ class _AsyncCluster(aiocluster.RedisCluster):
     def pubsub(self, node: Any = None, host: Any = None, port: Any = None, **kwargs: Any) -> Any:
         """A pub/sub on a plain connection to a node of our choosing (the
         arguments that would pick one are ignored)."""
-        chosen = self.get_random_node()  # the slot map is read: see ``ready``
+        # The slot map is read (see ``ready``); a node just lost may still be in it.
+        nodes = [n for n in self.get_nodes() if n.name not in self.lost]
+        if not nodes:
+            self.lost.clear()
+            nodes = self.get_nodes()
+        chosen = random.choice(nodes)
         plain = self._plain.get(chosen.name)
         if plain is None:
             plain = self._plain[chosen.name] = connect_async(
@@ -271,11 +278,15 @@ async def _aignore(error: Exception, *failures: int) -> None:
     """As ``_ignore``."""
 
 
-async def refreshed_slot_map(client: Any) -> bool:
-    """On a cluster client, read the slot map again (a replica may have taken a
-    failed master's place) and say True; on one Redis, False."""
-    if not isinstance(client, aiocluster.RedisCluster):
+async def left_node(client: Any, pubsub: Any) -> bool:
+    """On a cluster client, pass over the node ``pubsub`` was connected to (it may
+    be gone for good: a master whose replica took over) and read the slot map
+    again; True. On one Redis, False."""
+    if not isinstance(client, _AsyncCluster):
         return False
+    connection = getattr(pubsub, "connection", None)
+    if connection is not None:
+        client.lost.add(f"{connection.host}:{connection.port}")
     with contextlib.suppress(redis.exceptions.RedisError, OSError):
         await client.nodes_manager.initialize()
     return True
@@ -285,7 +296,7 @@ def connect_async(url: str) -> aioredis.Redis:
     if is_cluster(url):
         client: Any = _AsyncCluster.from_url(node_url(url), retry=_AsyncFailFastRetry(_Link(url)),
                                              **_options())
-        client.url, client._plain = url, {}
+        client.url, client._plain, client.lost = url, {}, set()
         return client  # type: ignore[no-any-return]
     return aioredis.Redis.from_url(url, retry=_AsyncFailFastRetry(_Link(url)), **_options())
 

@@ -24,6 +24,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+import redis.asyncio
 
 from tokenfleet import FleetClient
 from tokenfleet.shared.keys import GROUP, Keys
@@ -108,17 +109,20 @@ async def test_a_subscription_whose_node_dies_moves_to_another_node() -> None:
         async with subscriptions.listen("news") as messages:
             port = subscriptions._pubsub.connection.port  # the node it picked
             next(n for n in servers.nodes if n.port == port).kill()
+            # Published on a live node: a PUBLISH reaches every node's subscribers.
+            publisher = redis.asyncio.Redis(
+                port=next(n.port for n in servers.nodes if n.port != port))
 
             async def heard() -> bytes:
                 while True:
-                    with contextlib.suppress(Exception):  # the cluster settling
-                        await client.publish("news", b"still here")
+                    await publisher.publish("news", b"still here")
                     with contextlib.suppress(TimeoutError):
                         async with asyncio.timeout(0.5):
                             return await messages.get()
 
             assert await asyncio.wait_for(heard(), timeout=60) == b"still here"
             assert subscriptions._pubsub.connection.port != port
+            await publisher.aclose()
     finally:
         await subscriptions.close()
         await client.aclose()
