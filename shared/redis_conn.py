@@ -45,6 +45,11 @@ CONNECT_TIMEOUT_S = 3.0
 RETRY_ERRORS: list[type[Exception]] = [ConnectionError, TimeoutError, ConnectionResetError]
 
 
+def _backoff() -> ExponentialBackoff:
+    """The pause before each retry: 0.1 s, doubling, at most 2 s."""
+    return ExponentialBackoff(cap=2.0, base=0.05)
+
+
 def redacted(url: str) -> str:
     """The URL with its password replaced by ``***``, fit for an error message."""
     parts = urlsplit(url)
@@ -88,7 +93,7 @@ class _Linked:
     _backoff: Any
 
     def __init__(self, link: _Link) -> None:
-        super().__init__(ExponentialBackoff(cap=2.0, base=0.05), RETRIES)  # type: ignore[call-arg]
+        super().__init__(_backoff(), RETRIES)  # type: ignore[call-arg]
         self.link = link
 
     def __deepcopy__(self, memo: dict[int, Any]) -> Any:
@@ -218,7 +223,7 @@ def resubscribe_after(client: Any, failures: int) -> bool:
     """
     if not isinstance(client, redis.cluster.RedisCluster) or failures > RETRIES:
         return False
-    _sleep(ExponentialBackoff(cap=2.0, base=0.05).compute(failures))
+    _sleep(_backoff().compute(failures))
     with contextlib.suppress(redis.exceptions.RedisError):
         client.nodes_manager.initialize()
     return True
