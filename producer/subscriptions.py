@@ -28,6 +28,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from tokenfleet.shared.redis_conn import left_node, ready
@@ -177,6 +178,21 @@ class Subscriptions:
                 if await left_node(self._redis, self._pubsub):
                     await self._leave_node()
                     return
+                continue
+            except (RedisError, RuntimeError) as exc:
+                # A reply that is no message, or a connection closed under the
+                # read: the keeper's (un)subscribe reconnected while this read
+                # waited on the same connection, and the read got the new
+                # connection's greeting ("unknown subcommand 'SETINFO'" from a
+                # Redis before 7.2; seen on a cluster under hang-up churn). The
+                # reader died of it and every stream fell back to polling. The
+                # connection is dropped instead: the next read connects again
+                # and subscribes to every channel it had.
+                log.warning("pub/sub connection confused (%s); reconnecting", exc)
+                with contextlib.suppress(Exception):
+                    await self._pubsub.connection.disconnect()
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, BACKOFF_S[1])
                 continue
             if message is not None:
                 self._take(message)
