@@ -18,9 +18,11 @@ pub/sub the fleet uses; the keys of each script share a slot (``keys.py``).
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import copy
 import random
+from collections.abc import Coroutine
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
@@ -207,12 +209,50 @@ class _Cluster(redis.cluster.RedisCluster):
 
     def execute_command(self, *args: Any, **kwargs: Any) -> Any:
         once = super().execute_command
-        return self.retry.call_with_retry(
-            lambda: once(*args, **kwargs), _ignore)  # type: ignore[no-untyped-call]
+
+        def node_errors() -> Any:
+            try:
+                return once(*args, **kwargs)  # type: ignore[no-untyped-call]
+            except (redis.exceptions.RedisClusterException, *_NOT_SERVED) as error:
+                raise _node_error(error) from error
+
+        return self.retry.call_with_retry(node_errors, _ignore)
 
 
 def _ignore(error: Exception, *failures: int) -> None:
     """A failed try needs nothing undone: the cluster client dropped the connection."""
+
+
+# A cluster not serving the slot yet, which ran nothing: its nodes coming back
+# from a restart, a replica being promoted. redis-py's own loop tries these a few
+# times in a fraction of a second; a restart takes seconds.
+_NOT_SERVED = (redis.exceptions.ClusterDownError, redis.exceptions.TryAgainError,
+               redis.exceptions.MasterDownError)
+
+
+def _node_error(error: Exception) -> Exception:
+    """The error of the node under redis-py's "Redis Cluster cannot be connected":
+    its cluster client reads the slot map again after a connection error, and
+    reports no node answering (every node restarting, a wrong password) as a
+    RedisClusterException whose cause is the last node's error. Raised as that
+    error, it is what a single Redis's client meets in the same case: retried
+    with backoff (a connection error once the client has been up, so a restart
+    of the whole cluster is ridden out), or refused at once (a wrong password,
+    a first connect that failed: ``_give_up``)."""
+    if isinstance(error, _NOT_SERVED):
+        return ConnectionError(f"{type(error).__name__}: {error}")
+    cause = error.__cause__
+    if isinstance(cause, ConnectionError | TimeoutError):  # AuthenticationError included
+        return type(cause)(*cause.args)
+    return error
+
+
+def _cluster_error(link: _Link, error: Exception) -> Exception:
+    """As ``_node_error``, outside the retry loop (a client being made, a slot map
+    read for a pub/sub): a backend that catches ``RedisAuthFailed`` or
+    ``RedisUnavailable`` catches them on a cluster too."""
+    node = _node_error(error)
+    return _give_up(link, node) or node
 
 
 def resubscribe_after(client: Any, failures: int) -> bool:
@@ -231,9 +271,13 @@ def resubscribe_after(client: Any, failures: int) -> bool:
 
 def connect(url: str) -> redis.Redis:
     if is_cluster(url):
-        # Typed as a plain client: RedisCluster answers every command the fleet sends.
-        return _Cluster.from_url(  # type: ignore[return-value]
-            node_url(url), retry=_FailFastRetry(_Link(url)), **_options())
+        link = _Link(url)
+        try:  # it reads the slot map at once
+            # Typed as a plain client: RedisCluster answers every command the fleet sends.
+            return _Cluster.from_url(  # type: ignore[return-value]
+                node_url(url), retry=_FailFastRetry(link), **_options())
+        except redis.exceptions.RedisClusterException as error:
+            raise _cluster_error(link, error) from error
     return redis.Redis.from_url(url, retry=_FailFastRetry(_Link(url)), **_options())
 
 
@@ -245,8 +289,8 @@ class _AsyncCluster(aiocluster.RedisCluster):
     back disconnected when it closes. Under the gateway, with streams opening
     and closing by the hundred, commands then failed on the nodes' connections
     (AttributeError: no writer; RuntimeError: handler is closed; redis-py 8.1).
-    With subscriptions off the command pools most of those failures went; some
-    remain under that churn (README, "Redis Cluster").
+    With subscriptions off the command pools most of those failures went; the
+    rest are ridden out in ``execute_command`` (README, "Redis Cluster").
     """
 
     url: str  # the cluster URL, for the nodes' plain URLs
@@ -254,9 +298,28 @@ class _AsyncCluster(aiocluster.RedisCluster):
     lost: set[str]  # nodes a pub/sub lost its connection to: passed over by pubsub()
 
     async def execute_command(self, *args: Any, **kwargs: Any) -> Any:
-        """As ``_Cluster.execute_command``: a failover is ridden out as a restart is."""
+        """As ``_Cluster.execute_command``: a failover is ridden out as a restart
+        is. And a caller cancelled mid-command (a stream whose client hung up)
+        does not cancel the command: it finishes in a task of its own."""
         once = super().execute_command
-        return await self.retry.call_with_retry(lambda: once(*args, **kwargs), _aignore)
+
+        async def sent_once() -> Any:
+            try:
+                return await once(*args, **kwargs)
+            except (redis.exceptions.RedisClusterException, *_NOT_SERVED) as error:
+                raise _node_error(error) from error
+            except (AttributeError, RuntimeError) as error:
+                if not _unsent(error):
+                    raise
+                raise ConnectionError(f"the connection closed under the command: {error}") from error
+
+        return await _uncancelled(self.retry.call_with_retry(sent_once, _aignore))
+
+    async def initialize(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return await super().initialize(*args, **kwargs)
+        except redis.exceptions.RedisClusterException as error:
+            raise _cluster_error(self.retry.link, error) from error  # type: ignore[attr-defined]
 
     def pubsub(self, node: Any = None, host: Any = None, port: Any = None, **kwargs: Any) -> Any:
         """A pub/sub on a plain connection to a node of our choosing (the
@@ -281,6 +344,40 @@ class _AsyncCluster(aiocluster.RedisCluster):
 
 async def _aignore(error: Exception, *failures: int) -> None:
     """As ``_ignore``."""
+
+
+# What redis-py 8.1's asyncio connection raises when it writes a command on a
+# connection another task closed under it (the cluster client closes a node's
+# idle connections while they stay on its free list, after a connection error on
+# that node): no writer any more, or a closed transport. Nothing was written,
+# and redis-py dropped the connection: the command can go again.
+_UNSENT = ("object has no attribute 'writelines'", "the handler is closed")
+
+
+def _unsent(error: Exception) -> bool:
+    return any(text in str(error) for text in _UNSENT)
+
+
+async def _uncancelled(command: Coroutine[Any, Any, Any]) -> Any:
+    """Await ``command`` in a task of its own, which the caller's cancel does
+    not reach (the caller still stops at once).
+
+    redis-py 8.1's asyncio cluster client takes a command's connection off the
+    node's free list and puts it back in a ``finally``, also when the command
+    was cancelled between its write and its reply. Under the gateway's hang-ups
+    that left connections with a reply nobody read or half a command written;
+    the next command on them failed or read another's reply, the client
+    dropped the node's connections while other commands used them, and those
+    failed with AttributeError (no writer): requests answered 500. A command
+    that always runs to its end leaves its connection whole."""
+    task = asyncio.ensure_future(command)
+    try:
+        return await asyncio.shield(task)
+    except asyncio.CancelledError:
+        # Nobody waits for it any more: its outcome is dropped, not logged as
+        # an exception never retrieved.
+        task.add_done_callback(lambda t: t.cancelled() or t.exception())
+        raise
 
 
 async def left_node(client: Any, pubsub: Any) -> bool:

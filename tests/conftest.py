@@ -75,10 +75,9 @@ def settings(redis_url: str, namespace: str) -> Any:
 
 @pytest.fixture
 def r(redis_url: str) -> Iterator[redis.Redis]:
-    from tokenfleet.shared.redis_conn import connect, is_cluster
+    from helpers import redis_client
 
-    # Plain redis-py on one server (no retries, as a test wants); a cluster client else.
-    client = connect(redis_url) if is_cluster(redis_url) else redis.Redis.from_url(redis_url)
+    client = redis_client(redis_url)
     yield client
     client.close()
 

@@ -229,19 +229,22 @@ class RedisClusterServers:
     their slots meanwhile (else every node answers CLUSTERDOWN)."""
 
     def __init__(self, masters: int = 3, replicas: int = 0, node_timeout_ms: int = 15000,
-                 full_coverage: bool = True) -> None:
+                 full_coverage: bool = True, appendonly: bool = False) -> None:
         cli = shutil.which("redis-cli")
         if cli is None:
             pytest.fail("redis-cli is not installed (it comes with redis-server; .ci/run "
                         "installs both)")
         extra = ("--cluster-node-timeout", str(node_timeout_ms),
                  "--cluster-require-full-coverage", "yes" if full_coverage else "no")
-        self.nodes = [RedisServer(cluster=True, extra=extra)
+        self.nodes = [RedisServer(cluster=True, extra=extra, appendonly=appendonly)
                       for _ in range(masters * (1 + replicas))]
         subprocess.run([cli, "--cluster", "create",
                         *(f"127.0.0.1:{n.port}" for n in self.nodes),
                         "--cluster-replicas", str(replicas), "--cluster-yes"],
                        check=True, capture_output=True, timeout=60)
+        self._wait_ok()
+
+    def _wait_ok(self) -> None:
         probe = redis.Redis(port=self.nodes[0].port)
         wait_until(lambda: probe.cluster("info").get("cluster_state") == "ok", timeout=30,
                    what="the cluster to cover every slot")
@@ -252,9 +255,29 @@ class RedisClusterServers:
         """Any one node: the clients find the others."""
         return f"redis+cluster://127.0.0.1:{self.nodes[0].port}"
 
+    def stop(self) -> None:
+        """Every node, with SIGTERM: each writes its append-only file and its
+        cluster config (nodes.conf), and exits."""
+        for node in self.nodes:
+            node.stop()
+
+    def start(self) -> None:
+        """Every node again, on its port and directory: each reloads its data and
+        its place in the cluster."""
+        for node in self.nodes:
+            node.start()
+        self._wait_ok()
+
     def close(self) -> None:
         for node in self.nodes:
             node.close()
+
+
+def redis_client(url: str) -> redis.Redis:
+    """Plain redis-py on one server (no retries, as a test wants); a cluster client else."""
+    from tokenfleet.shared.redis_conn import connect, is_cluster
+
+    return connect(url) if is_cluster(url) else redis.Redis.from_url(url)
 
 
 def _pings(client: redis.Redis) -> bool:

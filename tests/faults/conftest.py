@@ -28,10 +28,15 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
 
 
 @pytest.fixture
-def aof_redis() -> Iterator[Any]:
-    """A redis-server of this test's own, with its append-only file on."""
-    from helpers import RedisServer
+def aof_redis(request: pytest.FixtureRequest) -> Iterator[Any]:
+    """A redis-server of this test's own, with its append-only file on; with
+    ``--redis cluster``, a cluster of three masters of its own, all restarted
+    together (``stop``, ``start``)."""
+    from helpers import RedisClusterServers, RedisServer
 
-    server = RedisServer(appendonly=True)
+    if request.config.getoption("--redis") == "cluster":
+        server: Any = RedisClusterServers(masters=3, appendonly=True)
+    else:
+        server = RedisServer(appendonly=True)
     yield server
     server.close()

@@ -14,7 +14,8 @@ from tokenfleet import FleetClient
 from tokenfleet.shared.keys import GROUP, Keys
 from tokenfleet.shared.schemas import JobStatus
 
-from helpers import ChannelTally, direct_greedy, follow_all, logged_tokens, stream_fault, wait_until
+from helpers import (ChannelTally, direct_greedy, follow_all, logged_tokens, redis_client,
+                     stream_fault, wait_until)
 
 pytestmark = [pytest.mark.faults, pytest.mark.timeout(300)]
 
@@ -74,7 +75,6 @@ def test_kill_9_mid_batch_loses_nothing_and_runs_nothing_twice(
                   recovery_s=round(recovery_s, 2))
 
 
-@pytest.mark.single_redis("restarts a redis-server of its own")
 def test_redis_restart_mid_run_every_accepted_job_finishes(
     aof_redis: Any, namespace: str, celery_workers: Any, report: dict[str, Any]
 ) -> None:
@@ -82,7 +82,7 @@ def test_redis_restart_mid_run_every_accepted_job_finishes(
 
     settings = Settings(redis_url=aof_redis.url, namespace=namespace)
     client = FleetClient(settings=settings)
-    r = redis.Redis.from_url(aof_redis.url)
+    r = redis_client(aof_redis.url)
     keys = Keys(namespace)
     job_ids = [client.submit(f"restart {i} {' '.join(WORDS[:i % 9])}", max_new_tokens=60,
                              temperature=0.0, require_worker=False) for i in range(60)]

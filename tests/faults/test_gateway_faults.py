@@ -17,7 +17,7 @@ from tokenfleet.shared.keys import Keys, job_id_in
 from tokenfleet.shared.schemas import JobStatus
 
 from gateway_server import gateway, pin_live_worker, port_of  # noqa: F401  (a fixture)
-from helpers import stream_fault, wait_until
+from helpers import redis_client, stream_fault, wait_until
 
 pytestmark = [pytest.mark.faults, pytest.mark.timeout(120)]
 
@@ -49,9 +49,6 @@ async def stream_then_hang_up(http: httpx.AsyncClient, method: str, path: str,
         await now.wait()
 
 
-@pytest.mark.single_redis(
-    "redis-py 8.1's asyncio cluster client fails a few commands on its nodes' connections "
-    "under this churn (AttributeError: no writer); README, 'Redis Cluster'")
 def test_clients_that_hang_up_mid_stream_leave_no_subscription_behind(
     gateway: Any, start_worker: Any, client: FleetClient, r: redis.Redis, settings: Any,
     report: dict[str, Any],
@@ -128,7 +125,6 @@ def test_clients_that_hang_up_mid_stream_leave_no_subscription_behind(
 OUTAGE_S = 4.0
 
 
-@pytest.mark.single_redis("restarts a redis-server of its own")
 async def test_streams_on_one_client_ride_out_a_redis_outage_side_by_side(
     aof_redis: Any, start_worker: Any, settings: Any, report: dict[str, Any],
 ) -> None:
@@ -138,7 +134,7 @@ async def test_streams_on_one_client_ride_out_a_redis_outage_side_by_side(
     with FleetClient(settings=on_aof) as sync:
         jobs = [sync.submit(f"outage {i}", max_new_tokens=8, temperature=0,
                             require_worker=False) for i in range(6)]
-    r = redis.Redis.from_url(aof_redis.url)
+    r = redis_client(aof_redis.url)
     done_at: dict[str, float] = {}
 
     async with AsyncFleetClient(settings=on_aof) as fleet:

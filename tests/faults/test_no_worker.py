@@ -26,7 +26,7 @@ from tokenfleet.fleet import fleet_status
 from tokenfleet.shared.keys import Keys
 from tokenfleet.shared.schemas import FinishReason, JobStatus
 
-from helpers import RedisServer, free_port, wait_until
+from helpers import free_port, wait_until
 
 pytestmark = [pytest.mark.faults, pytest.mark.timeout(120)]
 
@@ -208,77 +208,94 @@ def test_an_empty_queue_whose_workers_left_is_hidden_but_keeps_its_group(
 # -- a Redis that was never reachable ----------------------------------------------
 
 
+# On a cluster, a user and a kill go to every node: a client reads the slot map
+# from any of them, and its commands go to all.
+def every_node(r: redis.Redis) -> dict[str, Any]:
+    return {"target_nodes": r.ALL_NODES} if hasattr(r, "ALL_NODES") else {}  # type: ignore[attr-defined]
+
+
+def as_user(redis_url: str, user: str, password: str) -> str:
+    """The tests' Redis URL (one server or a cluster's node) with credentials."""
+    scheme, rest = redis_url.split("://", 1)
+    return f"{scheme}://{user}:{password}@{rest}"
+
+
 @pytest.fixture
-def acl_user(r: redis.Redis, redis_server: RedisServer) -> Iterator[str]:
+def acl_user(r: redis.Redis) -> Iterator[str]:
     name = f"u{uuid.uuid4().hex[:8]}"
-    r.execute_command("ACL", "SETUSER", name, "on", ">right-password", "~*", "&*", "+@all")
+    r.execute_command("ACL", "SETUSER", name, "on", ">right-password", "~*", "&*", "+@all",
+                      **every_node(r))
     yield name
-    r.execute_command("ACL", "DELUSER", name)
+    r.execute_command("ACL", "DELUSER", name, **every_node(r))
 
 
-@pytest.mark.single_redis("sets an ACL user on the session's redis-server")
 def test_a_wrong_password_fails_at_once_and_is_never_retried(
-    redis_server: RedisServer, acl_user: str, settings: Any, report: dict[str, Any]
+    redis_url: str, acl_user: str, settings: Any, report: dict[str, Any]
 ) -> None:
-    url = f"redis://{acl_user}:wrong-password@127.0.0.1:{redis_server.port}/0"
-    with FleetClient(url, settings=settings) as c:
-        started = time.monotonic()
-        with pytest.raises(RedisAuthFailed) as info:
-            c.submit("hi", require_worker=False)
-        seconds = time.monotonic() - started
-        # Not retried even once the client has been up: the password will not change.
+    url = as_user(redis_url, acl_user, "wrong-password")
+    made: list[FleetClient] = []
+    started = time.monotonic()
+    with pytest.raises(RedisAuthFailed) as info:
+        # A cluster client reads the slot map as it is made: refused there.
+        made.append(FleetClient(url, settings=settings))
+        made[0].submit("hi", require_worker=False)
+    seconds = time.monotonic() - started
+    for c in made:  # one server: refused again, not retried, once the client has been up
         with pytest.raises(RedisAuthFailed):
             c.status("x")
+        c.close()
     message = str(info.value)
     assert isinstance(info.value, AuthenticationError)  # what redis-py users catch
     assert "wrong-password" not in message and f"{acl_user}:***@127.0.0.1" in message
     assert "\n" not in message
     assert seconds < 2.0
     # The right password works through the same code.
-    good = f"redis://{acl_user}:right-password@127.0.0.1:{redis_server.port}/0"
-    with FleetClient(good, settings=settings) as c:
+    with FleetClient(as_user(redis_url, acl_user, "right-password"), settings=settings) as c:
         assert c.submit("hi", require_worker=False)
     report.update(auth_error_after_s=round(seconds, 3))
 
 
-@pytest.mark.single_redis("sets an ACL user on the session's redis-server")
 def test_credentials_refused_on_a_reconnect_are_not_retried_either(
-    redis_server: RedisServer, acl_user: str, settings: Any, r: redis.Redis
+    redis_url: str, acl_user: str, settings: Any, r: redis.Redis
 ) -> None:
     """A client that was up, whose password was changed under it: one clear error at
     once, not a minute of backoff (retries are for dropped connections)."""
-    url = f"redis://{acl_user}:right-password@127.0.0.1:{redis_server.port}/0"
-    with FleetClient(url, settings=settings) as c:
+    with FleetClient(as_user(redis_url, acl_user, "right-password"), settings=settings) as c:
         job_id = c.submit("hi", require_worker=False)
-        r.execute_command("ACL", "SETUSER", acl_user, "resetpass", ">rotated")
-        r.execute_command("CLIENT", "KILL", "USER", acl_user)  # its connections drop
+        r.execute_command("ACL", "SETUSER", acl_user, "resetpass", ">rotated", **every_node(r))
+        # Its connections drop.
+        r.execute_command("CLIENT", "KILL", "USER", acl_user, **every_node(r))
         started = time.monotonic()
         with pytest.raises(RedisAuthFailed):
             c.status(job_id)
         assert time.monotonic() - started < 2.0
 
 
-@pytest.mark.single_redis("sets an ACL user on the session's redis-server")
 async def test_the_async_client_fails_at_once_on_a_wrong_password(
-    redis_server: RedisServer, acl_user: str, settings: Any
+    redis_url: str, acl_user: str, settings: Any
 ) -> None:
-    url = f"redis://{acl_user}:nope@127.0.0.1:{redis_server.port}/0"
     started = time.monotonic()
-    async with AsyncFleetClient(url, settings=settings) as c:
+    async with AsyncFleetClient(as_user(redis_url, acl_user, "nope"), settings=settings) as c:
         with pytest.raises(RedisAuthFailed, match=r":\*\*\*@"):
             await c.status("x")
     assert time.monotonic() - started < 2.0
 
 
+def unreachable(settings: Any) -> str:
+    """A URL where nothing listens, of the tests' kind (one server or a cluster)."""
+    scheme = settings.redis_url.split("://", 1)[0]
+    return f"{scheme}://127.0.0.1:{free_port()}" + ("" if "+cluster" in scheme else "/0")
+
+
 def test_an_unreachable_redis_fails_at_once_naming_the_url(
     settings: Any, report: dict[str, Any]
 ) -> None:
-    url = f"redis://127.0.0.1:{free_port()}/0"  # nothing listens there
-    with FleetClient(url, settings=settings) as c:
-        started = time.monotonic()
-        with pytest.raises(RedisUnavailable) as info:
+    url = unreachable(settings)
+    started = time.monotonic()
+    with pytest.raises(RedisUnavailable) as info:
+        with FleetClient(url, settings=settings) as c:
             c.submit("hi", require_worker=False)
-        seconds = time.monotonic() - started
+    seconds = time.monotonic() - started
     assert isinstance(info.value, ConnectionError)
     assert url in str(info.value) and "\n" not in str(info.value)
     assert seconds < 3.0
@@ -286,17 +303,16 @@ def test_an_unreachable_redis_fails_at_once_naming_the_url(
 
 
 async def test_the_async_client_fails_at_once_on_an_unreachable_redis(settings: Any) -> None:
-    url = f"redis://127.0.0.1:{free_port()}/0"
+    url = unreachable(settings)
     started = time.monotonic()
     async with AsyncFleetClient(url, settings=settings) as c:
-        with pytest.raises(RedisUnavailable, match="cannot connect to Redis at redis://"):
+        with pytest.raises(RedisUnavailable, match="cannot connect to Redis at redis"):
             await c.submit("hi", require_worker=False)
     assert time.monotonic() - started < 3.0
 
 
-@pytest.mark.single_redis("restarts a redis-server of its own")
 def test_a_connection_that_was_up_is_still_retried_through_a_restart(
-    aof_redis: RedisServer, report: dict[str, Any]
+    aof_redis: Any, report: dict[str, Any]
 ) -> None:
     """Fail-fast is for the first connect only: a dropped connection rides out a restart."""
     from tokenfleet.shared.settings import Settings
