@@ -47,17 +47,26 @@ def redis_server() -> Iterator[RedisServer]:
 
 
 @pytest.fixture(scope="session")
-def redis_url(request: pytest.FixtureRequest) -> Iterator[str]:
-    """The Redis the tests' settings name: the session's redis-server, or with
-    ``--redis cluster`` a cluster of three masters of its own."""
+def redis_nodes(request: pytest.FixtureRequest) -> Iterator[list[RedisServer]]:
+    """The redis-servers behind the tests' Redis: the session's one, or with
+    ``--redis cluster`` the three masters of a cluster of its own."""
     if request.config.getoption("--redis") == "cluster":
         from helpers import RedisClusterServers
 
         cluster = RedisClusterServers(masters=3)
-        yield cluster.url
+        yield cluster.nodes
         cluster.close()
     else:
-        yield request.getfixturevalue("redis_server").url
+        yield [request.getfixturevalue("redis_server")]
+
+
+@pytest.fixture(scope="session")
+def redis_url(request: pytest.FixtureRequest, redis_nodes: list[RedisServer]) -> str:
+    """The Redis the tests' settings name: the session's redis-server, or a node
+    of the cluster (the clients find the others)."""
+    if request.config.getoption("--redis") == "cluster":
+        return f"redis+cluster://127.0.0.1:{redis_nodes[0].port}"
+    return redis_nodes[0].url
 
 
 @pytest.fixture

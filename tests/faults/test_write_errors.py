@@ -59,7 +59,7 @@ def jobs(n: int, shortest: int, longest: int) -> list[tuple[str, int]]:
 # -- the faults ----------------------------------------------------------------
 
 @contextmanager
-def out_of_memory(r: redis.Redis, server: RedisServer) -> Iterator[None]:
+def out_of_memory(r: redis.Redis, servers: list[RedisServer]) -> Iterator[None]:
     """Every write that may grow memory answers OOM (reads, PUBLISH and XCLAIM still work)."""
     policy = r.config_get("maxmemory-policy")["maxmemory-policy"]
     r.config_set("maxmemory-policy", "noeviction")
@@ -72,7 +72,7 @@ def out_of_memory(r: redis.Redis, server: RedisServer) -> Iterator[None]:
 
 
 @contextmanager
-def read_only(r: redis.Redis, server: RedisServer) -> Iterator[None]:
+def read_only(r: redis.Redis, servers: list[RedisServer]) -> Iterator[None]:
     """The server turns replica of a primary that is not there: every write answers
     READONLY, the data stays, as on the old primary of a failover."""
     r.replicaof("127.0.0.1", free_port())
@@ -83,19 +83,25 @@ def read_only(r: redis.Redis, server: RedisServer) -> Iterator[None]:
 
 
 @contextmanager
-def misconf(r: redis.Redis, server: RedisServer) -> Iterator[None]:
+def misconf(r: redis.Redis, servers: list[RedisServer]) -> Iterator[None]:
     """A background save fails (its target is a directory) while save points are
-    set: every write answers MISCONF until a save succeeds again."""
-    target = os.path.join(server.dir, "dump.rdb")
-    os.makedirs(os.path.join(target, "in-the-way"))
-    r.config_set("save", "3600 1")
+    set: every write answers MISCONF until a save succeeds again. On a cluster,
+    on every master (a disk full under each)."""
+    targets = [os.path.join(server.dir, "dump.rdb") for server in servers]
+    nodes = [redis.Redis(port=server.port) for server in servers]
+    for target, node in zip(targets, nodes):
+        os.makedirs(os.path.join(target, "in-the-way"))
+        node.config_set("save", "3600 1")
     try:
-        _bgsave(r, expect=b"err")
+        for node in nodes:
+            _bgsave(node, expect=b"err")
         yield
     finally:
-        shutil.rmtree(target, ignore_errors=True)
-        _bgsave(r, expect=b"ok")
-        r.config_set("save", "")
+        for target, node in zip(targets, nodes):
+            shutil.rmtree(target, ignore_errors=True)
+            _bgsave(node, expect=b"ok")
+            node.config_set("save", "")
+            node.close()
 
 
 def _bgsave(r: redis.Redis, expect: bytes) -> None:
@@ -108,7 +114,7 @@ def _bgsave(r: redis.Redis, expect: bytes) -> None:
 
 
 @contextmanager
-def scripts_flushed(r: redis.Redis, server: RedisServer) -> Iterator[None]:
+def scripts_flushed(r: redis.Redis, servers: list[RedisServer]) -> Iterator[None]:
     """The server forgets its scripts again and again (a restart, ``SCRIPT FLUSH``):
     every script call answers NOSCRIPT until loaded again."""
     stop = threading.Event()
@@ -126,7 +132,7 @@ def scripts_flushed(r: redis.Redis, server: RedisServer) -> Iterator[None]:
         thread.join(timeout=5)
 
 
-FAULTS: dict[str, Callable[[redis.Redis, RedisServer], Any]] = {
+FAULTS: dict[str, Callable[[redis.Redis, list[RedisServer]], Any]] = {
     "oom": out_of_memory, "readonly": read_only, "misconf": misconf, "noscript": scripts_flushed,
 }
 
@@ -159,9 +165,9 @@ CASES = [
     ("oom", 1, 24, (150, 200), 32),  # the case as found: every job mid-generation
     ("oom", 2, 16, (100, 140), 8),
     pytest.param("readonly", 1, 8, (60, 90), 16, marks=pytest.mark.single_redis(
-        "REPLICAOF is refused in cluster mode")),
-    pytest.param("misconf", 1, 8, (60, 90), 16, marks=pytest.mark.single_redis(
-        "breaks the save of the session's redis-server")),
+        "a cluster node refuses REPLICAOF, and a cluster's replica answers MOVED, not "
+        "READONLY: on a cluster this is a failover (test_cluster_failover.py)")),
+    ("misconf", 1, 8, (60, 90), 16),
     ("noscript", 1, 8, (60, 90), 16),
 ]
 
@@ -169,7 +175,7 @@ CASES = [
 @pytest.mark.parametrize("fault,workers,n_jobs,lengths,max_batch", CASES)
 def test_refused_writes_leave_no_gap_no_stuck_job_and_every_stream_whole(
     fault: str, workers: int, n_jobs: int, lengths: tuple[int, int], max_batch: int,
-    redis_server: RedisServer, r: redis.Redis, settings: Any, client: FleetClient,
+    redis_nodes: list[RedisServer], r: redis.Redis, settings: Any, client: FleetClient,
     start_worker: Any, loaded_tiny: Any, report: dict[str, Any],
 ) -> None:
     keys = Keys(settings.namespace)
@@ -183,7 +189,7 @@ def test_refused_writes_leave_no_gap_no_stuck_job_and_every_stream_whole(
     # The fault strikes while every running job is mid-generation.
     wait_until(lambda: logged_count(r, keys, job_ids[0]) >= 25, timeout=60,
                what="the first job to log 25 tokens")
-    with FAULTS[fault](r, redis_server):
+    with FAULTS[fault](r, redis_nodes):
         time.sleep(FAULT_S)  # the fault itself: Redis refuses writes this long
         logged_in_fault = sum(logged_count(r, keys, j) for j in job_ids)
     restored_at = time.monotonic()
