@@ -21,7 +21,7 @@ import redis
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).parent))
 
-from helpers import RedisServer, wait_until  # noqa: E402,F401
+from helpers import RedisClusterServers, RedisServer, own_redis, wait_until  # noqa: E402,F401
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -47,26 +47,26 @@ def redis_server() -> Iterator[RedisServer]:
 
 
 @pytest.fixture(scope="session")
-def redis_nodes(request: pytest.FixtureRequest) -> Iterator[list[RedisServer]]:
-    """The redis-servers behind the tests' Redis: the session's one, or with
-    ``--redis cluster`` the three masters of a cluster of its own."""
+def redis_backend(request: pytest.FixtureRequest) -> Iterator[RedisServer | RedisClusterServers]:
+    """The Redis the tests' settings name: the session's redis-server, or with
+    ``--redis cluster`` a cluster of three masters of its own."""
     if request.config.getoption("--redis") == "cluster":
-        from helpers import RedisClusterServers
-
-        cluster = RedisClusterServers(masters=3)
-        yield cluster.nodes
+        cluster = own_redis(cluster=True)
+        yield cluster
         cluster.close()
     else:
-        yield [request.getfixturevalue("redis_server")]
+        yield request.getfixturevalue("redis_server")
 
 
 @pytest.fixture(scope="session")
-def redis_url(request: pytest.FixtureRequest, redis_nodes: list[RedisServer]) -> str:
-    """The Redis the tests' settings name: the session's redis-server, or a node
-    of the cluster (the clients find the others)."""
-    if request.config.getoption("--redis") == "cluster":
-        return f"redis+cluster://127.0.0.1:{redis_nodes[0].port}"
-    return redis_nodes[0].url
+def redis_nodes(redis_backend: RedisServer | RedisClusterServers) -> list[RedisServer]:
+    """The redis-servers behind the tests' Redis (a cluster's masters)."""
+    return redis_backend.nodes
+
+
+@pytest.fixture(scope="session")
+def redis_url(redis_backend: RedisServer | RedisClusterServers) -> str:
+    return redis_backend.url
 
 
 @pytest.fixture

@@ -190,6 +190,11 @@ class RedisServer:
     def url(self) -> str:
         return f"redis://127.0.0.1:{self.port}/0"
 
+    @property
+    def nodes(self) -> list[RedisServer]:
+        """The servers behind this Redis: itself (as a cluster's ``nodes``)."""
+        return [self]
+
     def start(self) -> None:
         args = [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
                 "--dir", self.dir, "--appendonly", "yes" if self.appendonly else "no",
@@ -271,6 +276,13 @@ class RedisClusterServers:
     def close(self) -> None:
         for node in self.nodes:
             node.close()
+
+
+def own_redis(cluster: bool, appendonly: bool = False) -> RedisServer | RedisClusterServers:
+    """A Redis of the caller's own: one redis-server, or a cluster of three masters."""
+    if cluster:
+        return RedisClusterServers(masters=3, appendonly=appendonly)
+    return RedisServer(appendonly=appendonly)
 
 
 def redis_client(url: str) -> redis.Redis:

@@ -45,9 +45,10 @@ app.conf.update(
     broker_url=broker_url(_settings.redis_url, _celery_prefix),
     broker_connection_retry_on_startup=True,
     # An error reply to Celery's connection (CLUSTERDOWN while a cluster comes
-    # back from a restart, LOADING, READONLY, OOM) reconnects with backoff, as a
-    # refused connection does, instead of shutting the worker down: the fleet's
-    # own writes ride out the same states (publisher.is_transient).
+    # back from a restart, READONLY, OOM; Kombu already took LOADING for a lost
+    # connection) reconnects with backoff, as a refused connection does, instead
+    # of shutting the worker down: the fleet's own writes ride out the same
+    # states (publisher.is_transient).
     broker_channel_error_retry=True,
     broker_use_ssl=broker_ssl(node_url(_settings.redis_url)),
     broker_transport_options={"global_keyprefix": _celery_prefix},

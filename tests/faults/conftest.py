@@ -32,11 +32,8 @@ def aof_redis(request: pytest.FixtureRequest) -> Iterator[Any]:
     """A redis-server of this test's own, with its append-only file on; with
     ``--redis cluster``, a cluster of three masters of its own, all restarted
     together (``stop``, ``start``)."""
-    from helpers import RedisClusterServers, RedisServer
+    from helpers import own_redis
 
-    if request.config.getoption("--redis") == "cluster":
-        server: Any = RedisClusterServers(masters=3, appendonly=True)
-    else:
-        server = RedisServer(appendonly=True)
+    server = own_redis(request.config.getoption("--redis") == "cluster", appendonly=True)
     yield server
     server.close()
