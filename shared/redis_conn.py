@@ -273,11 +273,12 @@ def connect(url: str) -> redis.Redis:
     if is_cluster(url):
         link = _Link(url)
         try:  # it reads the slot map at once
-            # Typed as a plain client: RedisCluster answers every command the fleet sends.
-            return _Cluster.from_url(  # type: ignore[return-value]
-                node_url(url), retry=_FailFastRetry(link), **_options())
+            client = _Cluster.from_url(node_url(url), retry=_FailFastRetry(link), **_options())
         except redis.exceptions.RedisClusterException as error:
             raise _cluster_error(link, error) from error
+        link.up = True  # a node answered: from now on a lost connection is ridden out
+        # Typed as a plain client: RedisCluster answers every command the fleet sends.
+        return client  # type: ignore[return-value]
     return redis.Redis.from_url(url, retry=_FailFastRetry(_Link(url)), **_options())
 
 
@@ -316,10 +317,16 @@ class _AsyncCluster(aiocluster.RedisCluster):
         return await _uncancelled(self.retry.call_with_retry(sent_once, _aignore))
 
     async def initialize(self, *args: Any, **kwargs: Any) -> Any:
+        link = self.retry.link  # type: ignore[attr-defined]
         try:
-            return await super().initialize(*args, **kwargs)
+            client = await super().initialize(*args, **kwargs)
         except redis.exceptions.RedisClusterException as error:
-            raise _cluster_error(self.retry.link, error) from error  # type: ignore[attr-defined]
+            raise _cluster_error(link, error) from error
+        # A node answered, as a single Redis's client is up once a connection is
+        # made: a stream whose pub/sub read the slot map, then lost Redis before
+        # its first command, rides out the restart instead of failing at once.
+        link.up = True
+        return client
 
     def pubsub(self, node: Any = None, host: Any = None, port: Any = None, **kwargs: Any) -> Any:
         """A pub/sub on a plain connection to a node of our choosing (the

@@ -331,3 +331,30 @@ def test_a_connection_that_was_up_is_still_retried_through_a_restart(
         seconds = time.monotonic() - started
     assert 0.9 < seconds < 10
     report.update(outage_s=1.0, answered_after_s=round(seconds, 2))
+
+
+async def test_a_client_whose_only_contact_was_a_subscription_rides_out_a_restart(
+    aof_redis: Any, report: dict[str, Any]
+) -> None:
+    """A stream subscribes before its first command: if Redis goes down in
+    between, that command waits for Redis to come back; it does not fail as
+    if Redis had never been there (on a cluster the subscription reads the slot
+    map, through no command)."""
+    from tokenfleet.shared.redis_conn import connect_async, ready
+
+    client = connect_async(aof_redis.url)
+    pubsub = (await ready(client)).pubsub()
+    await pubsub.subscribe("tokenfleet-test:contact")
+    await pubsub.aclose()
+    aof_redis.stop()
+    restart = threading.Timer(1.0, aof_redis.start)
+    restart.start()
+    started = time.monotonic()
+    try:
+        assert await client.get("tokenfleet-test:nothing") is None  # retried until it is back
+    finally:
+        restart.join()
+        await client.aclose()
+    seconds = time.monotonic() - started
+    assert 0.9 < seconds < 10
+    report.update(outage_s=1.0, answered_after_s=round(seconds, 2))
