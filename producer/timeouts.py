@@ -14,16 +14,28 @@ head bounds its size, not its time.
 - The body: an ASGI middleware (:class:`BodyDeadline`), so it holds under any
   ASGI server. The clock starts when the head is complete; a body not whole
   by the deadline ends the request with a 408 and the connection is closed.
+
+Either 408 goes to a client that is still sending. Closed at once, the socket
+holds bytes nobody read, so the kernel answers with a reset instead of a FIN, and
+the reset can reach the client before it reads the 408, which then never
+arrives (``Connection reset by peer``). So such a connection is closed as web
+servers do it (nginx's ``lingering_close``): the write side first, then what
+still comes is read and dropped until the client closes, for ``LINGER_S`` at most.
 """
 
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+from collections.abc import Callable
+from typing import Any, cast
 
 import h11
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from uvicorn.protocols.http.h11_impl import H11Protocol
+
+# The longest a connection whose client was still sending is read after its
+# response, before it is closed anyway.
+LINGER_S = 2.0
 
 # Written to a connection whose head did not come in time, if part of it came.
 REQUEST_TIMEOUT = (b"HTTP/1.1 408 Request Timeout\r\ncontent-type: text/plain; charset=utf-8\r\n"
@@ -31,9 +43,44 @@ REQUEST_TIMEOUT = (b"HTTP/1.1 408 Request Timeout\r\ncontent-type: text/plain; c
                    b"request head not received in time\n")
 
 
+class _LingeringClose:
+    """A transport whose ``close()``, while ``peer_sending()`` says the client
+    may still be sending, shuts the write side only (a FIN after what is
+    buffered) and closes for good when the client closes or after ``LINGER_S``."""
+
+    def __init__(self, transport: asyncio.Transport, peer_sending: Callable[[], bool]) -> None:
+        self._transport = transport
+        self._peer_sending = peer_sending
+        self._timer: asyncio.TimerHandle | None = None
+        self.lingering = False
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._transport, name)
+
+    def is_closing(self) -> bool:
+        return self.lingering or self._transport.is_closing()
+
+    def close(self) -> None:
+        transport = self._transport
+        if self.lingering or transport.is_closing():
+            return
+        if not (self._peer_sending() and transport.can_write_eof()):  # TLS cannot half-close
+            transport.close()
+            return
+        self.lingering = True
+        transport.write_eof()
+        self._timer = asyncio.get_running_loop().call_later(LINGER_S, transport.close)
+
+    def closed(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+
 class HeadDeadlineProtocol(H11Protocol):
     """uvicorn's h11 protocol, closing a connection whose request head does not arrive
-    within ``head_timeout_s`` (a class attribute: see :func:`head_deadline_protocol`).
+    within ``head_timeout_s`` (a class attribute: see :func:`head_deadline_protocol`),
+    and closing one whose client is still sending with a linger (:class:`_LingeringClose`).
 
     Runs on the server's event loop, like its base class.
     """
@@ -43,10 +90,22 @@ class HeadDeadlineProtocol(H11Protocol):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._head_timer: asyncio.TimerHandle | None = None
+        self._lingering: _LingeringClose | None = None
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-        super().connection_made(transport)
+        self._lingering = _LingeringClose(transport, self._peer_sending)
+        super().connection_made(cast(asyncio.Transport, self._lingering))
         self._arm()
+
+    def _peer_sending(self) -> bool:
+        """Whether a request is coming in unfinished: part of a head, or a body."""
+        state = self.conn.their_state
+        return state is h11.SEND_BODY or (state is h11.IDLE and bool(self.conn.trailing_data[0]))
+
+    def data_received(self, data: bytes) -> None:
+        if self._lingering is not None and self._lingering.lingering:
+            return  # the response is out; what the client still sends is dropped
+        super().data_received(data)
 
     def handle_events(self) -> None:
         super().handle_events()
@@ -62,6 +121,8 @@ class HeadDeadlineProtocol(H11Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
+        if self._lingering is not None:
+            self._lingering.closed()
         super().connection_lost(exc)
 
     def _arm(self) -> None:

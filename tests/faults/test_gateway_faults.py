@@ -222,7 +222,8 @@ def test_a_request_head_sent_byte_by_byte_is_cut_off_at_the_header_timeout(
                    "still_open": still_open, "slowest_close_s": round(slowest, 2)})
 
 
-async def _trickle_body(port: int, path: str, chunked: bool) -> tuple[float, bytes]:
+async def _trickle_body(port: int, path: str, chunked: bool,
+                        every_s: float = 0.2) -> tuple[float, bytes]:
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     started = time.monotonic()
     length = b"Transfer-Encoding: chunked" if chunked else b"Content-Length: 200"
@@ -232,7 +233,7 @@ async def _trickle_body(port: int, path: str, chunked: bool) -> tuple[float, byt
     try:
         while not answer.done() and time.monotonic() - started < 10:
             writer.write(b"1\r\na\r\n" if chunked else b"a")  # a byte at a time
-            await asyncio.wait({answer}, timeout=0.2)
+            await asyncio.wait({answer}, timeout=every_s)
     except ConnectionError:
         pass
     assert answer.done(), "the server never answered nor closed a body sent byte by byte"
@@ -258,6 +259,23 @@ def test_a_body_sent_byte_by_byte_is_408_at_the_body_timeout_and_nothing_is_enqu
     assert not list(r.scan_iter(match=f"{settings.namespace}:*"))
     report.update({"slow_bodies": len(seconds), "body_timeout_s": limit,
                    "answered_408_after_s": round(max(seconds), 2)})
+
+
+def test_a_client_still_sending_when_its_408_goes_out_reads_the_408(
+    gateway: Any, report: dict[str, Any]
+) -> None:
+    """A connection closed with bytes unread is reset, and the reset could
+    overtake the 408: the gateway reads on until the client closes instead."""
+    limit = 0.5
+    http = gateway(body_timeout_s=limit)
+
+    async def senders() -> list[tuple[float, bytes]]:
+        return await asyncio.gather(*(_trickle_body(port_of(http), "/v1/jobs", False, every_s=0.002)
+                                      for _ in range(20)))
+
+    answers = [answer for _, answer in asyncio.run(senders())]
+    assert all(answer.startswith(b"HTTP/1.1 408") for answer in answers), answers
+    report.update({"senders": len(answers), "every_s": 0.002, "read_408": len(answers)})
 
 
 def keepalives(http: httpx.Client, method: str, path: str, body: dict[str, Any] | None,
