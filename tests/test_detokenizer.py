@@ -50,3 +50,29 @@ def test_text_that_could_start_a_stop_string_waits(tok) -> None:  # type: ignore
 def test_special_tokens_add_no_text(tok) -> None:  # type: ignore[no-untyped-def]
     ts = TextStream(tok)
     assert ts.push(tok.eos_token_id) == "" and ts.finish() == ""
+
+
+@pytest.mark.parametrize("path", ["rust", "python"])
+def test_bytes_that_never_decode_are_released_as_they_come_not_at_the_end(  # type: ignore[no-untyped-def]
+        tok, path: str) -> None:
+    """A model producing invalid UTF-8 (random weights, a broken fine-tune) shows
+    its replacement characters as it goes, not all at once when it ends."""
+    lead, continuation = tok("é", add_special_tokens=False)["input_ids"]
+    ids = [continuation] * 24 + tok(" then ok 🙂", add_special_tokens=False)["input_ids"]
+    ts = TextStream(tok)
+    if path == "python":
+        ts._stream = None  # the path of tokenizers without a Rust decode stream
+    deltas = [ts.push(t) for t in ids]
+    deltas.append(ts.finish())
+    first = next(i for i, d in enumerate(deltas) if d)
+    assert first <= 5, f"the first text came after token {first + 1}"
+    assert "".join(deltas) == ts.text == tok.decode(ids)
+
+
+def test_a_character_split_across_tokens_after_garbage_still_decodes(tok) -> None:  # type: ignore[no-untyped-def]
+    lead, continuation = tok("é", add_special_tokens=False)["input_ids"]
+    ids = [continuation] * 6 + [lead, continuation] + [continuation] * 6 + [lead, continuation]
+    deltas, ts = [], TextStream(tok)
+    deltas = [ts.push(t) for t in ids] + [ts.finish()]
+    assert "".join(deltas) == tok.decode(ids)
+    assert "é" in "".join(deltas)

@@ -2,7 +2,8 @@
 
 Text is released only when it is final: a token that ends inside a UTF-8
 sequence (or a merge the tokenizer resolves later) is held back until it
-decodes cleanly, and with stop strings the last ``len(longest stop) - 1``
+decodes cleanly (or, past ``HOLD_TOKENS``, up to what can no longer change),
+and with stop strings the last ``len(longest stop) - 1``
 characters wait until they cannot start a stop. So the concatenated deltas are
 exactly the final text, whatever the subscriber saw first.
 """
@@ -16,6 +17,13 @@ from typing import Any
 from tokenizers.decoders import DecodeStream
 
 REPLACEMENT = "\ufffd"
+# Tokens held back past this many, the text before the last REPLACEMENT is final
+# and goes out: a character takes at most 4 bytes, so a longer wait is for bytes
+# that will never decode (a model producing garbage would otherwise show nothing
+# until its end). Byte-level BPE decodes lossily from the left, so that prefix
+# never changes; with byte-fallback tokens (one byte each) a run held this long
+# is invalid already, and every token of it stays a REPLACEMENT.
+HOLD_TOKENS = 4
 # Fast tokenizers whose ``decode`` is exactly the Rust tokenizer's (no clean-up).
 _PLAIN_DECODES = ("TokenizersBackend._decode", "PreTrainedTokenizerFast._decode")
 _rust: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
@@ -61,6 +69,7 @@ class TextStream:
         self._hold = max((len(s) for s in self._stop), default=1) - 1
         self.text = ""  # every character decoded so far (cut at a stop string)
         self.emitted = 0  # how many characters of ``text`` were released
+        self._early = 0  # characters of the held tokens' text already in ``text``
         self.stopped = False
         self._rust = rust_tokenizer(tokenizer)
         self._stream: Any = None if self._rust is None else DecodeStream(skip_special_tokens=True)
@@ -81,16 +90,34 @@ class TextStream:
             else:
                 if delta is not None:
                     self._advance(delta)
+                else:
+                    self._release_early()
                 return self._release(final=False)
         decode: Callable[[list[int]], str] = self._decode
         before = decode(self._ids[self._prefix_offset:self._read_offset])
         after = decode(self._ids[self._prefix_offset:])
         if len(after) > len(before) and not after.endswith(REPLACEMENT):
             self._advance(after[len(before):])
+        else:
+            self._release_early(before, after)
         return self._release(final=False)
 
+    def _release_early(self, before: str | None = None, after: str | None = None) -> None:
+        """Held past ``HOLD_TOKENS``: add the held text up to its last REPLACEMENT."""
+        if len(self._ids) - self._read_offset <= HOLD_TOKENS:
+            return
+        if before is None or after is None:
+            before = self._decode(self._ids[self._prefix_offset:self._read_offset])
+            after = self._decode(self._ids[self._prefix_offset:])
+        held = after[len(before):]
+        final = held[:held.rfind(REPLACEMENT)] if held.endswith(REPLACEMENT) else held
+        if len(final) > self._early:
+            self._append(final[self._early:])
+            self._early = len(final)
+
     def _advance(self, delta: str) -> None:
-        self._append(delta)
+        self._append(delta[self._early:])
+        self._early = 0
         self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
 
     def finish(self) -> str:
@@ -98,7 +125,8 @@ class TextStream:
         if not self.stopped and self._read_offset < len(self._ids):
             before = self._decode(self._ids[self._prefix_offset:self._read_offset])
             after = self._decode(self._ids[self._prefix_offset:])
-            self._append(after[len(before):])
+            self._append(after[len(before):][self._early:])
+            self._early = 0
             self._read_offset = len(self._ids)
         return self._release(final=True)
 
