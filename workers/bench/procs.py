@@ -220,3 +220,29 @@ def cpu_seconds(pid: int) -> float:
 def redis_cpu_seconds(client: redis.Redis) -> float:
     info = client.info("cpu")
     return float(info["used_cpu_user"]) + float(info["used_cpu_sys"])
+
+
+def _machine_busy() -> tuple[float, float]:
+    """(busy, total) jiffies of all CPUs since boot, from /proc/stat."""
+    fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    idle = fields[3] + fields[4]  # idle and iowait
+    return sum(fields) - idle, sum(fields)
+
+
+def wait_quiet(busy_share: float = 0.1, interval_s: float = 0.2, at_most_s: float = 5.0) -> float:
+    """Wait until the machine's CPUs are at most ``busy_share`` busy over an
+    ``interval_s``, ``at_most_s`` at most (a host busy with something else
+    never is). Returns the seconds waited.
+
+    A server taking its turn of a side-by-side run must not share the CPUs with
+    the one before it: vLLM's engine spins on a core for about a second after
+    its last request, which took a quarter of the next server's burst of 1.4 s
+    on two cores."""
+    started = time.monotonic()
+    while time.monotonic() - started < at_most_s:
+        busy, total = _machine_busy()
+        time.sleep(interval_s)
+        busy2, total2 = _machine_busy()
+        if total2 > total and (busy2 - busy) / (total2 - total) <= busy_share:
+            break
+    return time.monotonic() - started

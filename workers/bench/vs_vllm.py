@@ -7,7 +7,8 @@ with ``TOKENFLEET_ENGINE`` set, ``tokenfleet gateway``). Each gets the same
 load through the official ``openai`` client (``openai_load``): N greedy
 completions at once, plain and then streamed, the servers taking turns so that
 a burst of other load on the machine hits them alike; each keeps its best run
-of the ``--repeat``.
+of the ``--repeat``. Each turn starts once the machine is quiet
+(``procs.wait_quiet``), so no server runs on the CPU time of the one before.
 """
 
 from __future__ import annotations
@@ -32,7 +33,8 @@ from rich.table import Table
 from tokenfleet.shared.keys import Keys
 from tokenfleet.workers.bench.modes import BenchEnv
 from tokenfleet.workers.bench.openai_load import LoadResult, run_load
-from tokenfleet.workers.bench.procs import BenchError, CeleryProc, RedisProc, ServerProc, free_port, wait_for
+from tokenfleet.workers.bench.procs import (BenchError, CeleryProc, RedisProc, ServerProc,
+                                             free_port, wait_for, wait_quiet)
 from tokenfleet.workers.bench.report import diff, fmt, ratio, render_targets, verdict
 from tokenfleet.workers.bench.workload import make_jobs
 
@@ -136,6 +138,7 @@ def _turns(cfg: VsVllmConfig, sides: dict[str, str], console: Console) -> dict[s
             for load in LOADS:
                 prompts = [j.prompt for j in make_jobs(c, cfg.max_new_tokens, seed=next(seeds))]
                 for side, url in sides.items():
+                    wait_quiet()  # the machine to itself: no server still busy from its turn
                     result = run_load(url, QUEUE, prompts, cfg.max_new_tokens, load == "stream")
                     runs.setdefault((side, load), []).append(result)
                     f = result.figures
