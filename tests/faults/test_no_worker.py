@@ -8,6 +8,7 @@ import threading
 import time
 import uuid
 from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import pytest
@@ -311,6 +312,23 @@ async def test_the_async_client_fails_at_once_on_an_unreachable_redis(settings: 
     assert time.monotonic() - started < 3.0
 
 
+@contextmanager
+def down_for_a_second(aof_redis: Any, report: dict[str, Any]) -> Iterator[None]:
+    """Stop the test's Redis and start it again a second later; what runs inside
+    (a command) must wait for it and answer once it is back."""
+    aof_redis.stop()
+    restart = threading.Timer(1.0, aof_redis.start)
+    restart.start()
+    started = time.monotonic()
+    try:
+        yield
+    finally:
+        restart.join()
+    seconds = time.monotonic() - started
+    assert 0.9 < seconds < 10
+    report.update(outage_s=1.0, answered_after_s=round(seconds, 2))
+
+
 def test_a_connection_that_was_up_is_still_retried_through_a_restart(
     aof_redis: Any, report: dict[str, Any]
 ) -> None:
@@ -320,17 +338,8 @@ def test_a_connection_that_was_up_is_still_retried_through_a_restart(
     settings = Settings(redis_url=aof_redis.url, namespace="restart")
     with FleetClient(settings=settings) as c:
         job_id = c.submit("hi", require_worker=False)
-        aof_redis.stop()
-        restart = threading.Timer(1.0, aof_redis.start)
-        restart.start()
-        started = time.monotonic()
-        try:
+        with down_for_a_second(aof_redis, report):
             assert c.status(job_id).status is JobStatus.QUEUED  # retried until it is back
-        finally:
-            restart.join()
-        seconds = time.monotonic() - started
-    assert 0.9 < seconds < 10
-    report.update(outage_s=1.0, answered_after_s=round(seconds, 2))
 
 
 async def test_a_client_whose_only_contact_was_a_subscription_rides_out_a_restart(
@@ -343,18 +352,11 @@ async def test_a_client_whose_only_contact_was_a_subscription_rides_out_a_restar
     from tokenfleet.shared.redis_conn import connect_async, ready
 
     client = connect_async(aof_redis.url)
-    pubsub = (await ready(client)).pubsub()
-    await pubsub.subscribe("tokenfleet-test:contact")
-    await pubsub.aclose()
-    aof_redis.stop()
-    restart = threading.Timer(1.0, aof_redis.start)
-    restart.start()
-    started = time.monotonic()
     try:
-        assert await client.get("tokenfleet-test:nothing") is None  # retried until it is back
+        pubsub = (await ready(client)).pubsub()
+        await pubsub.subscribe("tokenfleet-test:contact")
+        await pubsub.aclose()
+        with down_for_a_second(aof_redis, report):
+            assert await client.get("tokenfleet-test:nothing") is None  # retried until back
     finally:
-        restart.join()
         await client.aclose()
-    seconds = time.monotonic() - started
-    assert 0.9 < seconds < 10
-    report.update(outage_s=1.0, answered_after_s=round(seconds, 2))
