@@ -110,6 +110,7 @@ class ChannelTally:
     def __init__(self, url: str, keys: Any) -> None:
         self.tokens: Counter[tuple[str, int]] = Counter()
         self.ends: Counter[str] = Counter()
+        self._ended = threading.Condition()
         self._pubsub = connect(url).pubsub()  # a plain or a cluster URL
         self._pubsub.psubscribe(keys.events("*"))
         self._prefix = keys.events("")
@@ -133,7 +134,26 @@ class ChannelTally:
                 for k in range(event["index"], event["index"] + len(event["token_ids"])):
                     self.tokens[(job_id, k)] += 1
             else:
-                self.ends[job_id] += 1
+                with self._ended:
+                    self.ends[job_id] += 1
+                    self._ended.notify_all()
+
+    def wait_ended(self, job_ids: list[str], timeout: float) -> None:
+        """Until every job's end event has come in on this subscription.
+
+        A client's ``wait()`` can return before this connection has read the
+        last end (another connection, another thread); a test that counts
+        ends must wait for them here, or it reads a missing end as a fault.
+        """
+        with self._ended:
+            if not self._ended.wait_for(lambda: all(self.ends[j] for j in job_ids), timeout):
+                missing = [j for j in job_ids if not self.ends[j]]
+                raise TimeoutError(f"no end event in {timeout}s for {len(missing)} jobs: "
+                                   f"{missing[:5]}")
+
+    def ends_not_once(self, job_ids: list[str]) -> dict[str, int]:
+        """The jobs whose end was published other than once, with the count."""
+        return {j: self.ends[j] for j in job_ids if self.ends[j] != 1}
 
     @property
     def duplicated(self) -> int:
