@@ -133,6 +133,9 @@ class TextStream:
     def _append(self, delta: str) -> None:
         if self.stopped:
             return
+        if not self._stop:  # the common case, once per token: nothing to look for
+            self.text += delta
+            return
         start = max(0, len(self.text) - self._hold)
         self.text += delta
         hits = [at for at in (self.text.find(s, start) for s in self._stop) if at != -1]

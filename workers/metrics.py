@@ -16,6 +16,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
 from tokenfleet.workers.sequence import SeqOutput
+from tokenfleet.workers.step_histogram import StepHistogram
 
 LATENCY = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 BATCH = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
@@ -37,9 +38,8 @@ class Metrics:
         self.ttft = Histogram("tokenfleet_time_to_first_token_seconds",
                               "From submit to the first token", ["queue"], buckets=LATENCY,
                               registry=r)
-        self.itl = Histogram("tokenfleet_inter_token_latency_seconds",
-                             "Between two tokens of one job", ["queue"], buckets=LATENCY,
-                             registry=r)
+        self.itl = StepHistogram("tokenfleet_inter_token_latency_seconds",
+                                 "Between two tokens of one job", "queue", LATENCY, r)
         self.queue_wait = Histogram("tokenfleet_queue_wait_seconds",
                                     "From submit to the job's start on a worker", ["queue"],
                                     buckets=LATENCY, registry=r)
@@ -76,6 +76,9 @@ class Metrics:
             self.step.observe(seconds)
         now = time.monotonic()
         made = 0
+        # Sequences whose last token came in the same step share their latency:
+        # counted by that step's time, observed once per distinct value.
+        last_at: dict[float, int] = {}
         for o in outputs:
             seq = o.seq
             if o.token_id is not None:
@@ -84,10 +87,12 @@ class Metrics:
                     if seq.created_at is not None:
                         self._ttft.observe(max(0.0, time.time() - seq.created_at))
                 else:
-                    self._itl.observe(now - seq.last_token_at)
+                    last_at[seq.last_token_at] = last_at.get(seq.last_token_at, 0) + 1
                 seq.last_token_at = now
             if o.finished:
                 self.jobs.labels(self.queue, seq.final_status.value).inc()
+        for at, n in last_at.items():
+            self._itl.observe(now - at, n)
         if made:
             self._tokens.inc(made)
 

@@ -103,7 +103,7 @@ class Sequence:
         return None
 
 
-@dataclass
+@dataclass(slots=True)
 class SeqOutput:
     """What one step did to one sequence."""
 

@@ -35,13 +35,14 @@ class WorkerStats:
             self.prefill_steps += prefill
             self.last_batch = batch
             self.peak_batch = max(self.peak_batch, batch)
-        made = sum(1 for o in outputs if o.token_id is not None)
-        self.tokens += made
-        self._recent.append((time.monotonic(), made))
+        made = 0
         for o in outputs:
+            made += o.token_id is not None
             if o.finished:
                 status = o.seq.final_status.value
                 self.jobs[status] = self.jobs.get(status, 0) + 1
+        self.tokens += made
+        self._recent.append((time.monotonic(), made))
 
     def tokens_per_s(self, window_s: float = 10.0) -> float:
         now = time.monotonic()

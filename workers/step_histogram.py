@@ -1,0 +1,65 @@
+"""A Prometheus histogram that takes many equal observations in one call.
+
+The engine observes the inter-token latency of every token, and in one step
+most sequences share it (their last token came in the step before). With
+``prometheus_client.Histogram`` that is one locked ``observe`` per token, a
+sixth of a null-model worker's CPU at batch 64 (py-spy); here a step costs one
+``observe(value, count)`` per distinct value. It exposes the same samples
+(``_bucket`` with ``le``, ``_count``, ``_sum``) through the public collector API.
+"""
+
+from __future__ import annotations
+
+import bisect
+import threading
+from collections.abc import Iterator, Sequence
+
+from prometheus_client.core import HistogramMetricFamily
+from prometheus_client.registry import Collector, CollectorRegistry
+
+
+class StepHistogram(Collector):
+    """One labelled child per label value, made on first use (``labels``)."""
+
+    def __init__(self, name: str, documentation: str, label: str, buckets: Sequence[float],
+                 registry: CollectorRegistry) -> None:
+        self._name, self._doc, self._label = name, documentation, label
+        self._bounds = [float(b) for b in buckets]
+        self._children: dict[str, _Child] = {}
+        registry.register(self)
+
+    def labels(self, value: str) -> _Child:
+        return self._children.setdefault(value, _Child(self._bounds))
+
+    def describe(self) -> list[HistogramMetricFamily]:
+        return [HistogramMetricFamily(self._name, self._doc, labels=[self._label])]
+
+    def collect(self) -> Iterator[HistogramMetricFamily]:
+        family = HistogramMetricFamily(self._name, self._doc, labels=[self._label])
+        for value, child in list(self._children.items()):
+            counts, total = child.snapshot()
+            cumulative, running = [], 0
+            for bound, n in zip([*map(str, self._bounds), "+Inf"], counts):
+                running += n
+                cumulative.append((bound, running))
+            family.add_metric([value], cumulative, total)
+        yield family
+
+
+class _Child:
+    def __init__(self, bounds: list[float]) -> None:
+        self._bounds = bounds
+        self._counts = [0] * (len(bounds) + 1)  # the last: above every bound (+Inf)
+        self._sum = 0.0
+        self._lock = threading.Lock()  # a scrape reads counts and sum together
+
+    def observe(self, value: float, count: int = 1) -> None:
+        """``count`` observations of ``value``."""
+        at = bisect.bisect_left(self._bounds, value)  # le: a value on a bound counts in it
+        with self._lock:
+            self._counts[at] += count
+            self._sum += value * count
+
+    def snapshot(self) -> tuple[list[int], float]:
+        with self._lock:
+            return list(self._counts), self._sum
