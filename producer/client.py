@@ -9,6 +9,7 @@ from typing import Any
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoPermissionError
 
+from tokenfleet.pubsub_pool import PubSubPool
 from tokenfleet.protocol import (
     CANCEL_WAIT_S,
     EventCursor,
@@ -54,6 +55,7 @@ class FleetClient:
         self.redis: Any = connect(url or self.settings.redis_url)
         self.keys = Keys(namespace or self.settings.namespace)
         self._scripts = Scripts(self.redis)
+        self._pubsubs = PubSubPool(self.redis)  # kept from one wait() or stream() to the next
 
     def __enter__(self) -> FleetClient:
         return self
@@ -62,6 +64,7 @@ class FleetClient:
         self.close()
 
     def close(self) -> None:
+        self._pubsubs.close()
         self.redis.close()
 
     def submit(self, prompt: str | GenerationRequest | None = None, /, *,
@@ -149,9 +152,8 @@ class FleetClient:
                     raise
 
     def _wait(self, job_id: str, deadline: float | None) -> JobState:
-        with self.redis.pubsub() as pubsub:
-            # The end channel: a waiter hears one message, not one per token.
-            _subscribe(pubsub, self.keys.ends(job_id))
+        # The end channel: a waiter hears one message, not one per token.
+        with self._pubsubs.subscribed(self.keys.ends(job_id)) as pubsub:
             while True:
                 state = self.status(job_id)
                 if state.status.is_terminal:
@@ -185,8 +187,7 @@ class FleetClient:
 
     def _follow(self, job_id: str, cursor: EventCursor,
                 deadline: float | None) -> Iterator[TokenEvent]:
-        with self.redis.pubsub() as pubsub:
-            _subscribe(pubsub, self.keys.events(job_id))
+        with self._pubsubs.subscribed(self.keys.events(job_id)) as pubsub:
             self._catch_up(job_id, cursor)
             yield from cursor.take()
             while not cursor.ended:
@@ -209,14 +210,3 @@ class FleetClient:
             cursor.feed_log(self.redis.xrange(self.keys.out(job_id), cursor.log_after(), "+"))
             cursor.ended = True
 
-
-def _subscribe(pubsub: Any, channel: str) -> None:
-    pubsub.subscribe(channel)
-    # Wait for the confirmation: only then is every later publish seen, so a read
-    # of the log after this point cannot miss a token published in between.
-    while True:
-        message = pubsub.get_message(ignore_subscribe_messages=False, timeout=5.0)
-        if message is not None and message["type"] == "subscribe":
-            return
-        if message is None:
-            raise TimeoutError(f"no confirmation of the subscription to {channel}")
