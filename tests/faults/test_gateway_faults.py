@@ -226,7 +226,9 @@ async def _trickle_body(port: int, path: str, chunked: bool,
                         every_s: float = 0.2) -> tuple[float, bytes]:
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     started = time.monotonic()
-    length = b"Transfer-Encoding: chunked" if chunked else b"Content-Length: 200"
+    # Longer than 10 s of bytes at any cadence here: the body never completes
+    # before its deadline (200 did, at a byte every 2 ms: a 400, then a reset).
+    length = b"Transfer-Encoding: chunked" if chunked else b"Content-Length: 10000"
     writer.write(b"POST " + path.encode() + b" HTTP/1.1\r\nHost: test\r\n"
                  b"Content-Type: application/json\r\n" + length + b"\r\n\r\n")
     answer = asyncio.ensure_future(reader.read())
