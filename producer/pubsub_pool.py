@@ -2,18 +2,21 @@
 
 redis-py's ``PubSub.close()`` disconnects, so a client that made a new one per
 call opened a TCP connection (a TLS handshake on ``rediss://``) and sent HELLO
-for every job it waited for. Here a call that ends normally unsubscribes and
-leaves its connection for the next one, on any thread, one caller at a time.
-A call that ends with an error (or a consumer that leaves a stream part-read)
-closes its connection instead.
+for every job it waited for. Here a call that ends leaves its connection,
+unsubscribed, for the next one. A Redis error closes it, and every idle one
+with it: on a cluster they all lead to the node of the same queue, which may
+be the one that died. So does a consumer that leaves a stream part-read (its
+generator is closed, maybe by the garbage collector: no network I/O there).
 
 A connection goes back only once Redis confirmed the UNSUBSCRIBE: till then
 redis-py still lists the channel, and would subscribe to it again if the kept
 connection had to reconnect, so a later caller could hear another job's events.
+One that reconnects while unsubscribing is closed for the same reason.
 """
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Iterator
@@ -22,57 +25,89 @@ from typing import Any
 
 from redis.exceptions import RedisError
 
-# Idle connections kept; past that a finished call closes its own. A web
-# backend's threads rarely wait on more jobs at once than it has threads.
+# Idle connections kept, for as many threads waiting at once; past that a
+# finished call closes its own.
 KEEP = 16
 # How long a new subscription waits for the server's confirmation.
 CONFIRM_S = 5.0
 
 
 class PubSubPool:
+    """Safe for any number of threads: each call has a connection to itself
+    from ``subscribed`` until it leaves the ``with``."""
+
     def __init__(self, redis: Any, keep: int = KEEP) -> None:
         self._redis = redis
         self._keep = keep
         self._idle: list[Any] = []
         self._lock = threading.Lock()
+        self._pid = os.getpid()  # a forked child must not share its parent's sockets
+        self._closed = False
 
     @contextmanager
     def subscribed(self, channel: str) -> Iterator[Any]:
         """A ``PubSub`` subscribed to ``channel``, confirmed: every message
         published from now on reaches it."""
-        with self._lock:
-            pubsub = self._idle.pop() if self._idle else self._redis.pubsub()
+        pubsub = self._take()
         try:
             _subscribe(pubsub, channel)
+        except BaseException as exc:
+            pubsub.close()
+            if isinstance(exc, (RedisError, TimeoutError)):
+                self.close_idle()
+            raise
+        try:
             yield pubsub
-        except BaseException:
+        except RedisError:
+            pubsub.close()
+            self.close_idle()
+            raise
+        except Exception:  # the caller's own (a deadline, no such job): the connection is sound
+            self._put_back(pubsub)
+            raise
+        except BaseException:  # a stream left part-read, an interrupt
             pubsub.close()
             raise
         self._put_back(pubsub)
 
+    def _take(self) -> Any:
+        with self._lock:
+            if self._pid != os.getpid():
+                self._idle, self._pid = [], os.getpid()  # the parent's: never touched here
+            if self._idle:
+                return self._idle.pop()
+        return self._redis.pubsub()
+
     def _put_back(self, pubsub: Any) -> None:
         try:
+            link = pubsub.connection
+            sock = link._sock if link is not None else None
             pubsub.unsubscribe()
             deadline = time.monotonic() + CONFIRM_S
             while pubsub.subscribed:  # the channel's last messages, then the confirmation
                 left = deadline - time.monotonic()
-                if left <= 0:
-                    raise TimeoutError("no confirmation of the unsubscribe")
+                if left <= 0 or pubsub.connection is not link or link._sock is not sock:
+                    raise TimeoutError("no confirmation of the unsubscribe on its connection")
                 pubsub.get_message(timeout=left)
         except (RedisError, TimeoutError):
             pubsub.close()
             return
         with self._lock:
-            if len(self._idle) < self._keep:
+            if not self._closed and len(self._idle) < self._keep:
                 self._idle.append(pubsub)
                 return
         pubsub.close()
 
-    def close(self) -> None:
+    def close_idle(self) -> None:
         with self._lock:
             idle, self._idle = self._idle, []
         for pubsub in idle:
             pubsub.close()
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+        self.close_idle()
 
 
 def _subscribe(pubsub: Any, channel: str) -> None:

@@ -37,7 +37,8 @@ class WorkerStats:
             self.peak_batch = max(self.peak_batch, batch)
         made = 0
         for o in outputs:
-            made += o.token_id is not None
+            if o.token_id is not None:
+                made += 1
             if o.finished:
                 status = o.seq.final_status.value
                 self.jobs[status] = self.jobs.get(status, 0) + 1

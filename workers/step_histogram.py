@@ -4,18 +4,22 @@ The engine observes the inter-token latency of every token, and in one step
 most sequences share it (their last token came in the step before). With
 ``prometheus_client.Histogram`` that is one locked ``observe`` per token, a
 sixth of a null-model worker's CPU at batch 64 (py-spy); here a step costs one
-``observe(value, count)`` per distinct value. It exposes the same samples
-(``_bucket`` with ``le``, ``_count``, ``_sum``) through the public collector API.
+``observe(value, count)`` per distinct value. It exposes the samples
+prometheus_client's own histogram does (``_bucket`` with ``le``, ``_count``,
+``_sum``, ``_created``) through the public collector API.
 """
 
 from __future__ import annotations
 
 import bisect
 import threading
+import time
 from collections.abc import Iterator, Sequence
 
 from prometheus_client.core import HistogramMetricFamily
 from prometheus_client.registry import Collector, CollectorRegistry
+from prometheus_client.samples import Sample
+from prometheus_client.utils import floatToGoString
 
 
 class StepHistogram(Collector):
@@ -39,10 +43,12 @@ class StepHistogram(Collector):
         for value, child in list(self._children.items()):
             counts, total = child.snapshot()
             cumulative, running = [], 0
-            for bound, n in zip([*map(str, self._bounds), "+Inf"], counts):
+            for bound, n in zip([*map(floatToGoString, self._bounds), "+Inf"], counts):
                 running += n
                 cumulative.append((bound, running))
             family.add_metric([value], cumulative, total)
+            family.samples.append(Sample(f"{self._name}_created", {self._label: value},
+                                         child.created))
         yield family
 
 
@@ -52,6 +58,7 @@ class _Child:
         self._counts = [0] * (len(bounds) + 1)  # the last: above every bound (+Inf)
         self._sum = 0.0
         self._lock = threading.Lock()  # a scrape reads counts and sum together
+        self.created = time.time()
 
     def observe(self, value: float, count: int = 1) -> None:
         """``count`` observations of ``value``."""

@@ -25,19 +25,18 @@ def test_waits_and_streams_one_after_another_open_no_new_connection(
     start_worker()
     job_ids = [client.submit(f"connections {i}", max_new_tokens=16, temperature=0.0)
                for i in range(8)]
-    client.wait(job_ids[0], timeout=60)  # the client's first pub/sub connection
+    first = [client.wait(j, timeout=60) for j in job_ids]  # the worker idle from here on
+    waits_in_vain = client.submit("never runs", model="nobody", require_worker=False)
     before = connections_made(r)
-    states = []
-    for i, job_id in enumerate(job_ids[1:]):
+    for i, job_id in enumerate(job_ids):
         if i % 2:
-            states.append(client.wait(job_id, timeout=60))
+            assert client.wait(job_id, timeout=60) == first[i]
         else:
-            events = list(client.stream(job_id, timeout=60))
-            state = client.status(job_id)
-            assert "".join(e.text for e in events) == state.text
-            states.append(state)
-    assert [s.status for s in states] == [JobStatus.SUCCEEDED] * 7
-    # Each call used to connect anew (and send HELLO): seven connections.
+            assert "".join(e.text for e in client.stream(job_id, timeout=60)) == first[i].text
+        with pytest.raises(TimeoutError):  # the caller's deadline: its connection is kept too
+            client.wait(waits_in_vain, timeout=0.05)
+    assert all(s.status is JobStatus.SUCCEEDED for s in first)
+    # Each call used to connect anew (and send HELLO): sixteen connections.
     assert connections_made(r) - before == 0
 
 
@@ -45,13 +44,15 @@ def test_a_kept_connection_that_reconnects_hears_only_its_new_channel(
         redis_url: str, r: redis.Redis, namespace: str) -> None:
     old, new = f"{namespace}:old", f"{namespace}:new"
     pool = PubSubPool(connect(redis_url))
-    with pool.subscribed(old):
+    with pool.subscribed(old) as kept:
         for i in range(3):
             r.publish(old, f"left unread {i}")
     # The kept connection dies while idle (a Redis restart, an idle timeout):
     # the next caller's SUBSCRIBE reconnects it.
-    r.client_kill_filter(_type="normal", skipme=True)
+    host, port = kept.connection._sock.getsockname()[:2]
+    assert r.client_kill_filter(addr=f"{host}:{port}") == 1
     with pool.subscribed(new) as pubsub:
+        assert pubsub is kept
         r.publish(old, "published on the old channel")
         r.publish(new, "published on the new channel")
         heard = []
