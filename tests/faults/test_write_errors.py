@@ -208,10 +208,10 @@ def test_refused_writes_leave_no_gap_no_stuck_job_and_every_stream_whole(
         pass  # the asserts below say which jobs did not end
     all_done_s = time.monotonic() - restored_at
     consumers.join(timeout=30)
-    tally.wait_ended([j for j in job_ids if client.status(j).status.is_terminal], timeout=30)
+    states = [client.status(j) for j in job_ids]
+    tally.wait_ended([s.id for s in states if s.status.is_terminal], timeout=30)
     tally.close()
 
-    states = [client.status(j) for j in job_ids]
     logs = [logged_tokens(r, keys, j) for j in job_ids]
     gaps = sum(g for _, g, _ in logs)
     duplicated = tally.duplicated
