@@ -40,3 +40,11 @@ def test_an_engine_registered_by_entry_point_serves_jobs(
     ended = client.wait(cut, timeout=60)
     assert (ended.text, ended.finish_reason) == (first_three, FinishReason.LENGTH)
     assert worker.stop() == 0
+
+
+def test_a_worker_named_to_an_engine_not_installed_exits_naming_the_installed_ones(
+    celery_workers: Any,
+) -> None:
+    worker = celery_workers("cpu@nope", wait=False, TOKENFLEET_ENGINE="nope")
+    assert worker.proc.wait(timeout=120) != 0
+    assert "no engine named 'nope'" in worker.output() and "hf, vllm" in worker.output()
