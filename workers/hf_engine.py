@@ -1,8 +1,10 @@
-"""The built-in engine: the scheduler and a runner over a Hugging Face model.
+"""The built-in engine (``--engine hf``): the scheduler and a runner over a
+Hugging Face model.
 
-It serves any ``transformers`` causal LM with no extra install. A failed
-forward pass is retried (the batch re-prefilled, its suspects one by one)
-until it is clearly the device's fault (``DeviceFailure``).
+It serves any ``transformers`` causal LM with no extra install; its factory,
+which loads the model and picks the runner, is ``tokenfleet.workers.build``'s
+``build_hf``. A failed forward pass is retried (the batch re-prefilled, its
+suspects one by one) until it is clearly the device's fault (``DeviceFailure``).
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from collections.abc import Callable
 from typing import Protocol
 
 from tokenfleet.shared.schemas import FinishReason
-from tokenfleet.workers.engine import DeviceFailure, Engine, is_fatal_device_error
+from tokenfleet.workers.engine import BatchShape, DeviceFailure, Engine, is_fatal_device_error
 from tokenfleet.workers.scheduler import Batch, Scheduler
 from tokenfleet.workers.sequence import Sequence
 
@@ -28,6 +30,30 @@ class Runner(Protocol):
     def run(self, batch: Batch) -> list[int]: ...
 
     def reset(self) -> None: ...
+
+
+class ModelRunner(Runner, Protocol):
+    """A runner over a model: its limits, and what its KV cache can do, which
+    the engine's scheduler and batch size are set up for."""
+
+    @property
+    def max_model_len(self) -> int: ...
+
+    @property
+    def eos_token_ids(self) -> set[int]: ...
+
+    @property
+    def chunked_prefill(self) -> bool:
+        """Whether a prompt may be prefilled in chunks, in the same forward
+        pass as other sequences' decodes (a step then carries at most
+        ``max_step_tokens``); else each prefill runs whole, in a step of its own."""
+        ...
+
+    @property
+    def rows_at_longest(self) -> bool:
+        """Whether every sequence's cache takes the memory of the longest
+        sequence's: the batch the memory holds is then counted at the longest."""
+        ...
 
 
 class HFEngine(Engine):
@@ -55,7 +81,7 @@ class HFEngine(Engine):
 
     def _run(self) -> list[tuple[Sequence, int]]:
         batch = self.scheduler.schedule()
-        self.last_batch = (0, False)
+        self.last_batch = BatchShape(0, False)
         if batch is None:
             return []
         try:
@@ -66,7 +92,7 @@ class HFEngine(Engine):
         self.failed_in_a_row = 0
         made = list(zip(batch.sampled, token_ids, strict=True))
         self.scheduler.ran(batch)
-        self.last_batch = (len(batch.keep) + len(batch.seqs), batch.admits)
+        self.last_batch = BatchShape(len(batch.keep) + len(batch.seqs), batch.admits)
         return made
 
     def _failed(self, batch: Batch, exc: Exception) -> None:

@@ -17,6 +17,9 @@ TOKEN_TEXT = "x"  # what every step emits: one character, never an end of sequen
 
 
 class NullRunner:
+    chunked_prefill = False  # no prefill at all: whole, as the scheduler's default
+    rows_at_longest = False  # no cache
+
     def __init__(self, tokenizer: Any, max_model_len: int = 1 << 16) -> None:
         self.tokenizer = tokenizer
         self.token_id: int = tokenizer.encode(TOKEN_TEXT, add_special_tokens=False)[0]

@@ -27,6 +27,9 @@ GROUP_SLACK = 64
 class PagedRunner(ModelLimits):
     """Owned by the engine thread."""
 
+    chunked_prefill = True  # a step's prompt chunks ride with its decodes
+    rows_at_longest = False  # a sequence takes the blocks of its own tokens only
+
     def __init__(self, model: Any, tokenizer: Any, block_size: int = 32) -> None:
         self.model = model
         self.tokenizer = tokenizer

@@ -62,6 +62,9 @@ class ModelLimits:
 
 
 class HFRunner(ModelLimits):
+    chunked_prefill = False  # a prefill runs whole, in a step of its own
+    rows_at_longest = True  # rows are as wide as the longest sequence
+
     def __init__(self, model: Any, tokenizer: Any) -> None:
         self.model = model
         self.tokenizer = tokenizer

