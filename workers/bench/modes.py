@@ -96,6 +96,8 @@ class Direct:
         self.prefetch = self.settings.prefetch
 
     def _first_token(self) -> None:
+        """One greedy token of a short prompt, read back to the host (so a GPU's
+        queued work is counted too)."""
         import torch
 
         ids = self.tokenizer("Hello", return_tensors="pt").input_ids.to(self.model.device)
