@@ -30,7 +30,7 @@ from redis.exceptions import RedisError
 
 from tokenfleet import sse
 from tokenfleet.aio import AsyncFleetClient
-from tokenfleet.shared.errors import TokenfleetError
+from tokenfleet.shared.errors import TokenfleetError, invalid_field, invalid_input
 from tokenfleet.shared.schemas import FinishReason, GenerationRequest, JobState, JobStatus
 
 # OpenAI's names for the fields of a GenerationRequest, to name the right ``param``.
@@ -135,26 +135,10 @@ def error(status_code: int, message: str, *, param: str | None = None, code: str
 
 
 def invalid(exc: ValidationError, params: dict[tuple[str, ...], str] | None = None) -> Response:
-    """A 400 for the first error; ``params`` names the fields of a GenerationRequest
-    as the client knows them (else the error's location is the client's field)."""
-    first = exc.errors(include_url=False)[0]
-    loc = tuple(str(part) for part in first["loc"])
-    param = params.get(loc) if params is not None else _dotted(loc)
-    message = first["msg"].removeprefix("Value error, ")
-    if first["type"] == "json_invalid":
-        message = f"the body is not valid JSON ({message})"
-    elif first["type"] == "extra_forbidden":
-        message = f"unrecognized request argument '{param}': this gateway does not take it"
-    elif param:
-        message = f"invalid '{param}': {message}"
-    return error(400, message, param=param)
-
-
-def _dotted(loc: tuple[str, ...]) -> str | None:
-    out = ""
-    for part in loc:
-        out += f"[{part}]" if part.isdigit() else (f".{part}" if out else part)
-    return out or None
+    """A 400 for ``exc`` (:func:`invalid_input`); ``params`` names the fields of a
+    GenerationRequest as the client knows them (else the error's location is the
+    client's field)."""
+    return error(400, invalid_input(exc, params), param=invalid_field(exc, params))
 
 
 def refusal(ask: BaseModel, refused: dict[str, tuple[tuple[Any, ...], str]]) -> Response | None:

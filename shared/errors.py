@@ -1,7 +1,10 @@
-"""Errors a producer can act on."""
+"""Errors a producer can act on, and the one sentence a validation error becomes."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
+from pydantic import ValidationError
 from redis.exceptions import AuthenticationError, ConnectionError
 
 
@@ -75,3 +78,38 @@ class RedisAuthFailed(TokenfleetError, AuthenticationError):
         super().__init__(f"Redis at {url} refused the credentials: {cause} "
                          "(check the user and password in TOKENFLEET_REDIS_URL)")
         self.url = url
+
+
+def invalid_field(exc: ValidationError,
+                  names: Mapping[tuple[str, ...], str] | None = None) -> str | None:
+    """The field of ``exc``'s first error: its name in ``names`` when given (a
+    field as the caller knows it), else its location dotted (``messages[0].role``);
+    None for an error of the whole input."""
+    loc = tuple(str(part) for part in exc.errors(include_url=False)[0]["loc"])
+    if names is not None:
+        return names.get(loc)
+    dotted = ""
+    for part in loc:
+        dotted += f"[{part}]" if part.isdigit() else (f".{part}" if dotted else part)
+    return dotted or None
+
+
+def invalid_input(exc: ValidationError,
+                  names: Mapping[tuple[str, ...], str] | None = None) -> str:
+    """``exc`` as the one line a user sees: the field, what was wrong with it and
+    the limit it broke (as the validator states them), and how many more errors
+    there are. ``names`` is as for :func:`invalid_field`. The input itself is
+    left out: it can be a whole prompt."""
+    first = exc.errors(include_url=False)[0]
+    field = invalid_field(exc, names)
+    what = first["msg"].removeprefix("Value error, ")
+    if first["type"] == "json_invalid":
+        line = f"not valid JSON ({what})"
+    elif first["type"] == "extra_forbidden":
+        line = f"unrecognized request argument '{field}'"
+    elif field:
+        line = f"invalid '{field}': {what}"
+    else:
+        line = what
+    more = exc.error_count() - 1
+    return line + (f" (and {more} more error{'s' * (more > 1)})" if more else "")

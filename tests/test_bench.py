@@ -64,7 +64,10 @@ def test_bench_runs_every_mode_and_writes_every_field(tmp_path: Path) -> None:
         assert key in costs, key
     assert {t["target"] for t in report["targets"]} >= {
         "overhead runner / Celery no-op, jobs/s, full queue",
-        "added TTFT over direct, p50, low load (ms)"}
+        "added TTFT over direct, p50, low load (ms)",
+        "tiny model load + first token, cold, CPU (s)"}
+    assert report["cold_start"]["load_and_first_token_s"] > 0
+    assert "model load + first token" in result.stdout
     assert report["config"]["torch_threads"] >= 1
     assert "tokens/s" in result.stdout and "targets" in result.stdout
     assert png.read_bytes()[:4] == b"\x89PNG"
@@ -153,9 +156,11 @@ def test_targets_are_judged_against_the_issue_thresholds() -> None:
                            "celery_noop_jobs_per_s_one_client": 400.0,
                            "publish_us_per_token": {"64": 7.0}},
         "memory": None,
+        "cold_start": {"model": "tiny", "device": "cpu", "load_and_first_token_s": 1.2},
     }
     results["ratios"] = ratios(results)
     verdicts = {t["target"]: t["met"] for t in judge(results)}
+    assert verdicts["tiny model load + first token, cold, CPU (s)"] is True  # 1.2 <= 2
     assert verdicts["fleet/direct tokens/s at 64"] is True  # 0.95 >= 0.90
     assert verdicts["fleet/direct tokens/s at 256"] is False  # 0.75 < 0.80
     assert verdicts["fleet/naive tokens/s at 64"] is True  # 9.5 >= 8

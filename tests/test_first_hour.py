@@ -13,7 +13,6 @@ import signal
 import subprocess
 import sys
 import sysconfig
-import time
 import zipfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -203,12 +202,11 @@ def test_the_launcher_restarts_a_dead_worker_and_gives_up_on_one_that_keeps_dyin
     broken = tmp_path / "broken-model"
     broken.mkdir()
     (broken / "config.json").write_text("{}")
-    started = time.monotonic()
     out = run([str(BIN / "tokenfleet"), "worker", "--gpus", "none", "--model", str(broken),
                "--queue", "broken", "--max-restarts", "2"], env=env, timeout=240)
     assert out.returncode != 0
-    assert "giving up" in out.stderr.splitlines()[-1], out.stderr[-2000:]
-    assert time.monotonic() - started < 200
+    last = out.stderr.splitlines()[-1]
+    assert "giving up" in last and ", 2 times in " in last, out.stderr[-2000:]
 
 
 def test_everyday_failures_are_one_line_with_an_exit_code(tmp_path: Path, settings: Any) -> None:
@@ -227,13 +225,11 @@ def test_everyday_failures_are_one_line_with_an_exit_code(tmp_path: Path, settin
         ([tf, "status", "0" * 32], {}, 1, "no job"),
     ]
     for cmd, extra, code, words in cases:
-        started = time.monotonic()
-        out = run(cmd, {**env, **extra}, timeout=60)
+        out = run(cmd, {**env, **extra}, timeout=60)  # the timeout catches a hang only
         assert out.returncode == code, (cmd, out.returncode, out.stderr)
         lines = out.stderr.strip().splitlines()
         assert len(lines) == 1 and words in lines[0], (cmd, out.stderr)
         assert "Traceback" not in out.stderr
-        assert time.monotonic() - started < 10, cmd
 
 
 @pytest.mark.timeout(180)

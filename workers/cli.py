@@ -252,7 +252,7 @@ def submit(prompt: str | None, prompt_file: Any, queue: str, priority: str, queu
     from redis.exceptions import RedisError
 
     from tokenfleet import FleetClient
-    from tokenfleet.shared.errors import TokenfleetError
+    from tokenfleet.shared.errors import TokenfleetError, invalid_input
 
     text = _prompt_text(prompt, prompt_file)
     sampling = {k: v for k, v in sampling.items() if v not in (None, ())}
@@ -265,7 +265,7 @@ def submit(prompt: str | None, prompt_file: Any, queue: str, priority: str, queu
             job_id = client.submit(text, model=queue, priority=priority,
                                    require_worker=not queue_ahead, **sampling)
         except ValidationError as exc:
-            raise Refused(_validation_line(exc)) from None
+            raise Refused(f"invalid request: {invalid_input(exc)}") from None
         except RedisError:
             raise  # Redis itself failed (the group turns it into one line): not a refusal
         except TokenfleetError as exc:
@@ -304,15 +304,6 @@ def _prompt_text(prompt: str | None, prompt_file: Any) -> str:
     if prompt is None:
         raise click.UsageError("give a PROMPT, '-' for standard input, or --file PATH")
     return prompt
-
-
-def _validation_line(exc: Any) -> str:
-    """A pydantic error in one line: where, what."""
-    parts = []
-    for err in exc.errors():
-        where = ".".join(str(x) for x in err["loc"]) or "request"
-        parts.append(f"{where}: {err['msg']}")
-    return "invalid request: " + "; ".join(parts)
 
 
 def _check_prompt_tokens(client: Any, queue: str, prompt: str) -> None:

@@ -20,6 +20,7 @@ from typing import Any
 from pydantic import ValidationError
 from redis.exceptions import ConnectionError, ResponseError, TimeoutError
 
+from tokenfleet.shared.errors import invalid_input
 from tokenfleet.shared.keys import GROUP, Keys, job_model, model_of
 from tokenfleet.shared.schemas import FinishReason, JobStatus, QueueEntry
 from tokenfleet.shared.scripts import Scripts
@@ -265,9 +266,7 @@ class _EndingFor:
 
 def _reason(exc: Exception) -> str:
     if isinstance(exc, ValidationError):
-        first = exc.errors()[0]
-        where = ".".join(str(x) for x in first["loc"]) or "entry"
-        return f"invalid request: {where}: {first['msg']} ({exc.error_count()} error(s))"
+        return f"invalid request: {invalid_input(exc)}"
     if isinstance(exc, KeyError):
         return f"malformed entry: missing field {exc.args[0]!r}"
     return f"{type(exc).__name__}: {exc}"

@@ -163,10 +163,9 @@ async def test_the_async_cancel_says_true_only_for_a_job_that_ended_cancelled(
         for _ in range(15):
             job_id = await c.submit("Once upon a time", max_new_tokens=rng.randint(1, 3),
                                     temperature=0.0)
-            started = time.monotonic()
+            # Polls the record (no event marks the start); the test's timeout bounds it.
             while (await c.status(job_id)).status is JobStatus.QUEUED:
-                assert time.monotonic() - started < 30, "the job never started"
-                await asyncio.sleep(0.001)  # poll the record: no event marks the start
+                await asyncio.sleep(0.001)
             said = await c.cancel(job_id)
             final = (await c.wait(job_id, timeout=30)).status
             cancelled += final is JobStatus.CANCELLED

@@ -4,6 +4,7 @@ reachable (wrong port, wrong password). Each fails fast and clearly, or ends."""
 
 from __future__ import annotations
 
+import socket
 import threading
 import time
 import uuid
@@ -31,6 +32,10 @@ from helpers import free_port, wait_until
 
 pytestmark = [pytest.mark.faults, pytest.mark.timeout(120)]
 
+# A timeout the test's own (pytest's) comes long before: a call given it that
+# returns woke on the event it waits for, not at its timeout.
+PAST_THE_TEST_S = 600
+
 
 def test_a_submit_to_a_queue_no_live_worker_serves_is_refused_at_once(
     client: FleetClient, start_worker: Any, r: redis.Redis, settings: Any,
@@ -48,7 +53,6 @@ def test_a_submit_to_a_queue_no_live_worker_serves_is_refused_at_once(
     assert "'defualt'" in message and "queues served now: 'default', 'fast'" in message
     assert "\n" not in message and "require_worker=False" in message
     assert info.value.served == ["default", "fast"]
-    assert seconds < 0.5
     # Nothing was written for the refused job: no stream, no record, no backlog.
     keys = Keys(settings.namespace)
     assert not r.exists(keys.queue("defualt"), keys.backlog("defualt"))
@@ -100,10 +104,10 @@ def test_wait_reports_expired_at_the_deadline_with_no_worker_alive(
     job_id = _queued_ahead(client)
     deadline_at = client.status(job_id).deadline_at
     assert deadline_at is not None
-    state = client.wait(job_id, timeout=10)  # wakes at the deadline, not at its timeout
+    state = client.wait(job_id, timeout=PAST_THE_TEST_S)  # wakes at the deadline
     late = time.time() - deadline_at
     _assert_expired_and_gone(state, r, settings)
-    assert 0 <= late < 0.5, late
+    assert late >= 0, late  # not before it
     report.update(wait_returned_after_deadline_s=round(late, 3))
 
 
@@ -113,10 +117,10 @@ def test_stream_ends_at_the_deadline_with_no_worker_alive(
     job_id = _queued_ahead(client)
     deadline_at = client.status(job_id).deadline_at
     assert deadline_at is not None
-    assert list(client.stream(job_id, timeout=10)) == []
+    assert list(client.stream(job_id, timeout=PAST_THE_TEST_S)) == []  # ends at the deadline
     late = time.time() - deadline_at
     _assert_expired_and_gone(client.status(job_id), r, settings)
-    assert 0 <= late < 0.5, late
+    assert late >= 0, late  # not before it
     report.update(stream_ended_after_deadline_s=round(late, 3))
 
 
@@ -125,11 +129,11 @@ def test_status_reports_expired_once_the_deadline_passes(
 ) -> None:
     job_id = _queued_ahead(client)
     state = wait_until(lambda: (s := client.status(job_id)).status.is_terminal and s,
-                       timeout=5, what="the job to expire")
+                       timeout=60, what="the job to expire")
     assert state.deadline_at is not None
     late = time.time() - state.deadline_at
     _assert_expired_and_gone(state, r, settings)
-    assert late < 0.5
+    assert late >= 0, late  # not before its deadline
     # Another reader now sees the end too, from the record and the job's token log.
     with FleetClient(settings=settings) as other:
         assert other.wait(job_id, timeout=1).status is JobStatus.EXPIRED
@@ -143,13 +147,11 @@ async def test_the_async_wait_and_stream_report_expired_at_the_deadline(
     async with AsyncFleetClient(settings=settings) as c:
         waited = await c.submit("x", deadline_s=1.0, require_worker=False)
         streamed = await c.submit("y", deadline_s=1.0, require_worker=False)
-        started = time.monotonic()
-        state = await c.wait(waited, timeout=10)
+        state = await c.wait(waited, timeout=PAST_THE_TEST_S)  # wakes at the deadline
         # Collected first: pytest's rewriting of an assert around an async
         # comprehension leaves the generator unclosed until the loop ends.
-        events = [e async for e in c.stream(streamed, timeout=10)]
+        events = [e async for e in c.stream(streamed, timeout=PAST_THE_TEST_S)]
         assert events == []
-        assert time.monotonic() - started < 1.5
         _assert_expired_and_gone(state, r, settings)
         assert (await c.status(streamed)).status is JobStatus.EXPIRED
 
@@ -221,6 +223,21 @@ def as_user(redis_url: str, user: str, password: str) -> str:
     return f"{scheme}://{user}:{password}@{rest}"
 
 
+def refused_logins(r: redis.Redis, user: str) -> int:
+    """How many times Redis refused ``user``'s credentials (its ACL log, every node
+    of a cluster): one per connection attempt, so a retry shows as another."""
+    replies = r.execute_command("ACL", "LOG", **every_node(r))
+    logs = replies.values() if isinstance(replies, dict) else [replies]
+    refused = 0
+    for log in logs:
+        for entry in log:
+            entry = {(k.decode() if isinstance(k, bytes) else k):
+                     (v.decode() if isinstance(v, bytes) else v) for k, v in entry.items()}
+            if entry["reason"] == "auth" and entry["username"] == user:
+                refused += int(entry["count"])
+    return refused
+
+
 @pytest.fixture
 def acl_user(r: redis.Redis) -> Iterator[str]:
     name = f"u{uuid.uuid4().hex[:8]}"
@@ -231,7 +248,7 @@ def acl_user(r: redis.Redis) -> Iterator[str]:
 
 
 def test_a_wrong_password_fails_at_once_and_is_never_retried(
-    redis_url: str, acl_user: str, settings: Any, report: dict[str, Any]
+    redis_url: str, acl_user: str, settings: Any, r: redis.Redis, report: dict[str, Any]
 ) -> None:
     url = as_user(redis_url, acl_user, "wrong-password")
     made: list[FleetClient] = []
@@ -241,15 +258,16 @@ def test_a_wrong_password_fails_at_once_and_is_never_retried(
         made.append(FleetClient(url, settings=settings))
         made[0].submit("hi", require_worker=False)
     seconds = time.monotonic() - started
+    assert refused_logins(r, acl_user) == 1  # one attempt: no retry
     for c in made:  # one server: refused again, not retried, once the client has been up
         with pytest.raises(RedisAuthFailed):
             c.status("x")
+        assert refused_logins(r, acl_user) == 2
         c.close()
     message = str(info.value)
     assert isinstance(info.value, AuthenticationError)  # what redis-py users catch
     assert "wrong-password" not in message and f"{acl_user}:***@127.0.0.1" in message
     assert "\n" not in message
-    assert seconds < 2.0
     # The right password works through the same code.
     with FleetClient(as_user(redis_url, acl_user, "right-password"), settings=settings) as c:
         assert c.submit("hi", require_worker=False)
@@ -266,26 +284,25 @@ def test_credentials_refused_on_a_reconnect_are_not_retried_either(
         r.execute_command("ACL", "SETUSER", acl_user, "resetpass", ">rotated", **every_node(r))
         # Its connections drop.
         r.execute_command("CLIENT", "KILL", "USER", acl_user, **every_node(r))
-        started = time.monotonic()
         with pytest.raises(RedisAuthFailed):
             c.status(job_id)
-        assert time.monotonic() - started < 2.0
+        assert refused_logins(r, acl_user) == 1  # the reconnect, not retried
 
 
 async def test_the_async_client_fails_at_once_on_a_wrong_password(
-    redis_url: str, acl_user: str, settings: Any
+    redis_url: str, acl_user: str, settings: Any, r: redis.Redis
 ) -> None:
-    started = time.monotonic()
     async with AsyncFleetClient(as_user(redis_url, acl_user, "nope"), settings=settings) as c:
         with pytest.raises(RedisAuthFailed, match=r":\*\*\*@"):
             await c.status("x")
-    assert time.monotonic() - started < 2.0
+    assert refused_logins(r, acl_user) == 1  # one attempt: no retry
 
 
-def unreachable(settings: Any) -> str:
-    """A URL where nothing listens, of the tests' kind (one server or a cluster)."""
+def unreachable(settings: Any, port: int | None = None) -> str:
+    """A URL of the tests' kind (one server or a cluster) at ``port``, by default
+    one where nothing listens."""
     scheme = settings.redis_url.split("://", 1)[0]
-    return f"{scheme}://127.0.0.1:{free_port()}" + ("" if "+cluster" in scheme else "/0")
+    return f"{scheme}://127.0.0.1:{port or free_port()}" + ("" if "+cluster" in scheme else "/0")
 
 
 def test_an_unreachable_redis_fails_at_once_naming_the_url(
@@ -299,17 +316,67 @@ def test_an_unreachable_redis_fails_at_once_naming_the_url(
     seconds = time.monotonic() - started
     assert isinstance(info.value, ConnectionError)
     assert url in str(info.value) and "\n" not in str(info.value)
-    assert seconds < 3.0
     report.update(unreachable_error_after_s=round(seconds, 3))
 
 
 async def test_the_async_client_fails_at_once_on_an_unreachable_redis(settings: Any) -> None:
     url = unreachable(settings)
-    started = time.monotonic()
     async with AsyncFleetClient(url, settings=settings) as c:
         with pytest.raises(RedisUnavailable, match="cannot connect to Redis at redis"):
             await c.submit("hi", require_worker=False)
-    assert time.monotonic() - started < 3.0
+
+
+class HangUp:
+    """A server that takes each connection and closes it at once, counting them:
+    a Redis that was never there, whose every connection attempt can be seen."""
+
+    def __init__(self) -> None:
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        self.accepted = 0
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:  # closed: the test is over
+                return
+            self.accepted += 1
+            conn.close()
+
+    def close(self) -> None:
+        self.sock.shutdown(socket.SHUT_RDWR)  # wakes the accept (a close alone does not)
+        self.sock.close()
+        self.thread.join()
+
+
+@pytest.fixture
+def hang_up() -> Iterator[HangUp]:
+    server = HangUp()
+    yield server
+    server.close()
+
+
+def test_a_first_connect_that_fails_is_tried_once_not_retried(
+    settings: Any, hang_up: HangUp
+) -> None:
+    url = unreachable(settings, hang_up.port)
+    with pytest.raises(RedisUnavailable, match="cannot connect to Redis"):
+        with FleetClient(url, settings=settings) as c:
+            c.submit("hi", require_worker=False)
+    assert hang_up.accepted == 1
+
+
+async def test_the_async_client_tries_a_failed_first_connect_once_too(
+    settings: Any, hang_up: HangUp
+) -> None:
+    url = unreachable(settings, hang_up.port)
+    async with AsyncFleetClient(url, settings=settings) as c:
+        with pytest.raises(RedisUnavailable, match="cannot connect to Redis"):
+            await c.submit("hi", require_worker=False)
+    assert hang_up.accepted == 1
 
 
 @contextmanager
@@ -317,15 +384,22 @@ def down_for_a_second(aof_redis: Any, report: dict[str, Any]) -> Iterator[None]:
     """Stop the test's Redis and start it again a second later; what runs inside
     (a command) must wait for it and answer once it is back."""
     aof_redis.stop()
-    restart = threading.Timer(1.0, aof_redis.start)
-    restart.start()
+    restarting = threading.Event()
+
+    def restart() -> None:
+        restarting.set()
+        aof_redis.start()
+
+    timer = threading.Timer(1.0, restart)
+    timer.start()
     started = time.monotonic()
     try:
         yield
+        answered_while_down = not restarting.is_set()
     finally:
-        restart.join()
+        timer.join()
     seconds = time.monotonic() - started
-    assert 0.9 < seconds < 10
+    assert not answered_while_down  # it answered once Redis came back: it rode out the outage
     report.update(outage_s=1.0, answered_after_s=round(seconds, 2))
 
 

@@ -78,10 +78,10 @@ def test_a_full_queue_refuses_at_once_and_drops_nothing(
     with FleetClient(settings=settings.model_copy(update={"max_queue": 3,
                                                           "require_worker": False})) as small:
         accepted = [small.submit("fits", max_new_tokens=2) for _ in range(3)]
-        started = time.monotonic()
+        # Refused from the count alone, with no worker to wait for: the pytest
+        # timeout bounds a refusal that would wait for room.
         with pytest.raises(QueueFull, match="queue 'default' is full .*limit 3"):
             small.submit("one too many", max_new_tokens=2)
-        assert time.monotonic() - started < 1.0
         assert r.xlen(Keys(settings.namespace).queue("default")) == 3
         assert all(small.status(j).status is JobStatus.QUEUED for j in accepted)
 

@@ -86,9 +86,23 @@ class Direct:
 
         if device == "cpu":
             torch.set_num_threads(threads)
+        started = time.perf_counter()
         self.model, self.tokenizer = models.load(model, device, dtype)
+        self._first_token()
+        # From the files on disk to a first generated token, cold: how soon a
+        # worker that starts could serve.
+        self.load_and_first_token_s = round(time.perf_counter() - started, 3)
         self.settings = Settings(device=device)  # the worker's, for the same runner and scheduler
         self.prefetch = self.settings.prefetch
+
+    def _first_token(self) -> None:
+        """One greedy token of a short prompt, read back to the host (so a GPU's
+        queued work is counted too)."""
+        import torch
+
+        ids = self.tokenizer("Hello", return_tensors="pt").input_ids.to(self.model.device)
+        with torch.no_grad():
+            self.model(input_ids=ids).logits[0, -1].argmax().item()
 
     def run(self, jobs: list[Job], max_batch: int, tick: Tick = _no_tick,
             closed_loop: bool = False) -> dict[str, Any]:

@@ -17,6 +17,8 @@ OVERHEAD_VS_CELERY = 10.0
 STREAM_US_PER_TOKEN = 20.0
 ADDED_TTFT_MS = {"p50": 2.0, "p99": 10.0}
 GROWTH_BYTES_PER_JOB = 64.0  # 100,000 jobs: under 6.4 MB, i.e. allocator noise
+# The built-in tiny model on the CPU: a worker must come up fast.
+TINY_LOAD_AND_FIRST_TOKEN_S = 2.0
 
 
 def ratio(a: float | None, b: float | None) -> float | None:
@@ -82,6 +84,10 @@ def judge(results: dict[str, Any]) -> list[dict[str, Any]]:
     for q, limit in ADDED_TTFT_MS.items():
         add(f"added TTFT over direct, {q}, low load (ms)",
             (r.get("added_ttft_ms") or {}).get(q), limit, False)
+    cold = results.get("cold_start")
+    if cold and cold["model"] == "tiny" and cold["device"] == "cpu":
+        add("tiny model load + first token, cold, CPU (s)", cold["load_and_first_token_s"],
+            TINY_LOAD_AND_FIRST_TOKEN_S, False)
     memory = results.get("memory")
     if memory:
         add(f"worker memory growth per job over {memory['jobs']} jobs (bytes)",
@@ -150,6 +156,10 @@ def _render_costs(results: dict[str, Any], console: Console) -> None:
         a = r["added_ttft_ms"]
         rows.append(("added TTFT over direct, p50 / p99 ms",
                      f"{fmt(a['p50'], 2)} / {fmt(a['p99'], 2)}"))
+    cold = results.get("cold_start")
+    if cold:
+        rows.append((f"model load + first token, cold, in one process ({cold['model']}, s)",
+                     fmt(cold["load_and_first_token_s"], 2)))
     costs = results.get("overhead_costs") or {}
     for key, label in (
         ("fleet_null_jobs_per_s", "overhead runner, 1-token jobs, full queue: jobs/s"),

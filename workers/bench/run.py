@@ -144,11 +144,13 @@ def _run_modes(cfg: BenchConfig, env: BenchEnv, jobs: list[Job], probe: list[Job
     modes = set(cfg.modes)
     out: dict[str, Any] = {"direct": {}, "fleet": {}, "naive": None, "overhead": {},
                            "overhead_costs": None, "low_load": None, "memory": None,
-                           "absorb": None}
+                           "absorb": None, "cold_start": None}
     direct = None
     if "direct" in modes:
         with ticker.phase("loading the model", 1):
             direct = Direct(cfg.model, cfg.device, env.threads, cfg.dtype)
+        out["cold_start"] = {"model": cfg.model, "device": cfg.device,
+                             "load_and_first_token_s": direct.load_and_first_token_s}
     levels = sorted(set(cfg.concurrency))
     for c in levels:
         with ExitStack() as stack:
