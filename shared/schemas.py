@@ -73,10 +73,6 @@ class SamplingParams(_Wire):
                 raise ValueError("each stop string must be 1 to 128 characters long")
         return value
 
-    @property
-    def is_greedy(self) -> bool:
-        return self.temperature == 0.0
-
 
 class ChatMessage(_Wire):
     role: Literal["system", "user", "assistant", "tool"]

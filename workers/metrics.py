@@ -1,21 +1,30 @@
 """Prometheus metrics of one worker process (``--metrics-port``).
 
 Names follow Prometheus conventions: counters end in ``_total``, durations are
-``_seconds`` histograms. Queue gauges (depth, lag, pending, backlog) describe
-the whole queue as this worker sees it, so every worker of a queue reports the
-same value: aggregate them with ``max``. ``tokenfleet_backlog_tokens`` (queued
-prompt tokens, estimated, plus requested ``max_new_tokens``) is a better
-autoscaling signal than an entry count: it weighs long jobs as long.
+``_seconds`` histograms. The counters (tokens, jobs by final status, failed
+steps, store retries) are the worker's ``WorkerStats``, read at each scrape:
+what ``/metrics`` and ``tokenfleet status`` show is one count. Queue gauges
+(depth, lag, pending, backlog) describe the whole queue as this worker sees it,
+so every worker of a queue reports the same value: aggregate them with
+``max``. ``tokenfleet_backlog_tokens`` (queued prompt tokens, estimated, plus
+requested ``max_new_tokens``) is a better autoscaling signal than an entry
+count: it weighs long jobs as long.
 """
 
 from __future__ import annotations
 
+import threading
 import time
+from collections.abc import Iterator
 from typing import Any
+from wsgiref.simple_server import WSGIServer
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Gauge, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily
+from prometheus_client.registry import Collector
 
 from tokenfleet.workers.sequence import SeqOutput
+from tokenfleet.workers.stats import WorkerStats
 from tokenfleet.workers.step_histogram import StepHistogram
 
 LATENCY = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
@@ -23,14 +32,18 @@ BATCH = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 
 
 class Metrics:
-    def __init__(self, queue: str, registry: CollectorRegistry | None = None) -> None:
+    """The metrics of one worker: ``stats`` is the source of its counters.
+
+    ``serve`` starts the HTTP server on its own thread; ``close`` stops it.
+    """
+
+    def __init__(self, queue: str, stats: WorkerStats,
+                 registry: CollectorRegistry | None = None) -> None:
         self.registry = registry or CollectorRegistry()
         r = self.registry
         self.queue = queue
-        self.jobs = Counter("tokenfleet_jobs_total", "Jobs that ended here, by final status",
-                            ["queue", "status"], registry=r)
-        self.tokens = Counter("tokenfleet_tokens_generated_total", "Tokens generated",
-                              ["queue"], registry=r)
+        self.stats = stats
+        r.register(StatsCounters(queue, stats))
         self.batch_size = Histogram("tokenfleet_batch_size", "Sequences in one engine step",
                                     buckets=BATCH, registry=r)
         self.step = Histogram("tokenfleet_step_seconds", "Time of one engine step "
@@ -51,50 +64,51 @@ class Metrics:
                              ["queue", "priority"], registry=r)
         self.backlog = Gauge("tokenfleet_backlog_tokens", "Queued work in tokens (prompt "
                              "estimate plus max_new_tokens)", ["queue"], registry=r)
-        self.failed_steps = Counter("tokenfleet_failed_steps_total",
-                                    "Forward passes that raised", registry=r)
-        self.store_retries = Counter("tokenfleet_store_retries_total",
-                                     "Times Redis refused a step's writes (a lost connection, "
-                                     "OOM, READONLY, MISCONF) and they were sent again",
-                                     registry=r)
         self.running = Gauge("tokenfleet_running_sequences", "Sequences in the running batch",
                              registry=r)
         # This queue's children, looked up once: the engine observes every token.
         self._ttft, self._itl = self.ttft.labels(queue), self.itl.labels(queue)
-        self._tokens = self.tokens.labels(queue)
+        self._server: tuple[WSGIServer, threading.Thread] | None = None
 
     def serve(self, port: int) -> None:
-        start_http_server(port, registry=self.registry)
+        """Serve ``/metrics`` on ``port`` until ``close``."""
+        self._server = start_http_server(port, registry=self.registry)
+
+    def close(self) -> None:
+        """Stop the HTTP server, end its thread and free its port."""
+        if self._server is None:
+            return
+        server, thread = self._server
+        self._server = None
+        server.shutdown()  # returns once serve_forever has returned: the thread ends
+        server.server_close()
+        thread.join()
 
     def started(self, created_at: float | None) -> None:
         if created_at is not None:
             self.queue_wait.labels(self.queue).observe(max(0.0, time.time() - created_at))
 
-    def step_done(self, batch_size: int, seconds: float, outputs: list[SeqOutput]) -> None:
-        if batch_size:
-            self.batch_size.observe(batch_size)
-            self.step.observe(seconds)
+    def step_done(self, outputs: list[SeqOutput]) -> None:
+        """The engine step ``stats`` recorded last made ``outputs``: its batch
+        and time, and the latencies of its tokens."""
+        if self.stats.last_batch:
+            self.batch_size.observe(self.stats.last_batch)
+            self.step.observe(self.stats.last_step_s)
         now = time.monotonic()
-        made = 0
         # Sequences whose last token came in the same step share their latency:
         # counted by that step's time, observed once per distinct value.
         last_at: dict[float, int] = {}
         for o in outputs:
             seq = o.seq
             if o.token_id is not None:
-                made += 1
                 if seq.last_token_at is None:
                     if seq.created_at is not None:
                         self._ttft.observe(max(0.0, time.time() - seq.created_at))
                 else:
                     last_at[seq.last_token_at] = last_at.get(seq.last_token_at, 0) + 1
                 seq.last_token_at = now
-            if o.finished:
-                self.jobs.labels(self.queue, seq.final_status.value).inc()
         for at, n in last_at.items():
             self._itl.observe(now - at, n)
-        if made:
-            self._tokens.inc(made)
 
     def queue_state(self, levels: dict[str, dict[str, Any]], backlog: int, running: int) -> None:
         for priority, info in levels.items():
@@ -103,3 +117,38 @@ class Metrics:
             self.pending.labels(self.queue, priority).set(info["pending"])
         self.backlog.labels(self.queue).set(backlog)
         self.running.set(running)
+
+
+class StatsCounters(Collector):
+    """The counters of a ``WorkerStats``, read when scraped (each counter's
+    ``_created`` is when the stats began)."""
+
+    def __init__(self, queue: str, stats: WorkerStats) -> None:
+        self._queue, self._stats = queue, stats
+
+    def describe(self) -> list[CounterMetricFamily]:
+        return list(self._families({}, 0, 0, 0))
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        s = self._stats
+        # dict() copies in one call, atomic under the GIL: the engine thread adds to it.
+        yield from self._families(dict(s.jobs), s.tokens, s.failed_steps, s.store_retries)
+
+    def _families(self, jobs: dict[str, int], tokens: int, failed_steps: int,
+                  store_retries: int) -> Iterator[CounterMetricFamily]:
+        created = self._stats.started_at
+        family = CounterMetricFamily("tokenfleet_jobs", "Jobs that ended here, by final status",
+                                     labels=["queue", "status"])
+        for status, n in sorted(jobs.items()):
+            family.add_metric([self._queue, status], n, created=created)
+        yield family
+        family = CounterMetricFamily("tokenfleet_tokens_generated", "Tokens generated",
+                                     labels=["queue"])
+        family.add_metric([self._queue], tokens, created=created)
+        yield family
+        yield CounterMetricFamily("tokenfleet_failed_steps", "Engine steps that raised",
+                                  failed_steps, created=created)
+        yield CounterMetricFamily("tokenfleet_store_retries",
+                                  "Times Redis refused a step's writes (a lost connection, "
+                                  "OOM, READONLY, MISCONF) and they were sent again",
+                                  store_retries, created=created)

@@ -72,16 +72,8 @@ class Scheduler:
         self.running: list[Sequence] = []
 
     @property
-    def num_waiting(self) -> int:
-        return len(self.waiting)
-
-    @property
     def num_running(self) -> int:
         return len(self.running)
-
-    @property
-    def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)

@@ -5,14 +5,19 @@
 - the heartbeat: the worker's stats hash, and the idle-time renewal of the
   entries it is still generating (so a long job is never reclaimed from a live
   worker);
-- the cancel listener: cancels of running jobs, applied between steps.
+- the cancel listener: cancels of running jobs, applied between steps;
+- the metrics HTTP server (``metrics_port``).
+
+The worker owns each of them: ``start`` starts them, and ``stop`` is the one
+way they end, for a warm shutdown, a terminate and a failed device alike.
 
 Torch releases the GIL in its kernels, so Redis I/O overlaps the forward pass.
 Celery (``tokenfleet.workers.bootstep``) and the embedded demo both run this class.
 
-When the device fails for good (``DeviceFailure``) the worker hands its jobs
-back, leaves the fleet, sets ``fatal`` and calls ``on_fatal(FATAL_EXIT_CODE)``:
-its process is to exit non-zero, so a supervisor restarts it.
+When the device fails for good (``DeviceFailure``), or ``max_failed_steps``
+steps in a row raise, the worker stops: it hands its jobs back, leaves the
+fleet, sets ``fatal`` and calls ``on_fatal(FATAL_EXIT_CODE)``: its process is
+to exit non-zero, so a supervisor restarts it.
 """
 
 from __future__ import annotations
@@ -48,6 +53,11 @@ FATAL_EXIT_CODE = 70
 # Tries of a step's writes that Redis refused for a reason of the write itself
 # (not its own state: see publisher.is_transient) before its jobs are given up.
 MAX_STORE_TRIES = 5
+# How long ``stop`` waits for a thread it told to end. An engine thread still
+# running after that may be inside a step that does not return (a hung device).
+JOIN_S = 10.0
+# The pause after a step that raised, before the next one.
+STEP_ERROR_PAUSE_S = 0.1
 
 
 class Worker:
@@ -81,64 +91,117 @@ class Worker:
             Admission(tokenizer, settings, engine.max_model_len), self.publisher,
             sink=self._receive, credits=self.credits, holds=self._held.__contains__,
         )
-        self.metrics = Metrics(self.queue)
+        self.metrics = Metrics(self.queue, engine.stats)
         self._sent: list[SeqOutput] = []  # the step whose writes Redis is storing
         self._wake = threading.Event()
         self._idle = threading.Event()  # set by the engine loop when it has nothing to do
         self._stop_intake = threading.Event()
         self._stop_engine = threading.Event()
-        self._threads: list[threading.Thread] = []
-        # Set when the device failed for good; the process is to exit with
-        # FATAL_EXIT_CODE. ``on_fatal`` (the Celery bootstep's) is called once,
-        # on the engine thread, after the jobs were handed back.
+        self._engine_done = threading.Event()  # set when the engine loop has returned
+        self._stop_lock = threading.Lock()
+        self._stopped = False
+        self._engine_thread = _thread(self._engine_loop, "engine")
+        self._feeder_thread = _thread(lambda: self.feeder.run(self._stop_intake), "feeder")
+        self._heartbeat_thread = _thread(self._heartbeat_loop, "heartbeat")
+        self._cancel_thread = _thread(self._cancel_loop, "cancels")
+        self._stopper: threading.Thread | None = None  # runs ``stop`` after a failure
+        # While steps raise: how many in a row and the last error (the heartbeat
+        # shows it); "" once a step succeeds.
+        self.failing = ""
+        # Set when the device failed for good (or steps kept raising); the
+        # process is to exit with FATAL_EXIT_CODE. ``on_fatal`` (the Celery
+        # bootstep's) is called once, after the worker stopped.
         self.fatal = threading.Event()
         self.fatal_reason: str | None = None
+        self._failure: DeviceFailure | None = None
         self.on_fatal: Callable[[int], None] | None = None
 
     # -- life cycle -------------------------------------------------------------
+
+    @property
+    def threads(self) -> tuple[threading.Thread, ...]:
+        """The worker's threads, which ``start`` starts and ``stop`` ends."""
+        return (self._engine_thread, self._feeder_thread, self._heartbeat_thread,
+                self._cancel_thread)
 
     def start(self) -> None:
         self.feeder.ensure_group()
         if self.settings.metrics_port:
             self.metrics.serve(self.settings.metrics_port)
-        for target, name in (
-            (self._engine_loop, "engine"),
-            (lambda: self.feeder.run(self._stop_intake), "feeder"),
-            (self._heartbeat_loop, "heartbeat"),
-            (self._cancel_loop, "cancels"),
-        ):
-            thread = threading.Thread(target=target, name=f"tokenfleet-{name}", daemon=True)
+        for thread in self.threads:
             thread.start()
-            self._threads.append(thread)
         log.info("worker %s serving queue %r (max batch %d, prefetch %d)",
                  self.name, self.queue, self.max_batch, self.settings.prefetch)
 
     def stop(self, grace_s: float | None = None) -> None:
-        """Warm shutdown: stop reading, finish what runs within the grace period,
-        hand the rest back to the queue (another worker resumes it from its
-        streamed tokens), and lose nothing."""
-        grace = self.settings.drain_grace_s if grace_s is None else grace_s
+        """Stop the worker: the one way its threads and its metrics server end.
+
+        It stops reading, lets the jobs running finish within ``grace_s``
+        (default ``drain_grace_s``), ends every thread and the metrics server,
+        hands the unfinished jobs back to the queue (another worker resumes each
+        from its streamed tokens) and leaves the fleet. An engine thread that
+        has not ended ``JOIN_S`` after it was told to may still run its jobs and
+        write for them: then none is handed back (their entries stay pending,
+        and once the heartbeat no longer renews them they are reclaimed as a
+        dead worker's after ``claim_idle_s``), and the log says so.
+
+        Any thread but the engine's may call it, more than once: a later call
+        returns when the first has finished.
+        """
+        with self._stop_lock:
+            if not self._stopped:
+                self._stopped = True
+                self._stop(self.settings.drain_grace_s if grace_s is None else grace_s)
+
+    def _stop(self, grace: float) -> None:
         self._stop_intake.set()
-        feeder = next((t for t in self._threads if t.name.endswith("feeder")), None)
-        if feeder is not None:
-            feeder.join(timeout=grace + 5)  # it hands over what it read, then stops
+        # The feeder hands over what it has already read, then ends.
+        feeder_ended = _join(self._feeder_thread, grace + JOIN_S)
+        self._drain(grace)
+        self._stop_engine.set()  # the engine loop, the heartbeat and the cancel listener end
+        self._wake.set()
+        engine_ended = _join(self._engine_thread, JOIN_S)
+        for thread in (self._heartbeat_thread, self._cancel_thread):
+            if not _join(thread, JOIN_S):
+                log.warning("the %s thread did not end within %.0fs", thread.name, JOIN_S)
+        self.metrics.close()
+        if engine_ended:
+            self._hand_back_all()
+        else:
+            log.error("the engine thread did not end within %.0fs of the stop (a step that does "
+                      "not return?): it may still run its %d job(s), so none is handed back; "
+                      "their entries are reclaimed as a dead worker's after claim_idle_s (%.0fs)",
+                      JOIN_S, len(self.engine.unfinished()), self.settings.claim_idle_s)
+        if not feeder_ended:
+            log.warning("the feeder did not end within %.0fs: entries it reads now stay "
+                        "pending and are reclaimed after claim_idle_s", grace + JOIN_S)
+        self._leave()
+
+    def _drain(self, grace: float) -> None:
+        """Let the engine run until it has no work, its loop has ended, or
+        ``grace`` seconds have passed."""
         deadline = time.monotonic() + grace
         while self.busy and time.monotonic() < deadline:
             self._idle.clear()
+            if self._engine_done.is_set():  # checked after clear(): its last set() is seen
+                return
             self._wake.set()
             self._idle.wait(min(0.5, max(0.0, deadline - time.monotonic())))
-        self._stop_engine.set()
-        self._wake.set()
-        for thread in self._threads:
-            thread.join(timeout=10)
-        # With the jobs of a step Redis never stored (``_sent``: their ends too).
-        self._hand_back([*self.engine.unfinished(), *(o.seq for o in self._sent)])
-        self._leave()
 
-    @property
-    def exit_code(self) -> int:
-        """What the worker's process should exit with: non-zero once the device failed."""
-        return FATAL_EXIT_CODE if self.fatal.is_set() else 0
+    def _hand_back_all(self) -> None:
+        """Hand back every job not ended here: the engine's, a failure's
+        suspects, and those of the step whose writes Redis never stored
+        (``_sent``: their ends too). Only once the engine thread has ended."""
+        failure = self._failure
+        suspects = failure.suspects if failure is not None else []
+        left = [*self.engine.unfinished(), *suspects, *(o.seq for o in self._sent)]
+        # The jobs of a step that failed may have caused it (on a GPU a bad
+        # input can trip a device-side assert): theirs counts as an attempt.
+        # requeue.lua skips the jobs that are no longer this worker's.
+        self._hand_back(left, frozenset(s.job_id for s in suspects))
+        for seq in left:
+            self.engine.drop(seq.job_id)
+        self._held.clear()
 
     def _hand_back(self, seqs: Iterable[Sequence], suspects: frozenset[str] = frozenset()) -> None:
         left = list({id(s): s for s in seqs}.values())
@@ -180,6 +243,14 @@ class Worker:
         self._wake.set()
 
     def _engine_loop(self) -> None:
+        try:
+            self._run_engine()
+        finally:
+            self._engine_done.set()
+            self._idle.set()  # wakes a drain that waits for the engine
+
+    def _run_engine(self) -> None:
+        in_a_row = 0  # steps that raised, in a row
         while not self._stop_engine.is_set():
             if not self.engine.has_work:
                 self._collect()  # nothing to overlap with: store the last step now
@@ -191,31 +262,49 @@ class Worker:
             try:
                 self._step()
             except DeviceFailure as failure:
-                self._give_up(failure)
-                return
-            except Exception:
-                # A worker whose engine thread died would look alive (its
-                # heartbeat goes on) and serve nothing: log, and keep stepping.
-                log.exception("engine step failed")
-                self._stop_engine.wait(0.1)
+                self._fail(failure)
+                break
+            except Exception as exc:
+                in_a_row += 1
+                limit = self._step_failed(exc, in_a_row)
+                if limit is not None:
+                    self._fail(limit)
+                    break
+                self._stop_engine.wait(STEP_ERROR_PAUSE_S)
+                continue
+            if in_a_row:
+                in_a_row, self.failing = 0, ""
+        # The last step's writes: stored, or given up once stop() ends the engine.
         self._collect()
+
+    def _step_failed(self, exc: Exception, in_a_row: int) -> DeviceFailure | None:
+        """A step raised outside the engine's own recovery (the code around the
+        model, or a job that trips it). It counts as a failed step; once
+        ``max_failed_steps`` did in a row, returns the failure that stops the
+        worker, with the jobs held as its suspects (one of them may be the
+        cause: their hand-back counts as an attempt)."""
+        self.engine.stats.failed_steps += 1
+        error = f"{type(exc).__name__}: {exc}"
+        self.failing = f"{in_a_row} step(s) failed in a row, the last with {error}"
+        log.exception("engine step failed (%d in a row; the worker stops at %d)",
+                      in_a_row, self.settings.max_failed_steps)
+        if in_a_row < self.settings.max_failed_steps:
+            return None
+        return DeviceFailure(f"{in_a_row} steps failed in a row, the last with {error}",
+                             self.engine.unfinished())
 
     def _step(self) -> None:
         """Step N+1 runs while Redis stores step N: its writes go out only once
         step N's are stored, so no token is sent before the one it follows."""
-        stats = self.engine.stats
-        failed = stats.failed_steps
         outputs = self.engine.step()
-        if stats.failed_steps > failed:
-            self.metrics.failed_steps.inc(stats.failed_steps - failed)
-        self.metrics.step_done(stats.last_batch, stats.last_step_s, outputs)
+        self.metrics.step_done(outputs)
         dropped = self._collect()
         if dropped:
             outputs = [o for o in outputs if o.seq.job_id not in dropped]
         self.publisher.send(outputs)
         self._sent = outputs
 
-    def _collect(self, give_up_at: float | None = None) -> set[str]:
+    def _collect(self) -> set[str]:
         """Wait until the step sent last is stored. Returns the ids of the jobs
         dropped here: a newer attempt owns them, or their log lacks tokens this
         worker made (Redis lost them), or their step was given up.
@@ -224,9 +313,9 @@ class Worker:
         failover, MISCONF, NOSCRIPT) the engine is held and the step sent again
         with backoff: a token that is not stored must not be followed by the
         next one. Nothing Redis refused is taken for stored. A step is given up
-        only when the worker stops (its jobs are handed back), at ``give_up_at``,
-        or after MAX_STORE_TRIES refusals for a reason of the write itself (a
-        wrong key type, a bug), which no wait cures.
+        only when the worker stops (its jobs are handed back), or after
+        MAX_STORE_TRIES refusals for a reason of the write itself (a wrong key
+        type, a bug), which no wait cures.
         """
         if not self.publisher.in_flight:
             return set()
@@ -239,14 +328,12 @@ class Worker:
             except RedisError as exc:
                 tries += 1
                 self.engine.stats.store_retries += 1
-                self.metrics.store_retries.inc()
                 if self._stop_engine.is_set():
                     # Stopping: stop() hands the step's jobs back (``_sent``
                     # stays: sent, not stored), another worker redoes the step.
                     self.publisher.discard()
                     return set()
-                if ((give_up_at is not None and time.monotonic() >= give_up_at)
-                        or (not is_transient(exc) and tries >= MAX_STORE_TRIES)):
+                if not is_transient(exc) and tries >= MAX_STORE_TRIES:
                     log.error("giving up a step's writes after %d tries (%s)", tries, exc)
                     self.publisher.discard()
                     self._sent = []
@@ -278,37 +365,25 @@ class Worker:
         if job_ids:
             self.feeder.slots_freed.set()
 
-    def _give_up(self, failure: DeviceFailure) -> None:
-        """The device can no longer run the model: stop taking jobs, store what
-        the last good step made, hand every job held back to the queue (another
-        worker resumes it from its log; the jobs were not failed here, so they do
-        not spend their attempts on a broken device), leave the fleet and signal
-        ``fatal``. Engine thread."""
+    def _fail(self, failure: DeviceFailure) -> None:
+        """The engine can run no more steps: stop reading now, and stop the
+        worker from a thread of its own (``stop`` waits for this thread, which
+        first stores the last good step). Engine thread."""
         log.critical("worker %s gives up: %s; handing its jobs back", self.name, failure)
         self.fatal_reason = str(failure)
+        self._failure = failure
         self._stop_intake.set()
-        sent = list(self._sent)
-        dropped = self._collect(give_up_at=time.monotonic() + max(5.0, self.settings.heartbeat_s))
-        for thread in self._threads:
-            if thread.name.endswith("feeder"):
-                thread.join(timeout=10)  # it hands over what it already read
-        self._stop_engine.set()  # the heartbeat and the cancel listener end
-        for thread in self._threads:
-            if thread is not threading.current_thread():
-                thread.join(timeout=10)
-        left = [*self.engine.unfinished(), *failure.suspects,
-                *(o.seq for o in sent if o.seq.job_id in dropped)]
-        for seq in left:
-            self.engine.drop(seq.job_id)
-        # The jobs of the step that failed may have caused it (on a GPU a bad
-        # input can trip a device-side assert): theirs counts as an attempt.
-        # requeue.lua skips the jobs that are no longer this worker's.
-        self._hand_back(left, frozenset(s.job_id for s in failure.suspects))
-        self._held.clear()
-        self._leave()
-        self.fatal.set()
-        if self.on_fatal is not None:
-            self.on_fatal(FATAL_EXIT_CODE)
+        self._stopper = _thread(self._stop_failed, "stop")
+        self._stopper.start()
+
+    def _stop_failed(self) -> None:
+        try:
+            # The grace is the last good step's time to be stored while Redis refuses.
+            self.stop(grace_s=max(5.0, self.settings.heartbeat_s))
+        finally:  # the process exits even if the stop went wrong
+            self.fatal.set()
+            if self.on_fatal is not None:
+                self.on_fatal(FATAL_EXIT_CODE)
 
     # -- side loops ------------------------------------------------------------
 
@@ -330,7 +405,7 @@ class Worker:
             "max_batch": self.max_batch, "prefetch": self.settings.prefetch,
             "running": self.engine.num_running, "waiting": self.engine.num_waiting,
             "draining": int(self.feeder.paused.is_set() or self._stop_intake.is_set()),
-            "fatal": self.fatal_reason or "",
+            "fatal": self.fatal_reason or "", "failing": self.failing,
             "stats": self.engine.stats.as_dict(), "last_seen": time.time(),
         }
 
@@ -397,3 +472,15 @@ class Worker:
                 self._stop_engine.wait(0.5)
             finally:
                 pubsub.close()
+
+
+def _thread(target: Callable[[], None], name: str) -> threading.Thread:
+    return threading.Thread(target=target, name=f"tokenfleet-{name}", daemon=True)
+
+
+def _join(thread: threading.Thread, timeout: float) -> bool:
+    """Wait up to ``timeout`` seconds for ``thread`` to end; whether it has
+    (a thread never started has)."""
+    if thread.ident is not None:
+        thread.join(timeout)
+    return not thread.is_alive()

@@ -1,4 +1,5 @@
-"""A worker's own figures: what the heartbeat, `inspect` and the tests read."""
+"""A worker's own figures: what the heartbeat, ``inspect``, ``/metrics`` and
+the tests read. The engine thread writes them; other threads only read."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ class WorkerStats:
     last_batch: int = 0
     busy_s: float = 0.0  # time in engine steps (forward passes and their bookkeeping)
     last_step_s: float = 0.0
-    failed_steps: int = 0  # forward passes that raised
+    failed_steps: int = 0  # engine steps that raised (in the forward pass or around it)
     store_retries: int = 0  # times Redis refused a step's writes and they were sent again
     started_at: float = field(default_factory=time.time)
     _recent: deque[tuple[float, int]] = field(default_factory=lambda: deque(maxlen=256))
@@ -47,7 +48,8 @@ class WorkerStats:
 
     def tokens_per_s(self, window_s: float = 10.0) -> float:
         now = time.monotonic()
-        recent = [(t, n) for t, n in self._recent if now - t <= window_s]
+        # list() copies in one call: the engine thread appends while another reads.
+        recent = [(t, n) for t, n in list(self._recent) if now - t <= window_s]
         if len(recent) < 2:
             return 0.0
         span = max(now - recent[0][0], 1e-3)

@@ -1,12 +1,11 @@
 """A Prometheus histogram that takes many equal observations in one call.
 
 The engine observes the inter-token latency of every token, and in one step
-most sequences share it (their last token came in the step before). With
-``prometheus_client.Histogram`` that is one locked ``observe`` per token, a
-sixth of a null-model worker's CPU at batch 64 (py-spy); here a step costs one
-``observe(value, count)`` per distinct value. It exposes the samples
-prometheus_client's own histogram does (``_bucket`` with ``le``, ``_count``,
-``_sum``, ``_created``) through the public collector API.
+most sequences share it (their last token came in the step before): a step
+costs one ``observe(value, count)`` per distinct value, where
+``prometheus_client.Histogram`` takes one locked ``observe`` per token. It
+exposes the samples prometheus_client's own histogram does (``_bucket`` with
+``le``, ``_count``, ``_sum``, ``_created``) through the public collector API.
 """
 
 from __future__ import annotations

@@ -1,0 +1,79 @@
+"""A worker's Prometheus metrics: its counters are its ``WorkerStats`` (one count,
+shown by ``/metrics`` and ``tokenfleet status`` alike), and its HTTP server
+stops with it."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import urllib.error
+import urllib.request
+
+import pytest
+from prometheus_client import CollectorRegistry, Counter, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from tokenfleet.workers.metrics import Metrics
+from tokenfleet.workers.stats import WorkerStats
+
+from helpers import free_port
+
+Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
+
+JOBS = {"succeeded": 5, "failed": 1, "cancelled": 2}
+
+
+def samples(registry: CollectorRegistry, prefix: tuple[str, ...]) -> Samples:
+    text = generate_latest(registry).decode()
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples
+            if s.name.startswith(prefix)}
+
+
+def counted_by_prometheus_client() -> Samples:
+    """The same counts kept with prometheus_client's own counters."""
+    r = CollectorRegistry()
+    jobs = Counter("tokenfleet_jobs_total", "doc", ["queue", "status"], registry=r)
+    for status, n in JOBS.items():
+        jobs.labels("q", status).inc(n)
+    Counter("tokenfleet_tokens_generated_total", "doc", ["queue"], registry=r).labels("q").inc(41)
+    Counter("tokenfleet_failed_steps_total", "doc", registry=r).inc(2)
+    Counter("tokenfleet_store_retries_total", "doc", registry=r).inc(3)
+    return samples(r, COUNTERS)
+
+
+COUNTERS = ("tokenfleet_jobs", "tokenfleet_tokens_generated", "tokenfleet_failed_steps",
+            "tokenfleet_store_retries")
+
+
+def test_the_counters_are_the_worker_stats_as_prometheus_client_shows_them() -> None:
+    stats = WorkerStats(tokens=41, jobs=dict(JOBS), failed_steps=2, store_retries=3)
+    metrics = Metrics("q", stats)
+    mine, theirs = samples(metrics.registry, COUNTERS), counted_by_prometheus_client()
+    assert mine.keys() == theirs.keys()  # the same samples, _total and _created alike
+    for key, value in theirs.items():
+        if key[0].endswith("_created"):
+            assert mine[key] == stats.started_at, key
+        else:
+            assert mine[key] == value, key
+    stats.tokens += 9  # read at each scrape: nothing to keep in step
+    scraped = samples(metrics.registry, COUNTERS)
+    assert scraped[("tokenfleet_tokens_generated_total", (("queue", "q"),))] == 50
+
+
+def test_the_metrics_server_stops_its_thread_and_frees_its_port() -> None:
+    metrics, port = Metrics("q", WorkerStats()), free_port()
+    before = set(threading.enumerate())
+    metrics.serve(port)
+    body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read()
+    assert b"tokenfleet_tokens_generated_total" in body
+
+    metrics.close()
+    # Its serving thread has ended (a thread is named after its target).
+    assert not [t for t in threading.enumerate() if t not in before and "serve_forever" in t.name]
+    with pytest.raises(urllib.error.URLError):
+        urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5)
+    with socket.socket() as s:  # nothing listens there any more
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind(("0.0.0.0", port))
+    metrics.close()  # a second close does nothing
