@@ -79,19 +79,24 @@ class PubSubPool:
         return self._redis.pubsub()
 
     def _put_back(self, pubsub: Any) -> None:
+        link = pubsub.connection
+        reconnects = _Reconnects()
+        if link is not None:
+            link.register_connect_callback(reconnects.seen)
         try:
-            link = pubsub.connection
-            sock = link._sock if link is not None else None
             pubsub.unsubscribe()
             deadline = time.monotonic() + CONFIRM_S
             while pubsub.subscribed:  # the channel's last messages, then the confirmation
                 left = deadline - time.monotonic()
-                if left <= 0 or pubsub.connection is not link or link._sock is not sock:
+                if left <= 0 or pubsub.connection is not link or reconnects.count:
                     raise TimeoutError("no confirmation of the unsubscribe on its connection")
                 pubsub.get_message(timeout=left)
         except (RedisError, TimeoutError):
             pubsub.close()
             return
+        finally:
+            if link is not None:
+                link.deregister_connect_callback(reconnects.seen)
         with self._lock:
             if not self._closed and len(self._idle) < self._keep:
                 self._idle.append(pubsub)
@@ -108,6 +113,17 @@ class PubSubPool:
         with self._lock:
             self._closed = True
         self.close_idle()
+
+
+class _Reconnects:
+    """Counts the connects of one connection: redis-py keeps a connect callback
+    as a weak reference to a method, so it needs an object to live on."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    def seen(self, connection: Any) -> None:
+        self.count += 1
 
 
 def _subscribe(pubsub: Any, channel: str) -> None:

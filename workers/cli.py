@@ -68,14 +68,9 @@ class Group(click.Group):
 
 def _shown_url() -> str:
     """The Redis URL in use, without its password."""
-    from urllib.parse import urlsplit
+    from tokenfleet.shared.redis_url import redacted
 
-    url = os.environ.get("TOKENFLEET_REDIS_URL", "redis://127.0.0.1:6379/0")
-    parts = urlsplit(url)
-    if parts.password:
-        netloc = parts.netloc.replace(f":{parts.password}@", ":***@")
-        return parts._replace(netloc=netloc).geturl()
-    return url
+    return redacted(os.environ.get("TOKENFLEET_REDIS_URL", "redis://127.0.0.1:6379/0"))
 
 
 def _apply_env(**options: Any) -> None:

@@ -31,6 +31,7 @@ from rich.progress import (
     TimeElapsedColumn,
 )
 
+from tokenfleet.shared.redis_url import redacted
 from tokenfleet.workers.bench import redis_cost
 from tokenfleet.workers.bench.modes import BenchEnv, Direct, FleetSession, NaiveSession, Tick, publish_cost
 from tokenfleet.workers.bench.procs import BenchError, RedisProc
@@ -127,7 +128,8 @@ def run_bench(cfg: BenchConfig, console: Console | None = None) -> dict[str, Any
         if cfg.redis_url is not None:
             _clean(url, env.run_id)
     results["config"] = {
-        **asdict(cfg), "redis_url": _redacted(cfg.redis_url), "torch_threads": threads,
+        **asdict(cfg), "redis_url": cfg.redis_url and redacted(cfg.redis_url),
+        "torch_threads": threads,
         "redis": "given" if cfg.redis_url else "spawned",
         "cpu_count": os.cpu_count(), "python": platform.python_version(),
         "torch": version("torch"), "transformers": version("transformers"),
@@ -362,18 +364,6 @@ def _clean(url: str, run_id: str) -> None:
             client.unlink(*batch)
     finally:
         client.close()
-
-
-def _redacted(url: str | None) -> str | None:
-    """A URL fit for a report: no user name or password."""
-    if url is None:
-        return None
-    from urllib.parse import urlsplit, urlunsplit
-
-    parts = urlsplit(url)
-    host = parts.hostname or ""
-    netloc = f"{host}:{parts.port}" if parts.port else host
-    return urlunsplit(parts._replace(netloc=netloc))
 
 
 def version(module: str) -> str | None:

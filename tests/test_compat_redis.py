@@ -1,0 +1,158 @@
+"""Each shim of ``tokenfleet.shared.compat.redis_py`` still reaches what it reaches
+into on the installed redis-py: a release that moves it fails here first."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable, Iterator
+from typing import Any
+
+import pytest
+import redis
+import redis.asyncio as aioredis
+
+from helpers import RedisClusterServers, RedisServer
+from tokenfleet.shared.compat.redis_py import (AsyncHookedCluster, HookedCluster,
+                                               closed_under_write, refresh_slot_map,
+                                               refresh_slot_map_async)
+from tokenfleet.shared.redis_url import node_url
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[RedisClusterServers]:
+    servers = RedisClusterServers(masters=3)
+    yield servers
+    servers.close()
+
+
+def test_every_command_of_a_cluster_client_passes_the_hook(cluster: RedisClusterServers) -> None:
+    sent: list[str] = []
+
+    class Recording(HookedCluster):
+        def around_command(self, send: Callable[[], Any]) -> Any:
+            sent.append("command")
+            return send()
+
+    client = Recording.from_url(node_url(cluster.url))
+    script = client.register_script("return redis.call('GET', KEYS[1])")
+    try:
+        sent.clear()  # the client's own, while it was made
+        client.set("compat:key", "value")
+        assert sent == ["command"]
+        assert client.get("compat:key") == b"value"
+        assert len(sent) == 2
+        assert script(keys=["compat:key"]) == b"value"  # EVALSHA, maybe SCRIPT LOAD and again
+        after_script = len(sent)
+        assert after_script > 2
+        client.publish("compat:channel", "hello")
+        assert len(sent) == after_script + 1
+    finally:
+        client.close()
+
+
+async def test_every_command_of_an_asyncio_cluster_client_passes_the_hook(
+        cluster: RedisClusterServers) -> None:
+    sent: list[str] = []
+
+    class Recording(AsyncHookedCluster):
+        async def around_command(self, send: Callable[[], Awaitable[Any]]) -> Any:
+            sent.append("command")
+            return await send()
+
+    client = Recording.from_url(node_url(cluster.url))
+    script = client.register_script("return redis.call('GET', KEYS[1])")
+    try:
+        await client.initialize()
+        sent.clear()  # the client's own, while it read the slot map
+        await client.set("compat:async", "value")
+        assert sent == ["command"]
+        assert await client.get("compat:async") == b"value"
+        assert len(sent) == 2
+        assert await script(keys=["compat:async"]) == b"value"
+        after_script = len(sent)
+        assert after_script > 2
+        await client.incr("compat:count")
+        assert len(sent) == after_script + 1
+    finally:
+        await client.aclose()
+
+
+def _slot_map_reads(cluster: RedisClusterServers) -> int:
+    reads = 0
+    for node in cluster.nodes:
+        probe = redis.Redis(port=node.port)
+        stats = probe.info("commandstats")
+        probe.close()
+        reads += sum(int(stats.get(f"cmdstat_cluster|{sub}", {}).get("calls", 0))
+                     for sub in ("slots", "shards", "nodes"))
+    return reads
+
+
+def test_refresh_slot_map_asks_a_node_for_the_map(cluster: RedisClusterServers) -> None:
+    client = redis.cluster.RedisCluster.from_url(node_url(cluster.url))
+    try:
+        before = _slot_map_reads(cluster)
+        refresh_slot_map(client)
+        assert _slot_map_reads(cluster) > before
+        assert client.ping()
+    finally:
+        client.close()
+
+
+async def test_refresh_slot_map_async_asks_a_node_for_the_map(
+        cluster: RedisClusterServers) -> None:
+    client = aioredis.RedisCluster.from_url(node_url(cluster.url))
+    try:
+        await client.initialize()
+        before = _slot_map_reads(cluster)
+        await refresh_slot_map_async(client)
+        assert _slot_map_reads(cluster) > before
+        assert await client.ping()
+    finally:
+        await client.aclose()
+
+
+async def _write_after(close: Callable[[aioredis.Connection], Awaitable[None]],
+                       server: RedisServer) -> BaseException:
+    """The error of a command written on a connection that ``close`` closed
+    between the connection's health check and its write, as another task does."""
+    connection = aioredis.Connection(port=server.port, socket_timeout=5)
+    await connection.connect()
+
+    async def closed_by_another_task() -> None:
+        await close(connection)
+
+    connection.check_health = closed_by_another_task  # type: ignore[method-assign]
+    with pytest.raises((AttributeError, RuntimeError)) as caught:
+        await connection.send_command("PING")
+    await connection.disconnect()
+    return caught.value
+
+
+async def test_a_write_on_a_connection_closed_under_it_is_recognised(
+        redis_server: RedisServer) -> None:
+    async def disconnect(connection: aioredis.Connection) -> None:
+        await connection.disconnect()
+
+    error = await _write_after(disconnect, redis_server)
+    assert isinstance(error, Exception) and closed_under_write(error)
+
+
+def test_a_write_on_a_closing_uvloop_transport_is_recognised(redis_server: RedisServer) -> None:
+    uvloop = pytest.importorskip("uvloop")
+
+    async def disconnecting(connection: aioredis.Connection) -> None:
+        # disconnect() closes the transport, then waits for it to close: the
+        # write comes in between.
+        asyncio.ensure_future(connection.disconnect())
+        await asyncio.sleep(0)  # a yield, no wait: the disconnect runs to its first await
+
+    error = uvloop.run(_write_after(disconnecting, redis_server))
+    assert isinstance(error, Exception) and closed_under_write(error)
+
+
+def test_other_errors_are_not_taken_for_a_closed_connection() -> None:
+    assert not closed_under_write(AttributeError("'Foo' object has no attribute 'bar'"))
+    assert not closed_under_write(ValueError("the handler is closed"))
