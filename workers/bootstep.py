@@ -36,8 +36,7 @@ class EngineStep(bootsteps.StartStopStep):
 
         settings = get_settings()
         # Before the model loads: a second process under a live name is refused at once.
-        check_name(connect(settings.redis_url), Keys(settings.namespace), parent.hostname,
-                   stale_after_s=3 * settings.heartbeat_s)
+        check_name(connect(settings.redis_url), Keys(settings.namespace), parent.hostname)
         self.worker = build_worker(settings, name=parent.hostname)
         parent.tokenfleet = self.worker  # for the remote-control commands
         # A failed device: Celery's warm shutdown, as on SIGTERM, exiting with ``code``.
