@@ -63,7 +63,8 @@ def _typed(fields: dict[str, str]) -> dict[str, Any]:
 
 
 _NUMBERS: dict[str, type] = {"pid": int, "max_batch": int, "prefetch": int, "running": int,
-                             "waiting": int, "draining": int, "last_seen": float}
+                             "waiting": int, "draining": int, "last_seen": float,
+                             "alive_until": float}
 
 
 def _forget(r: Any, keys: Any, models: list[str]) -> None:

@@ -11,6 +11,7 @@ from typing import Any
 
 from tokenfleet.shared.errors import IdempotencyConflict, JobNotFound, QueueFull
 from tokenfleet.shared.keys import GROUP, PRIORITIES, Keys, level_queue, new_job_id
+from tokenfleet.shared.liveness import live_since as live_since  # the clients' liveness rule
 from tokenfleet.shared.schemas import (
     EndEvent,
     FinishReason,
@@ -37,8 +38,6 @@ EXPIRE_SLACK_S = 0.005
 EXPIRED_ERROR = "deadline passed before the job started"
 # How long cancel() waits for a running job to end before it answers.
 CANCEL_WAIT_S = 5.0
-# A worker whose last heartbeat is older than this is taken for gone.
-LIVE_WORKER_S = 10.0
 
 
 def build_request(
@@ -115,15 +114,10 @@ def submission(request: GenerationRequest, keys: Keys, settings: Settings,
             "1" if idem else "0",
             backlog_weight(request),
             request.fingerprint() if idem else "",
-            repr(now - LIVE_WORKER_S) if require_worker else "",
+            repr(live_since()) if require_worker else "",
             *flat,
         ],
     )
-
-
-def live_since() -> float:
-    """The heartbeat score (wall clock) a live worker has at least."""
-    return time.time() - LIVE_WORKER_S
 
 
 def backlog_weight(request: GenerationRequest) -> int:

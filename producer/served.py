@@ -1,18 +1,17 @@
 """Which queues live workers serve now, and whether their models chat.
 
 Read from what workers write on every heartbeat: ``<ns>:served:<queue>`` (a
-sorted set of worker names by heartbeat time; live means within
-``protocol.LIVE_WORKER_S``) and each worker's hash ``<ns>:workers:<name>``
+sorted set of worker names by the time until which each counts as live:
+``tokenfleet.shared.liveness``) and each worker's hash ``<ns>:workers:<name>``
 (``model``, and ``chat``: 1 when its tokenizer has a chat template).
 """
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from typing import Any
 
-from tokenfleet.protocol import LIVE_WORKER_S
+from tokenfleet.shared.liveness import live_since
 
 
 @dataclass(frozen=True)
@@ -33,7 +32,7 @@ class Served:
 
 async def served(client: Any, queue: str) -> Served | None:
     """The queue's live workers, or None if it has none."""
-    since = time.time() - LIVE_WORKER_S
+    since = live_since()
     names = [name.decode() for name in
              await client.redis.zrangebyscore(client.keys.queue_workers(queue), since, "+inf")]
     if not names:

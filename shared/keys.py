@@ -141,7 +141,8 @@ class Keys:
         return f"{self.namespace}:backlog:{{{model}}}"
 
     def queue_workers(self, model: str) -> str:
-        """Sorted set: live workers of a model, scored by their last heartbeat."""
+        """Sorted set: workers of a model, scored by the time until which each
+        counts as live (``tokenfleet.shared.liveness``)."""
         return f"{self.namespace}:served:{{{model}}}"
 
     def served_pattern(self) -> str:

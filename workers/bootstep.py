@@ -1,19 +1,37 @@
-"""The Celery bootstep that runs the engine inside each worker process."""
+"""The Celery bootstep that runs the engine inside each worker process, and the
+registry the remote-control commands find that engine in."""
 
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from celery import bootsteps
+from celery.exceptions import ImproperlyConfigured, WorkerShutdown
 
 from tokenfleet.shared.settings import get_settings
 
+if TYPE_CHECKING:
+    from tokenfleet.workers.service import Worker
+
 log = logging.getLogger(__name__)
+
+# How often Celery's main thread looks whether the engine gave up on its device.
+FATAL_CHECK_S = 0.5
+
+# The engine each worker of this process runs, by Celery node name, while it
+# runs: remote-control commands get the node name from Celery, not the engine.
+_engines: dict[str, Worker] = {}
+
+
+def engine_of(hostname: str) -> Worker | None:
+    """The engine the Celery worker ``hostname`` runs, None before it started or after it stopped."""
+    return _engines.get(hostname)
 
 
 class EngineStep(bootsteps.StartStopStep):
-    """Loads the model at worker start, drains on warm shutdown.
+    """Loads the model at worker start, drains on warm shutdown, and shuts the
+    worker down (warm, exiting with the engine's code) when its device fails.
 
     The consumer name in the stream's group is the Celery node name
     (``gpu0@host``): stable per host and GPU, so a restarted process first
@@ -21,37 +39,62 @@ class EngineStep(bootsteps.StartStopStep):
     """
 
     label = "tokenfleet engine"
+    # ``parent.timer`` exists once the Timer step ran.
+    requires = {"celery.worker.components:Timer"}
 
     def __init__(self, parent: Any, **kwargs: Any) -> None:
         super().__init__(parent, **kwargs)
-        self.worker: Any = None
+        self.worker: Worker | None = None
+        self.exit_code: int | None = None
+        self._watch: Any = None
 
     def start(self, parent: Any) -> None:
-        from celery.worker import state as celery_state
-
         from tokenfleet.shared.keys import Keys
         from tokenfleet.shared.redis_conn import connect
         from tokenfleet.workers.build import build_worker
         from tokenfleet.workers.identity import check_name
 
+        # Celery starts a shutdown only when WorkerShutdown is raised in its main
+        # thread; a device fails in the engine's. With the event loop, timer
+        # entries run in the main thread (without it, in a thread of their own,
+        # where the exception would be lost).
+        if parent.hub is None:
+            raise ImproperlyConfigured("the tokenfleet engine needs Celery's event loop: "
+                                       "a Redis broker and the solo pool (-P solo)")
         settings = get_settings()
         # Before the model loads: a second process under a live name is refused at once.
-        check_name(connect(settings.redis_url), Keys(settings.namespace), parent.hostname,
-                   stale_after_s=3 * settings.heartbeat_s)
-        self.worker = build_worker(settings, name=parent.hostname)
-        parent.tokenfleet = self.worker  # for the remote-control commands
-        # A failed device: Celery's warm shutdown, as on SIGTERM, exiting with ``code``.
-        self.worker.on_fatal = lambda code: setattr(celery_state, "should_stop", code)
-        self.worker.start()
+        check_name(connect(settings.redis_url), Keys(settings.namespace), parent.hostname)
+        worker = build_worker(settings, name=parent.hostname)
+        worker.on_fatal = self._on_fatal
+        self.worker = worker
+        worker.start()
+        _engines[parent.hostname] = worker
+        self._watch = parent.timer.call_repeatedly(FATAL_CHECK_S, self._exit_if_fatal, priority=10)
+
+    def _on_fatal(self, code: int) -> None:
+        """Called from the engine's thread, once: remembered for the main thread."""
+        self.exit_code = code
+
+    def _exit_if_fatal(self) -> None:
+        if self.exit_code is not None:
+            # Celery's warm shutdown, as on SIGTERM, but exiting with the code.
+            raise WorkerShutdown(self.exit_code)
 
     def stop(self, parent: Any) -> None:
         if self.worker is not None:
             log.info("draining: finishing jobs in flight (grace %.0fs)",
                      self.worker.settings.drain_grace_s)
-            self.worker.stop()
-            self.worker = None
+        self._stop(parent, grace_s=None)
 
     def terminate(self, parent: Any) -> None:
+        self._stop(parent, grace_s=0)
+
+    def _stop(self, parent: Any, grace_s: float | None) -> None:
+        """Stop the engine: within ``grace_s``, or the settings' drain grace if None."""
+        if self._watch is not None:
+            self._watch.cancel()
+            self._watch = None
         if self.worker is not None:
-            self.worker.stop(grace_s=0)
+            self.worker.stop(grace_s=grace_s)
             self.worker = None
+        _engines.pop(parent.hostname, None)

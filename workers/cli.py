@@ -205,7 +205,7 @@ def _check_names(nodes: list[str]) -> None:
     redis = connect(settings.redis_url)
     try:
         for node in nodes:
-            check_name(redis, Keys(settings.namespace), node, stale_after_s=3 * settings.heartbeat_s)
+            check_name(redis, Keys(settings.namespace), node)
     except NameTaken as exc:
         raise BadSetup(str(exc)) from None
     finally:
@@ -326,9 +326,9 @@ def _check_prompt_tokens(client: Any, queue: str, prompt: str) -> None:
 
 
 def _served_models(client: Any, queue: str) -> list[str]:
-    import time as _time
+    from tokenfleet.shared.liveness import live_since
 
-    names = client.redis.zrangebyscore(client.keys.queue_workers(queue), _time.time() - 10, "+inf")
+    names = client.redis.zrangebyscore(client.keys.queue_workers(queue), live_since(), "+inf")
     models = [client.redis.hget(client.keys.worker(n.decode()), "model") for n in names]
     return sorted({m.decode() for m in models if m})
 

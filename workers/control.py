@@ -1,14 +1,23 @@
-"""Remote control: ``celery -A tokenfleet.workers.app inspect engine_stats``, ``... control drain``."""
+"""Remote control: ``celery -A tokenfleet.workers.app inspect engine_stats``, ``... control drain``.
+
+A command finds the engine by the node name Celery gives it (``state.consumer.hostname``)
+in the bootstep's registry (``bootstep.engine_of``).
+"""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from celery.worker.control import control_command, inspect_command
 
+from tokenfleet.workers.bootstep import engine_of
 
-def _engine(state: Any) -> Any:
-    return getattr(state.consumer.controller, "tokenfleet", None)
+if TYPE_CHECKING:
+    from tokenfleet.workers.service import Worker
+
+
+def _engine(state: Any) -> Worker | None:
+    return engine_of(state.consumer.hostname)
 
 
 @inspect_command()

@@ -3,9 +3,10 @@
 A worker's name is its consumer in the stream's group: two live processes
 under one name would read each other's pending entries, and the second one's
 start re-takes (and so fences) every job the first one is running. So a
-process refuses a name whose heartbeat is fresh, unless that heartbeat is its
-own predecessor's on this host (a crashed process restarted under its name,
-which must re-read its entries: that is how crash recovery resumes them).
+process refuses a name whose heartbeat says it is live (its ``alive_until``,
+``tokenfleet.shared.liveness``), unless that heartbeat is its own
+predecessor's on this host (a crashed process restarted under its name, which
+must re-read its entries: that is how crash recovery resumes them).
 """
 
 from __future__ import annotations
@@ -16,23 +17,25 @@ import time
 from typing import Any
 
 from tokenfleet.shared.keys import Keys
+from tokenfleet.shared.liveness import live_since
 
 
 class NameTaken(RuntimeError):
     """Another live process already serves under this worker name."""
 
 
-def check_name(redis: Any, keys: Keys, name: str, stale_after_s: float) -> None:
+def check_name(redis: Any, keys: Keys, name: str) -> None:
     """Raise ``NameTaken`` if a live process other than this one holds ``name``."""
     fields = {k.decode(): v.decode() for k, v in redis.hgetall(keys.worker(name)).items()}
     if not fields:
         return
     try:
+        alive_until = float(fields.get("alive_until", "0"))
         age = time.time() - float(fields.get("last_seen", "0"))
         pid = int(fields.get("pid", "0"))
     except ValueError:
         return  # not a heartbeat we wrote: nothing to protect
-    if age > stale_after_s:
+    if alive_until < live_since():
         return
     host = fields.get("host", "")
     if host == socket.gethostname() and (pid == os.getpid() or not _alive(pid)):

@@ -23,6 +23,7 @@ to exit non-zero, so a supervisor restarts it.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import socket
 import threading
@@ -32,6 +33,7 @@ from typing import Any
 
 from redis.exceptions import RedisError
 
+from tokenfleet.shared import liveness
 from tokenfleet.shared.keys import GROUP, PRIORITIES, Keys
 from tokenfleet.shared.redis_conn import connect
 from tokenfleet.shared.schemas import FinishReason
@@ -443,11 +445,14 @@ class Worker:
         running = [*self.engine.unfinished(), *sent]
         info: dict[Any, Any] = self.describe()
         info["stats"] = dumps(info["stats"])
+        # Until when this worker counts as live: every reader compares this
+        # with its own clock (shared.liveness), and the hash expires about then.
+        info["alive_until"] = liveness.alive_until(self.settings.heartbeat_s, info["last_seen"])
         pipe = self.redis.pipeline(transaction=False)
         pipe.hset(key, mapping=info)
-        pipe.expire(key, max(3 * int(self.settings.heartbeat_s), 5))
+        pipe.expire(key, math.ceil(liveness.live_for_s(self.settings.heartbeat_s)))
         # Who serves this model, for submit(require_worker=True) and the status view.
-        pipe.zadd(self.keys.queue_workers(self.queue), {self.name: time.time()})
+        pipe.zadd(self.keys.queue_workers(self.queue), {self.name: info["alive_until"]})
         # Touch the pending entries still being worked on: their idle time
         # restarts, so XAUTOCLAIM elsewhere never takes a job from a live worker.
         by_stream: dict[str, list[Any]] = {}

@@ -1,0 +1,37 @@
+"""When a worker counts as live: one rule, written by the worker, read by everyone.
+
+Every heartbeat stores the wall-clock time until which its worker counts as
+live, ``alive_until``: as the worker's score in ``<ns>:served:<queue>`` and as a
+field of its hash ``<ns>:workers:<name>``, whose TTL ends about then too. A
+reader compares that time with its own clock (a score at or above now is a live
+worker) and never needs the worker's ``heartbeat_s``: a producer, the gateway,
+``tokenfleet status`` and a second process asking for the same worker name all
+agree on who is live, whatever heartbeat period each worker runs with.
+"""
+
+from __future__ import annotations
+
+import time
+
+# A worker stays live until it has missed this many heartbeats in a row: one
+# late beat (a pause of the process, a slow Redis round trip) must not make it
+# look gone, and submits to its queue fail with ``NoWorker``.
+MISSED_BEATS = 3
+# ...and for no less than this, however short its heartbeat: a host busy
+# loading a model can hold a heartbeat thread back for seconds.
+MIN_LIVE_S = 10.0
+
+
+def live_for_s(heartbeat_s: float) -> float:
+    """How long one heartbeat keeps its worker live."""
+    return max(MISSED_BEATS * heartbeat_s, MIN_LIVE_S)
+
+
+def alive_until(heartbeat_s: float, sent_at: float) -> float:
+    """The wall-clock time until which a heartbeat sent at ``sent_at`` keeps its worker live."""
+    return sent_at + live_for_s(heartbeat_s)
+
+
+def live_since() -> float:
+    """The least ``alive_until`` a worker live now has: the time now, on this clock."""
+    return time.time()
