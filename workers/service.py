@@ -454,7 +454,7 @@ class Worker:
         # Who serves this model, for submit(require_worker=True) and the status view.
         pipe.zadd(self.keys.queue_workers(self.queue), {self.name: info["alive_until"]})
         # Touch the pending entries still being worked on: their idle time
-        # restarts, so XAUTOCLAIM elsewhere never takes a job from a live worker.
+        # restarts, so the reclaim (XPENDING + XCLAIM) elsewhere never takes a job from a live worker.
         by_stream: dict[str, list[Any]] = {}
         for seq in running:
             if seq.entry_id:

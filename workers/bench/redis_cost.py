@@ -31,7 +31,7 @@ from tokenfleet.workers.bench.procs import BenchError, CeleryProc, cpu_seconds, 
 from tokenfleet.workers.bench.taps import EventTap
 from tokenfleet.workers.null_runner import NULL_MODEL
 
-# The target: at batch 64, at most this many Redis commands per token.
+# The target: at batch 64, at most this many Redis commands per token.
 COMMANDS_PER_TOKEN = {64: 0.3}
 # A point is Redis-bound when Redis's CPU reaches this share of a core.
 SATURATED_BUSY = 0.9

@@ -10,7 +10,7 @@ from rich.table import Table
 
 from tokenfleet.workers.bench import redis_cost
 
-# The targets, on a 2-core machine with the CPU build of torch.
+# The fleet's targets, on a 2-core machine with the CPU build of torch.
 FLEET_VS_DIRECT = {64: 0.90, 256: 0.80}
 FLEET_VS_NAIVE = {64: 8.0}
 OVERHEAD_VS_CELERY = 10.0

@@ -44,7 +44,7 @@ MAX_MODEL_LEN = 1024
 PROMPT_TOKENS = 128  # the most a prompt of make_jobs takes, with room to spare
 START_S = 600  # vLLM's server takes 1-2 minutes to start on 2 CPU cores
 LOADS = ("plain", "stream")
-# The issue's targets for the fleet with ``--engine vllm``, against vLLM serve.
+# The targets for the fleet with ``--engine vllm``, against vLLM serve.
 TARGET_PLAIN, TARGET_STREAM, TARGET_ADDED_TTFT_MS = 1.0, 0.95, 20.0
 
 
@@ -232,7 +232,7 @@ def ratios(results: dict[str, Any]) -> dict[str, Any]:
 
 
 def judge(results: dict[str, Any]) -> list[dict[str, Any]]:
-    """The issue's targets, for the fleet with the vLLM engine."""
+    """The targets for the fleet with the vLLM engine."""
     targets: list[dict[str, Any]] = []
     for c, loads in results["ratios"].get("tokenfleet-vllm", {}).items():
         for name, value, threshold, at_least in (
