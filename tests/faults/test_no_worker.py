@@ -173,6 +173,15 @@ def test_a_worker_that_comes_after_the_deadline_never_runs_the_expired_job(
     assert worker.engine.stats.jobs == {"succeeded": 1}
 
 
+def test_a_job_that_reads_expired_is_not_cancelled_afterwards(
+    client: FleetClient, r: redis.Redis, settings: Any
+) -> None:
+    job_id = _queued_ahead(client, deadline_s=0.2)
+    assert client.wait(job_id, timeout=5).status is JobStatus.EXPIRED
+    assert client.cancel(job_id) is False  # nothing to cancel: it can no longer start
+    _assert_expired_and_gone(client.status(job_id), r, settings)
+
+
 def test_a_queue_nobody_uses_leaves_the_fleet_status(
     client: FleetClient, start_worker: Any, r: redis.Redis, settings: Any,
     report: dict[str, Any]
