@@ -61,7 +61,7 @@ def test_each_script_is_named_by_the_sha1_redis_gives_its_source(r: redis.Redis,
 def test_a_call_loads_its_script_again_when_the_server_lost_it(r: redis.Redis,
                                                                settings: Any) -> None:
     keys = Keys(settings.namespace)
-    call = forget_queue(keys, model="unused", live_since=time.time())
+    call = forget_queue(keys, model="default", live_since=time.time())  # nothing there
     node = _node(r, keys)
     node.script_flush()
     assert call.run(node) is True  # NOSCRIPT, loaded, run
