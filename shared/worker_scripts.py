@@ -58,7 +58,7 @@ class Stale:
 
 
 @dataclass(frozen=True)
-class Held:
+class RunningHere:
     """The caller runs the job from another entry and the record names this one:
     nothing was written."""
 
@@ -72,7 +72,7 @@ class Bad:
     writable: bool
 
 
-StartVerdict = Run | Ended | Missing | Stale | Held | Bad
+StartVerdict = Run | Ended | Missing | Stale | RunningHere | Bad
 
 
 def _start_verdict(reply: object) -> StartVerdict:
@@ -86,7 +86,7 @@ def _start_verdict(reply: object) -> StartVerdict:
     if kind == "stale":
         return Stale()
     if kind == "held":
-        return Held()
+        return RunningHere()
     if kind == "bad":
         reason, writable = rest
         return Bad(_lenient(reason), text(writable) == "1")

@@ -26,7 +26,7 @@ from tokenfleet.shared.worker_scripts import (
     Bad,
     Ended,
     Ending,
-    Held,
+    RunningHere,
     LogEvent,
     Missing,
     Run,
@@ -130,6 +130,6 @@ def test_start_verdicts_read_as_their_dataclasses() -> None:
     decode = start(Keys("ns"), queue="q", level="q", worker="w", now=0.0, takes=[]).decode
     reply = [[b"run", 3, b"1", b"2"], [b"stale"], [b"held"], [b"missing"],
              [b"bad", b"job record's weight is \xff", b"1"], [b"cancelled"]]
-    assert decode(reply) == [Run(3, True, 2), Stale(), Held(), Missing(),
+    assert decode(reply) == [Run(3, True, 2), Stale(), RunningHere(), Missing(),
                              Bad("job record's weight is \ufffd", True),
                              Ended(JobStatus.CANCELLED)]

@@ -28,7 +28,7 @@ from tokenfleet.shared.worker_scripts import (
     Bad,
     Ended,
     Ending,
-    Held,
+    RunningHere,
     Missing,
     Run,
     Stale,
@@ -160,14 +160,14 @@ class Intake:
             self.publisher.dead_letter(queue, entry_id, {"data": entry.model_dump_json()},
                                        "no job record: it expired or was never written")
             return None
-        if isinstance(verdict, Stale | Held):
-            # stale: a copy of a job whose live entry is another (start.lua
-            # deleted it). held: the job runs here from another entry, yet the
+        if isinstance(verdict, Stale | RunningHere):
+            # Stale: a copy of a job whose live entry is another (start.lua
+            # deleted it). RunningHere: the job runs here from another entry, yet the
             # record names this one (a newer owner handed it back, so the run
             # here is about to be fenced off): it waits, pending, and once the
             # run here is dropped the next reclaim starts it as the live entry.
-            log.info("entry %s of job %s is %s; not run", entry_id, entry.job_id,
-                     type(verdict).__name__.lower())
+            log.info("entry %s of job %s: %s; not run", entry_id, entry.job_id,
+                     type(verdict).__name__)
             return None
         if isinstance(verdict, Bad):
             reason = verdict.reason
