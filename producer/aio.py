@@ -8,19 +8,16 @@ import time
 from collections.abc import AsyncGenerator
 from typing import Any
 
-from redis.exceptions import NoPermissionError
-
 from tokenfleet.protocol import (
     CANCEL_WAIT_S,
     EventCursor,
+    as_read,
     build_request,
-    cancel_args,
+    cancel_call,
     cancel_verdict,
     check_deadline,
-    expire_args,
     expires_at,
     is_end_payload,
-    is_overdue,
     live_since,
     parse_state,
     require_worker_for,
@@ -29,11 +26,11 @@ from tokenfleet.protocol import (
     submitted_id,
     time_slice,
 )
+from tokenfleet.shared.client_scripts import CancelVerdict
 from tokenfleet.shared.errors import JobNotFound, NoWorker
 from tokenfleet.shared.keys import Keys
 from tokenfleet.shared.redis_conn import connect_async
 from tokenfleet.shared.schemas import GenerationRequest, JobState, JobStatus, TokenEvent
-from tokenfleet.shared.scripts import Scripts
 from tokenfleet.shared.settings import Settings, get_settings
 from tokenfleet.subscriptions import Subscriptions
 
@@ -52,7 +49,6 @@ class AsyncFleetClient:
         # redis-py types replies as bytes | str; with decode_responses off they are bytes.
         self.redis: Any = connect_async(url or self.settings.redis_url)
         self.keys = Keys(namespace or self.settings.namespace)
-        self._scripts = Scripts(self.redis)
         self._subscriptions = Subscriptions(self.redis)
 
     async def __aenter__(self) -> AsyncFleetClient:
@@ -72,8 +68,7 @@ class AsyncFleetClient:
         request = build_request(prompt, kwargs, self.settings)
         sub = submission(request, self.keys, self.settings,
                          require_worker_for(require_worker, self.settings))
-        job_id = submitted_id(await self._scripts.submit(keys=sub.keys, args=sub.args),
-                              request, self.settings)
+        job_id = submitted_id(await sub.call.run_async(self.redis), request, self.settings)
         if job_id is None:
             raise NoWorker(request.model, await self.served_queues())
         return job_id
@@ -89,16 +84,9 @@ class AsyncFleetClient:
         return served_queues(names, await pipe.execute() if names else [], self.keys)
 
     async def status(self, job_id: str) -> JobState:
-        """See ``FleetClient.status``: a job queued past its deadline ends here."""
-        state = parse_state(job_id, await self.redis.hgetall(self.keys.job(job_id)))
-        if is_overdue(state):
-            keys, args = expire_args(state, self.keys, self.settings)
-            try:
-                await self._scripts.expire(keys=keys, args=args)
-            except NoPermissionError:
-                return state  # a read-only user: the workers expire it when they take it
-            state = parse_state(job_id, await self.redis.hgetall(self.keys.job(job_id)))
-        return state
+        """See ``FleetClient.status``: a read; a job queued past its deadline
+        reads as expired."""
+        return as_read(parse_state(job_id, await self.redis.hgetall(self.keys.job(job_id))))
 
     async def cancel(self, job_id: str, timeout: float = CANCEL_WAIT_S) -> bool:
         """See ``FleetClient.cancel``: True only if the job ended ``cancelled``; a
@@ -107,11 +95,11 @@ class AsyncFleetClient:
         model, priority = await self.redis.hmget(self.keys.job(job_id), ["model", "priority"])
         if model is None:
             raise JobNotFound(job_id)
-        keys, args = cancel_args(job_id, model.decode(), (priority or b"normal").decode(),
-                                 self.keys, self.settings)
-        verdict = cancel_verdict(await self._scripts.cancel(keys=keys, args=args), job_id)
-        if verdict != "requested":
-            return verdict == "cancelled"
+        call = cancel_call(job_id, model.decode(), (priority or b"normal").decode(),
+                           self.keys, self.settings)
+        verdict = cancel_verdict(await call.run_async(self.redis), job_id)
+        if verdict is not CancelVerdict.REQUESTED:
+            return verdict is CancelVerdict.CANCELLED
         try:
             state = await self.wait(job_id, timeout=timeout)
         except TimeoutError:
@@ -170,7 +158,7 @@ class AsyncFleetClient:
         cursor.feed_log(await self.redis.xrange(log, cursor.log_after(), "+"))
         if cursor.ended:
             return
-        state = await self.status(job_id)  # expires an overdue job
+        state = await self.status(job_id)  # an overdue job reads as expired
         cursor.expires_at = expires_at(state)
         if state.status.is_terminal:
             cursor.feed_log(await self.redis.xrange(log, cursor.log_after(), "+"))

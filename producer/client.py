@@ -7,20 +7,18 @@ from collections.abc import Iterator
 from typing import Any
 
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import NoPermissionError
 
 from tokenfleet.pubsub_pool import PubSubPool
 from tokenfleet.protocol import (
     CANCEL_WAIT_S,
     EventCursor,
+    as_read,
     build_request,
-    cancel_args,
+    cancel_call,
     cancel_verdict,
     check_deadline,
-    expire_args,
     expires_at,
     is_end,
-    is_overdue,
     live_since,
     parse_state,
     require_worker_for,
@@ -29,11 +27,11 @@ from tokenfleet.protocol import (
     submitted_id,
     time_slice,
 )
+from tokenfleet.shared.client_scripts import CancelVerdict
 from tokenfleet.shared.errors import JobNotFound, NoWorker
 from tokenfleet.shared.keys import Keys
 from tokenfleet.shared.redis_conn import connect, resubscribe_after
 from tokenfleet.shared.schemas import GenerationRequest, JobState, JobStatus, TokenEvent
-from tokenfleet.shared.scripts import Scripts
 from tokenfleet.shared.settings import Settings, get_settings
 
 
@@ -54,7 +52,6 @@ class FleetClient:
         # redis-py types replies as bytes | str; with decode_responses off they are bytes.
         self.redis: Any = connect(url or self.settings.redis_url)
         self.keys = Keys(namespace or self.settings.namespace)
-        self._scripts = Scripts(self.redis)
         self._pubsubs = PubSubPool(self.redis)  # kept from one wait() or stream() to the next
 
     def __enter__(self) -> FleetClient:
@@ -83,8 +80,7 @@ class FleetClient:
         request = build_request(prompt, kwargs, self.settings)
         sub = submission(request, self.keys, self.settings,
                          require_worker_for(require_worker, self.settings))
-        job_id = submitted_id(self._scripts.submit(keys=sub.keys, args=sub.args),
-                              request, self.settings)
+        job_id = submitted_id(sub.call.run(self.redis), request, self.settings)
         if job_id is None:
             raise NoWorker(request.model, self.served_queues())
         return job_id
@@ -99,21 +95,15 @@ class FleetClient:
         return served_queues(names, pipe.execute() if names else [], self.keys)
 
     def status(self, job_id: str) -> JobState:
-        """The job's stored state, read once; never blocks.
+        """The job's stored state, read once; never blocks, writes nothing.
 
-        A job still queued past its deadline is ended here (``expired``, finish
-        reason ``deadline``) and taken off its queue: with no live worker nobody
-        else would end it.
+        A job still queued past its deadline can no longer start: it reads as
+        ``expired`` (finish reason ``deadline``) though its record still says
+        queued, with no live worker as with one. The worker that reads its
+        entry ends the record; for a queue no worker serves,
+        ``tokenfleet.fleet.repair_fleet`` does.
         """
-        state = parse_state(job_id, self.redis.hgetall(self.keys.job(job_id)))
-        if is_overdue(state):
-            keys, args = expire_args(state, self.keys, self.settings)
-            try:
-                self._scripts.expire(keys=keys, args=args)
-            except NoPermissionError:
-                return state  # a read-only user: the workers expire it when they take it
-            state = parse_state(job_id, self.redis.hgetall(self.keys.job(job_id)))
-        return state
+        return as_read(parse_state(job_id, self.redis.hgetall(self.keys.job(job_id))))
 
     def cancel(self, job_id: str, timeout: float = CANCEL_WAIT_S) -> bool:
         """Cancel a job; True only if it ended ``cancelled``.
@@ -129,11 +119,11 @@ class FleetClient:
         model, priority = self.redis.hmget(self.keys.job(job_id), ["model", "priority"])
         if model is None:
             raise JobNotFound(job_id)
-        keys, args = cancel_args(job_id, model.decode(), (priority or b"normal").decode(),
-                                 self.keys, self.settings)
-        verdict = cancel_verdict(self._scripts.cancel(keys=keys, args=args), job_id)
-        if verdict != "requested":
-            return verdict == "cancelled"
+        call = cancel_call(job_id, model.decode(), (priority or b"normal").decode(),
+                           self.keys, self.settings)
+        verdict = cancel_verdict(call.run(self.redis), job_id)
+        if verdict is not CancelVerdict.REQUESTED:
+            return verdict is CancelVerdict.CANCELLED
         try:
             return self.wait(job_id, timeout=timeout).status is JobStatus.CANCELLED
         except TimeoutError:
@@ -203,7 +193,7 @@ class FleetClient:
         cursor.feed_log(self.redis.xrange(self.keys.out(job_id), cursor.log_after(), "+"))
         if cursor.ended:
             return
-        state = self.status(job_id)  # raises JobNotFound; expires an overdue job
+        state = self.status(job_id)  # raises JobNotFound; an overdue job reads as expired
         cursor.expires_at = expires_at(state)
         if state.status.is_terminal:
             # Ended between the two reads: the log now holds every token.

@@ -3,29 +3,30 @@
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import Any
 
-from redis.exceptions import NoPermissionError, ResponseError
+from pydantic import ValidationError
+from redis.exceptions import ResponseError
 
-from tokenfleet.protocol import live_since
-from tokenfleet.shared.keys import GROUP, PRIORITIES, level_queue, model_of
-from tokenfleet.shared.scripts import Scripts
-from tokenfleet.shared.serialization import loads
+from tokenfleet.protocol import EXPIRED_ERROR, live_since
+from tokenfleet.shared.client_scripts import ExpireVerdict, expire, forget_queue
+from tokenfleet.shared.keys import GROUP, PRIORITIES, Keys, level_queue, model_of
+from tokenfleet.shared.schemas import FinishReason, JobStatus, QueueEntry
+from tokenfleet.shared.serialization import end_event, loads
 
 
 def fleet_status(client: Any) -> dict[str, Any]:
     """Read every queue's depth and group state and every live worker's heartbeat.
 
-    A queue with nothing waiting or pending and no live worker is left out: a
-    model name submitted once (mistyped, or queued ahead and expired) would
-    otherwise show for good. If no worker ever served it (no consumer group),
-    its keys are deleted too (``forget_queue.lua``, atomic against a submit).
+    A read: nothing is written. A queue with nothing waiting or pending and no
+    live worker is left out: a model name submitted once (mistyped, or queued
+    ahead and expired) would otherwise show for good. ``repair_fleet`` deletes
+    its keys.
     """
     r, keys = client.redis, client.keys
     now = time.time()
-    models = sorted({model_of(keys.queue_of(raw.decode()))
-                     for raw in r.scan_iter(match=keys.queues_pattern(), count=500)})
-    queues = [_queue(r, keys, model, now) for model in models]
+    queues = [_queue(r, keys, model, now) for model in _models(r, keys)]
     workers = []
     for raw in sorted(r.scan_iter(match=keys.workers_pattern(), count=500)):
         fields = {k.decode(): v.decode() for k, v in r.hgetall(raw).items()}
@@ -37,11 +38,8 @@ def fleet_status(client: Any) -> dict[str, Any]:
     for q in queues:
         q["workers"] = sum(1 for w in workers if w.get("queue") == q["queue"])
         q["unserved"] = q["workers"] == 0
-    unused = [q["queue"] for q in queues
-              if q["unserved"] and q["depth"] == 0 and q["pending"] == 0]
-    if unused:
-        _forget(r, keys, unused)
-        queues = [q for q in queues if q["queue"] not in unused]
+    queues = [q for q in queues
+              if not (q["unserved"] and q["depth"] == 0 and q["pending"] == 0)]
     return {
         "queues": queues,
         "workers": workers,
@@ -67,16 +65,63 @@ _NUMBERS: dict[str, type] = {"pid": int, "max_batch": int, "prefetch": int, "run
                              "alive_until": float}
 
 
-def _forget(r: Any, keys: Any, models: list[str]) -> None:
-    """Delete the keys of unused queues that no worker ever served; the script
-    checks again, atomically, so a submit or a worker in between keeps its queue."""
-    forget, since = Scripts(r).forget_queue, repr(live_since())
+def _models(r: Any, keys: Keys) -> list[str]:
+    return sorted({model_of(keys.queue_of(raw.decode()))
+                   for raw in r.scan_iter(match=keys.queues_pattern(), count=500)})
+
+
+@dataclass(frozen=True)
+class Repaired:
+    """What ``repair_fleet`` changed."""
+
+    expired: int  # jobs queued past their deadline, ended now
+    forgotten: list[str]  # queues whose keys were deleted
+
+
+def repair_fleet(client: Any, page: int = 500) -> Repaired:
+    """Do the writes no worker would do: end the jobs queued past their
+    deadline on queues no live worker serves (``expire.lua``: expired, off the
+    queue and out of the backlog), then delete the keys of queues nobody uses
+    (``forget_queue.lua``: nothing queued, no consumer group, no live worker).
+
+    Each script checks again, atomically, so a worker or a submit in between
+    keeps its job or its queue. A served queue's overdue jobs are its
+    workers' to end, as they read them.
+    """
+    r, keys = client.redis, client.keys
+    since = live_since()
+    models = _models(r, keys)
+    expired = 0
     for model in models:
-        try:
-            forget(keys=[*(keys.queue(level_queue(model, p)) for p in PRIORITIES),
-                         keys.backlog(model), keys.queue_workers(model)], args=[since])
-        except NoPermissionError:
-            return  # a read-only user: leaving them is harmless, they are not shown
+        if r.zcount(keys.queue_workers(model), since, "+inf"):
+            continue
+        for priority in PRIORITIES:
+            for entry in _overdue(r, keys.queue(level_queue(model, priority)), page):
+                verdict = expire(
+                    keys, job_id=entry.job_id, model=model, priority=priority, now=time.time(),
+                    result_ttl_s=client.settings.result_ttl_s,
+                    end_event=end_event(JobStatus.EXPIRED, FinishReason.DEADLINE, EXPIRED_ERROR),
+                    error=EXPIRED_ERROR).run(r)
+                expired += verdict is ExpireVerdict.EXPIRED
+    forgotten = [model for model in models
+                 if forget_queue(keys, model=model, live_since=since).run(r)]
+    return Repaired(expired, forgotten)
+
+
+def _overdue(r: Any, stream: str, page: int) -> list[QueueEntry]:
+    """The entries of ``stream`` whose deadline has passed (an entry no job can
+    come from is a worker's to dead-letter: skipped)."""
+    now, start, found = time.time(), "-", []
+    while entries := r.xrange(stream, start, "+", count=page):
+        for _id, fields in entries:
+            try:
+                entry = QueueEntry.model_validate_json(fields[b"data"])
+            except (KeyError, ValueError, ValidationError):
+                continue
+            if entry.deadline_at is not None and entry.deadline_at <= now:
+                found.append(entry)
+        start = "(" + entries[-1][0].decode()
+    return found
 
 
 def _queue(r: Any, keys: Any, model: str, now: float) -> dict[str, Any]:

@@ -9,8 +9,10 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from tokenfleet.shared import client_scripts
+from tokenfleet.shared.client_scripts import Admission, CancelVerdict, Submitted
 from tokenfleet.shared.errors import IdempotencyConflict, JobNotFound, QueueFull
-from tokenfleet.shared.keys import GROUP, PRIORITIES, Keys, level_queue, new_job_id
+from tokenfleet.shared.keys import Keys, new_job_id
 from tokenfleet.shared.liveness import live_since as live_since  # the clients' liveness rule
 from tokenfleet.shared.schemas import (
     EndEvent,
@@ -22,6 +24,7 @@ from tokenfleet.shared.schemas import (
     SamplingParams,
     TokenEvent,
 )
+from tokenfleet.shared.scripts import Arg, ScriptCall
 from tokenfleet.shared.serialization import dumps, end_event, parse_event
 from tokenfleet.shared.settings import Settings
 
@@ -33,7 +36,7 @@ REQUEST_FIELDS = frozenset(GenerationRequest.model_fields) - {"prompt", "samplin
 # delays it by at most this much and never loses a token.
 RECHECK_S = 1.0
 # A reader waiting on a queued job wakes this long after its deadline, so the
-# deadline has surely passed by its own clock when it looks (expire.lua).
+# deadline has surely passed by its own clock when it looks (is_overdue).
 EXPIRE_SLACK_S = 0.005
 EXPIRED_ERROR = "deadline passed before the job started"
 # How long cancel() waits for a running job to end before it answers.
@@ -64,8 +67,7 @@ def build_request(
 @dataclass(frozen=True)
 class Submission:
     job_id: str
-    keys: list[str]
-    args: list[Any]
+    call: ScriptCall[Submitted]
 
 
 def require_worker_for(require_worker: bool | None, settings: Settings) -> bool:
@@ -75,13 +77,13 @@ def require_worker_for(require_worker: bool | None, settings: Settings) -> bool:
 
 def submission(request: GenerationRequest, keys: Keys, settings: Settings,
                require_worker: bool = True) -> Submission:
-    """The keys and arguments of submit.lua for one request. With ``require_worker``
-    the script refuses a queue no live worker serves (``NoWorker``)."""
+    """The submit.lua call for one request. With ``require_worker`` the script
+    refuses a queue no live worker serves (``NoWorker``)."""
     job_id = new_job_id(request.model, uuid.uuid4().hex)
     now = time.time()
     deadline_at = now + request.deadline_s if request.deadline_s else None
     entry = QueueEntry(job_id=job_id, request=request, created_at=now, deadline_at=deadline_at)
-    record: dict[str, Any] = {
+    record: dict[str, Arg] = {
         "id": job_id,
         "status": JobStatus.QUEUED.value,
         "model": request.model,
@@ -94,30 +96,13 @@ def submission(request: GenerationRequest, keys: Keys, settings: Settings,
     if deadline_at is not None:
         record["deadline_at"] = repr(deadline_at)
     idem = request.idempotency_key
-    flat = [x for pair in record.items() for x in pair]
-    model = request.model
-    return Submission(
-        job_id=job_id,
-        keys=[
-            keys.queue(level_queue(model, request.priority)),
-            keys.job(job_id),
-            keys.idempotency(model, idem or "-"),
-            *(keys.queue(level_queue(model, p)) for p in PRIORITIES),
-            keys.backlog(model),
-            keys.queue_workers(model),
-        ],
-        args=[
-            job_id,
-            entry.model_dump_json(),
-            settings.max_queue,
-            settings.idempotency_ttl_s,
-            "1" if idem else "0",
-            backlog_weight(request),
-            request.fingerprint() if idem else "",
-            repr(live_since()) if require_worker else "",
-            *flat,
-        ],
-    )
+    return Submission(job_id, client_scripts.submit(
+        keys, job_id=job_id, model=request.model, priority=request.priority,
+        entry_json=entry.model_dump_json(), record=record, weight=backlog_weight(request),
+        max_queue=settings.max_queue, idempotency_key=idem,
+        idempotency_ttl_s=settings.idempotency_ttl_s,
+        fingerprint=request.fingerprint() if idem else "",
+        live_since=live_since() if require_worker else None))
 
 
 def backlog_weight(request: GenerationRequest) -> int:
@@ -127,18 +112,16 @@ def backlog_weight(request: GenerationRequest) -> int:
     return -(-len(text.encode()) // 4) + request.sampling.max_new_tokens
 
 
-def submitted_id(result: list[bytes], request: GenerationRequest,
+def submitted_id(result: Submitted, request: GenerationRequest,
                  settings: Settings) -> str | None:
-    """The id of the job that runs ('ok' or 'dup'), None when no live worker serves
-    the queue (the caller lists the served ones in its ``NoWorker``)."""
-    verdict, value = result[0].decode(), result[1].decode()
-    if verdict == "full":
-        raise QueueFull(request.model, int(value), settings.max_queue)
-    if verdict == "conflict":
+    """The id of the job that runs (queued now, or by an earlier request under the
+    same idempotency key), None when no live worker serves the queue (the caller
+    lists the served ones in its ``NoWorker``)."""
+    if result.admission is Admission.FULL:
+        raise QueueFull(request.model, result.depth or 0, settings.max_queue)
+    if result.admission is Admission.CONFLICT:
         raise IdempotencyConflict(request.idempotency_key or "")
-    if verdict == "noworker":
-        return None
-    return value
+    return result.job_id
 
 
 def served_queues(names: list[bytes], live_counts: list[int], keys: Keys) -> list[str]:
@@ -146,55 +129,50 @@ def served_queues(names: list[bytes], live_counts: list[int], keys: Keys) -> lis
     return sorted(keys.served_model(name.decode()) for name, n in zip(names, live_counts) if n)
 
 
-def cancel_args(job_id: str, model: str, priority: str, keys: Keys,
-                settings: Settings) -> tuple[list[str], list[Any]]:
-    return (
-        [keys.job(job_id), keys.out(job_id), keys.events(job_id),
-         keys.queue(level_queue(model, priority)), keys.backlog(model), keys.ends(job_id)],
-        [
-            repr(time.time()),
-            settings.result_ttl_s,
-            end_event(JobStatus.CANCELLED, FinishReason.CANCELLED, None),
-            keys.cancels,
-            job_id,
-            GROUP,
-        ],
-    )
+def cancel_call(job_id: str, model: str, priority: str, keys: Keys,
+                settings: Settings) -> ScriptCall[CancelVerdict]:
+    """The cancel.lua call for a job of queue ``model`` at level ``priority``."""
+    return client_scripts.cancel(
+        keys, job_id=job_id, model=model, priority=priority, now=time.time(),
+        result_ttl_s=settings.result_ttl_s,
+        end_event=end_event(JobStatus.CANCELLED, FinishReason.CANCELLED, None))
 
 
-def cancel_verdict(result: bytes | str, job_id: str) -> str:
-    """'cancelled' (it was queued: ended now), 'requested' (it is running: its worker
-    was told, the job may still end otherwise) or 'ended' (nothing to cancel)."""
-    verdict = result.decode() if isinstance(result, bytes) else result
-    if verdict == "missing":
+def cancel_verdict(verdict: CancelVerdict, job_id: str) -> CancelVerdict:
+    """CANCELLED (it was queued: ended now), REQUESTED (it is running: its worker
+    was told, the job may still end otherwise) or ENDED (nothing to cancel);
+    ``JobNotFound`` for no such job."""
+    if verdict is CancelVerdict.MISSING:
         raise JobNotFound(job_id)
     return verdict
 
 
 def is_overdue(state: JobState) -> bool:
-    """Queued past its deadline: a reader ends it (expire.lua), a worker may be none."""
+    """Queued past its deadline: it can no longer start (a worker that reads it
+    ends it expired), so a reader reports it as expired (``as_expired``)."""
     return (state.status is JobStatus.QUEUED and state.deadline_at is not None
             and state.deadline_at <= time.time())
 
 
+def as_expired(state: JobState) -> JobState:
+    """An overdue job as it reads once ended: ``expired``, finish reason
+    ``deadline``, at its deadline. Derived, nothing is written: the record is
+    ended by the worker that reads its entry, or by ``repair_fleet`` for a
+    queue no worker serves."""
+    return state.model_copy(update={
+        "status": JobStatus.EXPIRED, "finish_reason": FinishReason.DEADLINE,
+        "error": EXPIRED_ERROR, "finished_at": state.deadline_at})
+
+
+def as_read(state: JobState) -> JobState:
+    """The state a reader reports: the record's, or an overdue job as expired."""
+    return as_expired(state) if is_overdue(state) else state
+
+
 def expires_at(state: JobState) -> float | None:
-    """When a reader of this job should look again to expire it (wall clock), or None."""
+    """When a reader of this job should look again to see it expired (wall
+    clock), or None."""
     return state.deadline_at if state.status is JobStatus.QUEUED else None
-
-
-def expire_args(state: JobState, keys: Keys, settings: Settings) -> tuple[list[str], list[Any]]:
-    return (
-        [keys.job(state.id), keys.out(state.id), keys.events(state.id),
-         keys.queue(level_queue(state.model, state.priority)), keys.backlog(state.model),
-         keys.ends(state.id)],
-        [
-            repr(time.time()),
-            settings.result_ttl_s,
-            end_event(JobStatus.EXPIRED, FinishReason.DEADLINE, EXPIRED_ERROR),
-            GROUP,
-            EXPIRED_ERROR,
-        ],
-    )
 
 
 def parse_state(job_id: str, fields: dict[bytes, bytes]) -> JobState:
@@ -266,11 +244,9 @@ def time_slice(deadline: float | None, job_expires_at: float | None = None) -> f
     if deadline is not None:
         wait = max(0.0, min(wait, deadline - time.monotonic()))
     if job_expires_at is not None:
-        until = job_expires_at - time.time()
-        # Once past (the reader could not expire it: a read-only user), the
-        # ordinary recheck period applies again rather than a busy loop.
-        if until >= 0:
-            wait = min(wait, until + EXPIRE_SLACK_S)
+        # Once past, no wait: the reader's next look reports the job expired
+        # (is_overdue reads the same clock), so this never spins.
+        wait = min(wait, max(0.0, job_expires_at - time.time() + EXPIRE_SLACK_S))
     return wait
 
 

@@ -62,6 +62,20 @@ def test_submit_wait_and_status(settings: Any, start_worker: Any) -> None:
     assert refused.returncode != 0 and "max_new_tokens" in refused.stderr
 
 
+@pytest.mark.timeout(120)
+def test_repair_ends_overdue_jobs_of_unserved_queues_and_forgets_the_queue(
+    settings: Any, client: Any
+) -> None:
+    job_id = client.submit("late", model="nobody", deadline_s=0.01, require_worker=False)
+    assert client.wait(job_id, timeout=10).status is JobStatus.EXPIRED  # the deadline passed
+    assert client.redis.hget(client.keys.job(job_id), "status") == b"queued"  # a read wrote nothing
+    env = {"TOKENFLEET_REDIS_URL": settings.redis_url, "TOKENFLEET_NAMESPACE": settings.namespace}
+    result = tokenfleet("repair", env=env)
+    assert result.returncode == 0, result.stderr
+    assert "expired 1 overdue job(s); queues forgotten: 'nobody'" in result.stdout
+    assert client.redis.hget(client.keys.job(job_id), "status") == b"expired"
+
+
 @pytest.mark.timeout(180)
 def test_the_demo_writes_readable_text() -> None:
     """What the demo streams is English-like prose, not byte noise (greedy, five prompts)."""

@@ -15,7 +15,7 @@ from tokenfleet.shared.schemas import FinishReason, SamplingParams
 from tokenfleet.shared.serialization import loads
 from tokenfleet.workers.detokenizer import TextStream
 from tokenfleet.workers.null_runner import null_tokenizer
-from tokenfleet.workers.publisher import Publisher
+from tokenfleet.workers.publisher import Publisher, Stored
 from tokenfleet.workers.sequence import SeqOutput, Sequence
 
 pytestmark = pytest.mark.timeout(60)
@@ -54,6 +54,12 @@ def make(settings: Any, r: redis.Redis, clock: Clock) -> Iterator[Any]:
     yield make
 
 
+def store(publisher: Publisher, outputs: list[SeqOutput]) -> Stored:
+    """One step as the engine loop writes it: sent, then collected."""
+    publisher.send(outputs)
+    return publisher.collect()
+
+
 def step(publisher: Publisher, seqs: list[Sequence], finish: bool = False) -> None:
     """One engine step: a token for each sequence (the last one, with ``finish``)."""
     outputs = []
@@ -64,7 +70,7 @@ def step(publisher: Publisher, seqs: list[Sequence], finish: bool = False) -> No
         if finish:
             text += seq.finish(FinishReason.LENGTH)
         outputs.append(SeqOutput(seq, index, TOKEN, text, finish))
-    stored = publisher.publish(outputs)
+    stored = store(publisher, outputs)
     assert not stored.fenced and not stored.untrusted
 
 
@@ -188,8 +194,8 @@ def test_a_fenced_job_holds_nothing_more(
     r.hset(Keys(settings.namespace).job(seq.job_id), "attempts", 2)  # reclaimed elsewhere
     clock.now += 0.001
     outputs = [SeqOutput(seq, 1, TOKEN, "x", False)]
-    assert not publisher.publish(outputs).fenced  # held: Redis is not asked yet
+    assert not store(publisher, outputs).fenced  # held: Redis is not asked yet
     clock.now += 0.030
     outputs = [SeqOutput(seq, 2, TOKEN, "x", False)]
-    assert publisher.publish(outputs).fenced == {seq.job_id}
+    assert store(publisher, outputs).fenced == {seq.job_id}
     assert not publisher.held and len(log(r, settings, seq)) == 1

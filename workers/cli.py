@@ -394,6 +394,21 @@ def status(job_id: str | None, as_json: bool, watch: bool, redis_url: str | None
 
 
 @main.command()
+@redis_option
+def repair(redis_url: str | None) -> None:
+    """Do the writes no worker would: end jobs queued past their deadline on queues
+    no live worker serves, and forget queues nobody uses (``status`` only reads)."""
+    from tokenfleet import FleetClient
+    from tokenfleet.fleet import repair_fleet
+
+    _apply_env(redis_url=redis_url)
+    with FleetClient() as client:
+        done = repair_fleet(client)
+    forgotten = ", ".join(repr(q) for q in done.forgotten) or "none"
+    click.echo(f"expired {done.expired} overdue job(s); queues forgotten: {forgotten}")
+
+
+@main.command()
 @click.option("--host", default="127.0.0.1", show_default=True)
 @click.option("--port", type=int, default=8000, show_default=True)
 @click.option("--header-timeout", type=click.FloatRange(min=0, min_open=True), default=None,

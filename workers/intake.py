@@ -23,11 +23,23 @@ from redis.exceptions import ConnectionError, ResponseError, TimeoutError
 from tokenfleet.shared.errors import invalid_input
 from tokenfleet.shared.keys import GROUP, Keys, job_model, model_of
 from tokenfleet.shared.schemas import FinishReason, JobStatus, QueueEntry
-from tokenfleet.shared.scripts import Scripts
 from tokenfleet.shared.serialization import loads
 from tokenfleet.shared.settings import Settings
+from tokenfleet.shared.worker_scripts import (
+    Bad,
+    Ended,
+    Ending,
+    RunningHere,
+    Missing,
+    Run,
+    Stale,
+    StartVerdict,
+    Take,
+    resume,
+    start,
+)
 from tokenfleet.workers.admission import Admission, Rejected
-from tokenfleet.workers.publisher import Ending, Publisher
+from tokenfleet.workers.publisher import Publisher
 from tokenfleet.workers.sequence import Sequence
 
 log = logging.getLogger(__name__)
@@ -57,7 +69,6 @@ class Intake:
         self.publisher = publisher
         self.sink = sink
         self.holds = holds
-        self.scripts = Scripts(redis)
         # job id -> (stream, entry id) of each job handed to the engine, kept
         # while ``holds`` says it runs here.
         self._running: dict[str, tuple[str, str]] = {}
@@ -123,53 +134,51 @@ class Intake:
                     self._running[seq.job_id] = (stream, seq.entry_id)
                 self.sink(ready)
 
-    def _start(self, queue: str, parsed: list[tuple[str, QueueEntry, bytes]]) -> list[Any]:
+    def _start(self, queue: str,
+               parsed: list[tuple[str, QueueEntry, bytes]]) -> list[StartVerdict]:
         """start.lua for the entries of one read: a verdict per entry."""
-        stream = self.keys.queue(queue)
-        keys = [self.keys.backlog(self.queue), stream]
-        args: list[Any] = [self.consumer, repr(time.time()), GROUP]
-        for entry_id, entry, _data in parsed:
-            keys.append(self.keys.job(entry.job_id))
-            # A job that runs here from another entry: that entry is taken only
-            # when it is stale (start.lua deletes it), never run a second time.
-            args += (entry_id, "1" if self.holds(entry.job_id) else "0")
+        # A job that runs here from another entry: that entry is taken only
+        # when it is stale (start.lua deletes it), never run a second time.
+        takes = [Take(entry.job_id, entry_id, self.holds(entry.job_id))
+                 for entry_id, entry, _data in parsed]
         try:
-            return self.scripts.start(keys=keys, args=args)  # type: ignore[no-any-return]
+            return start(self.keys, queue=self.queue, level=queue, worker=self.consumer,
+                         now=time.time(), takes=takes).run(self.redis)
         except ResponseError as exc:
             # start.lua checks each record before it writes, so this is a case
             # its checks do not know: start each entry alone, so that only the
             # one that fails is dead-lettered.
             if len(parsed) == 1:
-                return [[b"bad", f"could not be started: {exc}".encode(), b"0"]]
+                return [Bad(f"could not be started: {exc}", writable=False)]
             log.warning("start failed for a read of %d entries (%s); starting each alone",
                         len(parsed), exc)
             return [self._start(queue, [one])[0] for one in parsed]
 
     def _admit(self, queue: str, entry_id: str, entry: QueueEntry, data: bytes,
-               verdict: list[Any]) -> Sequence | Ending | None:
-        kind = verdict[0].decode()
+               verdict: StartVerdict) -> Sequence | Ending | None:
         end = _EndingFor(queue, entry, entry_id)
-        if kind == "missing":
+        if isinstance(verdict, Missing):
             self.publisher.dead_letter(queue, entry_id, {"data": entry.model_dump_json()},
                                        "no job record: it expired or was never written")
             return None
-        if kind in ("stale", "held"):
-            # stale: a copy of a job whose live entry is another (start.lua
-            # deleted it). held: the job runs here from another entry, yet the
+        if isinstance(verdict, Stale | RunningHere):
+            # Stale: a copy of a job whose live entry is another (start.lua
+            # deleted it). RunningHere: the job runs here from another entry, yet the
             # record names this one (a newer owner handed it back, so the run
             # here is about to be fenced off): it waits, pending, and once the
             # run here is dropped the next reclaim starts it as the live entry.
-            log.info("entry %s of job %s is %s; not run", entry_id, entry.job_id, kind)
+            log.info("entry %s of job %s: %s; not run", entry_id, entry.job_id,
+                     type(verdict).__name__)
             return None
-        if kind == "bad":
-            reason = verdict[1].decode(errors="replace")
-            if verdict[2] == b"1":  # a hash: whoever waits on the job hears why it failed
+        if isinstance(verdict, Bad):
+            reason = verdict.reason
+            if verdict.writable:  # a hash: whoever waits on the job hears why it failed
                 return end(None, JobStatus.FAILED, FinishReason.ERROR, reason, dead=reason)
             self.publisher.dead_letter(queue, entry_id, {"data": data}, reason)
             return None
-        if kind != "run":
-            return end(None, JobStatus(kind))  # ended while queued: just acknowledge
-        attempt, cancel, handbacks = int(verdict[1]), verdict[2] == b"1", int(verdict[3])
+        if isinstance(verdict, Ended):
+            return end(None, verdict.status)  # ended while queued: just acknowledge
+        attempt, cancel, handbacks = verdict.attempt, verdict.cancel, verdict.handbacks
         # An earlier attempt's tokens (a hand-back, a reclaim): the job resumes
         # from them, and any way it ends here keeps them.
         logged = self._resume(entry.job_id, attempt) if attempt > 1 else Logged()
@@ -196,13 +205,13 @@ class Intake:
         return seq
 
     def _reject(self, queue: str, entry_id: str, entry: QueueEntry, data: bytes,
-                verdict: list[Any], exc: Exception) -> Ending | None:
+                verdict: StartVerdict, exc: Exception) -> Ending | None:
         """An entry whose admission raised: its job fails with the reason, or,
         when this worker does not own the job, the entry goes to the dead letters."""
         reason = f"could not be admitted: {_reason(exc)}"
-        if verdict and verdict[0] == b"run":
+        if isinstance(verdict, Run):
             return _EndingFor(queue, entry, entry_id)(
-                int(verdict[1]), JobStatus.FAILED, FinishReason.ERROR, reason, dead=reason)
+                verdict.attempt, JobStatus.FAILED, FinishReason.ERROR, reason, dead=reason)
         self.publisher.dead_letter(queue, entry_id, {"data": data}, reason)
         return None
 
@@ -227,11 +236,10 @@ class Intake:
         """What earlier attempts logged: the log's contiguous prefix (resume.lua
         deletes anything past a gap, under this attempt). None when the attempt
         is no longer this worker's."""
-        reply = self.scripts.resume(keys=[self.keys.job(job_id), self.keys.out(job_id)],
-                                    args=[attempt])
-        if reply[0] == b"fenced":
+        resumed = resume(self.keys, job_id=job_id, attempt=attempt).run(self.redis)
+        if not resumed.owned:
             return None
-        events = [loads(payload) for payload in reply[1:]]
+        events = [loads(payload) for payload in resumed.events]
         return Logged([t for e in events for t in e["token_ids"]],
                       "".join(e["text"] for e in events))
 

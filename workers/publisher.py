@@ -13,10 +13,11 @@ grow), and so does everything held for a job that ends (its end must follow
 its last token). A consumer waits at most the window from one event of a job
 to the next: held tokens go out at the last step before the window would pass.
 
-The scripts run by EVALSHA alone: redis-py's pipelined ``Script`` asks
-``SCRIPT EXISTS`` before every pipeline, a second round trip per step. A
-script the server lost (a restart, ``SCRIPT FLUSH``) answers NOSCRIPT instead:
-it is loaded and the whole step runs again.
+The scripts run by EVALSHA alone (``ScriptCall.command``): redis-py's
+pipelined ``Script`` asks ``SCRIPT EXISTS`` before every pipeline, a second
+round trip per step. A script the server lost (a restart, ``SCRIPT FLUSH``)
+answers NOSCRIPT instead: it is loaded (``scripts.load``) and the whole step
+runs again.
 
 No error is taken for success. A step that Redis refused in any way (a lost
 connection, OOM, READONLY after a failover, MISCONF, NOSCRIPT) stays pending
@@ -30,7 +31,7 @@ leave a hole in a log (see the scripts).
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence as Seq
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -46,12 +47,21 @@ from redis.exceptions import (
     TryAgainError,
 )
 
-from tokenfleet.shared.keys import GROUP, Keys, model_of
+from tokenfleet.shared.keys import GROUP, Keys
 from tokenfleet.shared.redis_conn import node_client
-from tokenfleet.shared.schemas import FinishReason, JobStatus
-from tokenfleet.shared.scripts import Scripts
-from tokenfleet.shared.serialization import dumps, end_event, token_event
+from tokenfleet.shared.schemas import FinishReason
+from tokenfleet.shared.scripts import ScriptCall, load
+from tokenfleet.shared.serialization import dumps, token_event
 from tokenfleet.shared.settings import Settings
+from tokenfleet.shared.worker_scripts import (
+    Emitted,
+    Ending,
+    Finished,
+    LogEvent,
+    emit,
+    finish,
+    requeue,
+)
 from tokenfleet.workers.sequence import SeqOutput
 from tokenfleet.workers.sequence import Sequence
 
@@ -61,8 +71,7 @@ try:
 except ImportError:  # redis-py works without it, more slowly
     hiredis = None
 
-# One script call of a pipeline: (registered script, keys, args).
-Call = tuple[Any, list[Any], list[Any]]
+__all__ = ["Ending", "Held", "Publisher", "Stored", "is_transient"]
 
 # Error replies about the server's state, not the write: the same write
 # succeeds once Redis is back to normal (memory freed, a primary again, a save
@@ -79,26 +88,6 @@ def is_transient(exc: BaseException) -> bool:
     if isinstance(exc, _TRANSIENT_TYPES):
         return True
     return isinstance(exc, ResponseError) and str(exc).split(" ", 1)[0] in _TRANSIENT_CODES
-
-
-@dataclass
-class Ending:
-    """A job's final state, as stored in its record."""
-
-    job_id: str
-    queue: str
-    entry_id: str
-    attempt: int | None  # None: no ownership to check (the job never ran here)
-    status: JobStatus
-    finish_reason: FinishReason | None = None
-    error: str | None = None
-    text: str = ""
-    token_ids: list[int] = field(default_factory=list)
-    num_prompt_tokens: int | None = None
-    dead_letter: str | None = None  # reason, when the job also goes to the DLQ
-    # Tokens the job's log must hold for the ending to be stored (all that it
-    # generated); None: no check (an ending decided before the job ran here).
-    logged: int | None = None
 
 
 @dataclass
@@ -131,9 +120,14 @@ class _Step:
     """One step's writes, from ``send`` to ``collect``."""
 
     events: list[Held]
-    endings: list[Ending]
-    calls: list[Call]
+    emit: ScriptCall[Emitted] | None
+    finish: ScriptCall[Finished] | None
     sent: bool = False
+
+    @property
+    def calls(self) -> list[ScriptCall[object]]:
+        """In the order they run: a step's ``finish`` must not run before its ``emit``."""
+        return [c for c in (self.emit, self.finish) if c is not None]
 
 
 class Publisher:
@@ -147,7 +141,6 @@ class Publisher:
         self.keys = keys
         self.settings = settings
         self.worker = worker
-        self.scripts = Scripts(redis)
         self._pending: _Step | None = None  # sent, not yet collected
         self._conn: Any = None
         self._node: Any = None  # the client _conn came from
@@ -163,12 +156,6 @@ class Publisher:
     def in_flight(self) -> bool:
         """A step was sent and not collected yet."""
         return self._pending is not None
-
-    def publish(self, outputs: list[SeqOutput]) -> Stored:
-        """Send one step and wait until it is stored; return the jobs Redis did
-        not take. After an error the step stays pending: call ``collect``."""
-        self.send(outputs)
-        return self.collect()
 
     def discard(self) -> None:
         """Forget the step sent last without storing it (the caller gives it up,
@@ -191,18 +178,14 @@ class Publisher:
         if self._pending is not None:
             raise RuntimeError("collect() the step sent before sending the next")
         events = self._due(outputs)
-        calls = [self._emit(events)] if events else []
         endings = [self._ending(o) for o in outputs if o.finished]
-        if endings:
-            calls.append(self._finish(endings))
-        step = self._pending = _Step(events, endings, calls)
-        if not calls:
+        step = self._pending = _Step(events, self._emit(events) if events else None,
+                                     self._finish(endings) if endings else None)
+        if not step.calls:
             return
         try:
             conn = self._connection()
-            conn.send_packed_command(_pack(
-                conn, [("EVALSHA", script.sha, len(keys), *keys, *args)
-                       for script, keys, args in calls]))
+            conn.send_packed_command(_pack(conn, [call.command() for call in step.calls]))
             step.sent = True
         except (ConnectionError, TimeoutError, OSError):
             self._drop_connection()  # collect() writes the step through the pool instead
@@ -255,7 +238,7 @@ class Publisher:
         if step is None or not step.calls:
             self._pending = None
             return Stored()
-        results: list[Any] | None = None
+        results: list[object] | None = None
         if step.sent and self._conn is not None:
             try:
                 results = [self._reply(self._conn) for _ in step.calls]
@@ -268,16 +251,11 @@ class Publisher:
             if isinstance(result, Exception):
                 raise result  # the step stays pending: the next collect() runs it again
         self._pending = None
-        stored = Stored()
-        if step.events:
-            fenced, gaps = results[0]
-            stored.fenced.update(step.events[i].seq.job_id for i in fenced)
-            stored.untrusted.update(step.events[i].seq.job_id for i in gaps)
-        for e, verdict in zip(step.endings, results[-1] if step.endings else []):
-            if verdict == 0:
-                stored.fenced.add(e.job_id)
-            elif verdict == 3:
-                stored.untrusted.add(e.job_id)
+        replies = iter(results)
+        emitted = step.emit.decode(next(replies)) if step.emit else Emitted()
+        finished = step.finish.decode(next(replies)) if step.finish else Finished()
+        stored = Stored(set(emitted.fenced | finished.fenced),
+                        set(emitted.gaps | finished.untrusted))
         stored.untrusted -= stored.fenced
         # The caller drops these jobs: what they hold here is never to be sent.
         for job_id in stored.fenced | stored.untrusted:
@@ -305,7 +283,7 @@ class Publisher:
             self._conn = None
 
     @staticmethod
-    def _reply(conn: Any) -> Any:
+    def _reply(conn: Any) -> object:
         try:
             return conn.read_response()
         except ResponseError as exc:  # an error reply: the others still follow
@@ -324,17 +302,13 @@ class Publisher:
         breaks the device of every worker that runs it ends failed after
         max_attempts, instead of going round the fleet for ever.
         """
-        calls: list[Call] = []
-        for seq in seqs:
-            if not seq.entry_json:
-                continue
-            model = model_of(seq.queue)
-            calls.append((self.scripts.requeue,
-                          [self.keys.queue(seq.queue), self.keys.job(seq.job_id),
-                           self.keys.backlog(model)],
-                          [seq.entry_id, seq.attempt, seq.entry_json, GROUP,
-                           "1" if seq.job_id in suspects else ""]))
-        return sum(self._execute(calls)) if calls else 0
+        calls = [requeue(self.keys, queue=seq.queue, job_id=seq.job_id, entry_id=seq.entry_id,
+                         attempt=seq.attempt, entry_json=seq.entry_json,
+                         counts_as_attempt=seq.job_id in suspects)
+                 for seq in seqs if seq.entry_json]
+        if not calls:
+            return 0
+        return sum(call.decode(reply) for call, reply in zip(calls, self._execute(calls)))
 
     def dead_letter(self, queue: str, entry_id: str, raw: Any, reason: str) -> None:
         """An entry no job can come from: keep it in the DLQ, take it off the queue."""
@@ -358,63 +332,42 @@ class Publisher:
             logged=len(seq.generated),
         )
 
-    def _emit(self, events: list[Held]) -> Call:
-        k = self.keys
-        keys: list[str] = []
-        args: list[Any] = [self.settings.result_ttl_s, repr(time.time())]
-        for e in events:
-            j = k.of_job(e.seq.job_id)
-            keys += (j.job, j.out, j.events)
-            args += (e.seq.attempt, e.index, len(e.token_ids),
-                     token_event(e.index, e.token_ids, e.texts))
-        return self.scripts.emit, keys, args
+    def _emit(self, events: list[Held]) -> ScriptCall[Emitted]:
+        return emit(self.keys, result_ttl_s=self.settings.result_ttl_s, now=time.time(),
+                    events=[LogEvent(e.seq.job_id, e.seq.attempt, e.index, len(e.token_ids),
+                                     token_event(e.index, e.token_ids, e.texts))
+                            for e in events])
 
-    def _finish(self, endings: list[Ending]) -> Call:
-        k = self.keys
-        keys: list[str] = [k.dlq(endings[0].queue)]  # a worker's jobs are of one model
-        args: list[Any] = [self.settings.result_ttl_s, GROUP, self.worker, repr(time.time())]
-        for e in endings:
-            job_id = e.job_id
-            dead: bytes | str = ""
-            if e.dead_letter:
-                dead = dumps({"reason": e.dead_letter, "job_id": job_id, "queue": e.queue,
-                              "entry_id": e.entry_id, "worker": self.worker, "at": time.time(),
-                              "error": e.error})
-            j = k.of_job(job_id)
-            keys += (j.job, j.out, j.events, j.ends, k.queue(e.queue))
-            args += ("" if e.attempt is None else e.attempt, e.entry_id,
-                     end_event(e.status, e.finish_reason, e.error), dead, e.status.value,
-                     e.finish_reason.value if e.finish_reason else "", e.error or "", e.text,
-                     dumps(e.token_ids),
-                     "" if e.num_prompt_tokens is None else e.num_prompt_tokens,
-                     "" if e.logged is None else e.logged)
-        return self.scripts.finish, keys, args
+    def _finish(self, endings: list[Ending]) -> ScriptCall[Finished]:
+        return finish(self.keys, result_ttl_s=self.settings.result_ttl_s, worker=self.worker,
+                      now=time.time(), endings=endings)
 
-    def _execute(self, calls: list[Call]) -> list[Any]:
-        """Run script calls in one pipeline; raise the first error a call answered.
+    def _execute(self, calls: Seq[ScriptCall[object]]) -> list[object]:
+        """Run script calls in one pipeline; return their replies (undecoded), or
+        raise the first error a call answered.
 
         After a NOSCRIPT every call runs again, in order, not only the ones
         refused: a step's ``finish`` must not run before its ``emit``.
         """
         results = self._pipeline(calls)
-        lost = [i for i, result in enumerate(results) if isinstance(result, NoScriptError)]
+        lost = [call.script for call, result in zip(calls, results)
+                if isinstance(result, NoScriptError)]
         if lost:
-            for script in {id(calls[i][0]): calls[i][0] for i in lost}.values():
-                script.sha = self._node_client().script_load(script.script)
+            load(self._node_client(), lost)
             results = self._pipeline(calls)
         for result in results:
             if isinstance(result, Exception):
                 raise result
         return results
 
-    def _pipeline(self, calls: list[Call]) -> list[Any]:
+    def _pipeline(self, calls: Seq[ScriptCall[object]]) -> list[object]:
         pipe = self._node_client().pipeline(transaction=False)
-        for script, keys, args in calls:
-            pipe.evalsha(script.sha, len(keys), *keys, *args)
+        for call in calls:
+            pipe.execute_command(*call.command())
         return pipe.execute(raise_on_error=False)  # type: ignore[no-any-return]
 
 
-def _pack(conn: Any, commands: list[tuple[Any, ...]]) -> Any:
+def _pack(conn: Any, commands: list[tuple[str | bytes | int | float, ...]]) -> Any:
     """RESP for ``commands``: hiredis's packer takes a whole command in one C
     call (redis-py's wrapper checks every argument in Python first)."""
     if hiredis is None:

@@ -3,13 +3,20 @@
 -- tokens in its log that stream() already delivered: its text and token ids are
 -- that log's contiguous prefix). A running one is flagged and its worker told on
 -- the cancels channel (it leaves the batch within one step, with its text).
+-- A queued job past its deadline is not cancelled: it can no longer start, and
+-- readers report it expired (the worker that reads its entry, or a repair, ends
+-- its record so): 'ended'.
 -- Returns 'cancelled', 'requested', 'ended' (nothing to cancel) or 'missing'.
 -- KEYS: 1 job hash, 2 token log, 3 event channel, 4 queue stream, 5 backlog counter,
 --       6 end channel
 -- ARGV: 1 now, 2 result TTL, 3 end event JSON, 4 cancels channel, 5 job id, 6 group
 -- include: log_prefix.lua
-local status = redis.call('HGET', KEYS[1], 'status')
+local cur = redis.call('HMGET', KEYS[1], 'status', 'deadline_at')
+local status = cur[1]
 if not status then return 'missing' end
+if status == 'queued' and cur[2] and tonumber(cur[2]) <= tonumber(ARGV[1]) then
+  return 'ended'
+end
 if status == 'queued' then
   local text, token_ids = '', '[]'
   local log_kind = redis.call('TYPE', KEYS[2]).ok

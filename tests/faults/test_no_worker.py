@@ -24,7 +24,7 @@ from tokenfleet import (
     RedisAuthFailed,
     RedisUnavailable,
 )
-from tokenfleet.fleet import fleet_status
+from tokenfleet.fleet import Repaired, fleet_status, repair_fleet
 from tokenfleet.shared.keys import Keys
 from tokenfleet.shared.schemas import FinishReason, JobStatus
 
@@ -91,9 +91,15 @@ def _queued_ahead(client: FleetClient, deadline_s: float = 1.0, model: str = "de
 
 def _assert_expired_and_gone(state: JobState, r: redis.Redis, settings: Any,
                              model: str = "default") -> None:
+    """The job reads expired; the read wrote nothing (its record still says
+    queued), and a repair (no worker serves the queue) ends it for good."""
     keys = Keys(settings.namespace)
     assert state.status is JobStatus.EXPIRED and state.finish_reason is FinishReason.DEADLINE
     assert state.error == "deadline passed before the job started"
+    assert r.hget(keys.job(state.id), "status") == b"queued"
+    with FleetClient(settings=settings) as repairer:
+        repair_fleet(repairer)
+    assert r.hget(keys.job(state.id), "status") == b"expired"
     assert r.xlen(keys.queue(model)) == 0  # off the queue
     assert int(r.get(keys.backlog(model)) or 0) == 0  # out of the backlog
 
@@ -159,7 +165,7 @@ async def test_the_async_wait_and_stream_report_expired_at_the_deadline(
 def test_a_worker_that_comes_after_the_deadline_never_runs_the_expired_job(
     client: FleetClient, start_worker: Any, r: redis.Redis, settings: Any
 ) -> None:
-    """The reader expired the job and took it off the queue: a later worker never sees it."""
+    """The job reads expired at once; the worker that comes later ends it without running it."""
     job_id = _queued_ahead(client, deadline_s=0.2)
     assert client.wait(job_id, timeout=5).status is JobStatus.EXPIRED
     worker = start_worker()
@@ -167,6 +173,15 @@ def test_a_worker_that_comes_after_the_deadline_never_runs_the_expired_job(
     assert client.wait(after, timeout=30).status is JobStatus.SUCCEEDED
     assert client.status(job_id).status is JobStatus.EXPIRED
     assert worker.engine.stats.jobs == {"succeeded": 1}
+
+
+def test_a_job_that_reads_expired_is_not_cancelled_afterwards(
+    client: FleetClient, r: redis.Redis, settings: Any
+) -> None:
+    job_id = _queued_ahead(client, deadline_s=0.2)
+    assert client.wait(job_id, timeout=5).status is JobStatus.EXPIRED
+    assert client.cancel(job_id) is False  # nothing to cancel: it can no longer start
+    _assert_expired_and_gone(client.status(job_id), r, settings)
 
 
 def test_a_queue_nobody_uses_leaves_the_fleet_status(
@@ -180,6 +195,9 @@ def test_a_queue_nobody_uses_leaves_the_fleet_status(
     # While a job waits on it, the unserved queue shows, marked as such.
     assert shown["defualt"]["depth"] == 1 and shown["defualt"]["unserved"]
     assert client.wait(job_id, timeout=5).status is JobStatus.EXPIRED
+    # A read writes nothing: the entry waits until a repair ends it and forgets the queue.
+    assert {q["queue"]: q for q in fleet_status(client)["queues"]}["defualt"]["depth"] == 1
+    assert repair_fleet(client) == Repaired(expired=1, forgotten=["defualt"])
     shown = {q["queue"]: q for q in fleet_status(client)["queues"]}
     assert "defualt" not in shown
     assert shown["default"]["workers"] == 1  # a served queue shows, empty or not

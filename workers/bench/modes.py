@@ -458,9 +458,9 @@ def _sustained(ends: list[float]) -> dict[str, Any]:
 
 def publish_cost(redis_url: str, namespace: str, tokenizer: Any, batch: int,
                  steps: int = 50) -> float:
-    """Microseconds per token that ``Publisher.publish`` holds the engine for
-    (building the script call, Redis appending to each log and publishing),
-    for steps of ``batch`` tokens."""
+    """Microseconds per token that a step's ``Publisher.send`` and ``collect``
+    hold the engine for (building the script call, Redis appending to each log
+    and publishing), for steps of ``batch`` tokens."""
     from tokenfleet.shared.redis_conn import connect
     from tokenfleet.workers.detokenizer import TextStream
     from tokenfleet.workers.publisher import Publisher
@@ -481,11 +481,13 @@ def publish_cost(redis_url: str, namespace: str, tokenizer: Any, batch: int,
     token_id = tokenizer.encode("x", add_special_tokens=False)[0]
     steps_out = [[SeqOutput(s, index, token_id, "x", False) for s in seqs]
                  for index in range(steps + 1)]
-    publisher.publish(steps_out[0])  # index 0 also stamps first_token_at: not the steady state
+    publisher.send(steps_out[0])  # index 0 also stamps first_token_at: not the steady state
+    publisher.collect()
     clock = time.perf_counter
     t0 = clock()
     for outputs in steps_out[1:]:
-        publisher.publish(outputs)
+        publisher.send(outputs)
+        publisher.collect()
     elapsed = clock() - t0
     client.close()
     return elapsed / (steps * batch) * 1e6

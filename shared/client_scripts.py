@@ -1,0 +1,138 @@
+"""Typed bindings of the scripts a producer (or an operator's repair) runs:
+``submit.lua``, ``cancel.lua``, ``expire.lua`` and ``forget_queue.lua``.
+
+Each function takes the script's keys and arguments as typed values and gives a
+:class:`~tokenfleet.shared.scripts.ScriptCall` whose reply is decoded into the
+enum or dataclass below; the sync client runs it with ``run``, the asyncio one
+with ``run_async``.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from tokenfleet.shared.keys import GROUP, PRIORITIES, Keys, level_queue
+from tokenfleet.shared.scripts import Arg, ScriptCall, integer, items, script, text
+
+
+class Admission(enum.Enum):
+    """What ``submit.lua`` did with a request."""
+
+    QUEUED = "ok"  # recorded and queued now
+    DUPLICATE = "dup"  # its idempotency key made a job before: that job's id
+    CONFLICT = "conflict"  # its idempotency key was used for another request
+    NO_WORKER = "noworker"  # no live worker serves the queue: nothing written
+    FULL = "full"  # the queue holds max_queue jobs: nothing written
+
+
+@dataclass(frozen=True)
+class Submitted:
+    """``submit.lua``'s verdict: the job that runs (QUEUED, DUPLICATE) or why none."""
+
+    admission: Admission
+    job_id: str | None = None  # QUEUED, DUPLICATE
+    depth: int | None = None  # FULL: how many jobs the queue holds
+
+
+def _submitted(reply: object) -> Submitted:
+    verdict, value = (text(x) for x in items(reply))
+    admission = Admission(verdict)
+    if admission in (Admission.QUEUED, Admission.DUPLICATE):
+        return Submitted(admission, job_id=value)
+    if admission is Admission.FULL:
+        return Submitted(admission, depth=int(value))
+    return Submitted(admission)
+
+
+def submit(keys: Keys, *, job_id: str, model: str, priority: str, entry_json: str,
+           record: Mapping[str, Arg], weight: int, max_queue: int,
+           idempotency_key: str | None, idempotency_ttl_s: int, fingerprint: str,
+           live_since: float | None) -> ScriptCall[Submitted]:
+    """Admit one job: ``record`` is its hash's fields, ``entry_json`` its stream
+    entry, ``weight`` its tokens in the backlog. With ``live_since`` (the
+    heartbeat score a live worker has at least) a queue no live worker serves
+    is refused; None queues ahead of the workers. ``fingerprint`` (of the
+    request) tells a retry from another request under the same key."""
+    return ScriptCall(
+        script("submit"),
+        (keys.queue(level_queue(model, priority)), keys.job(job_id),
+         keys.idempotency(model, idempotency_key or "-"),
+         *(keys.queue(level_queue(model, p)) for p in PRIORITIES),
+         keys.backlog(model), keys.queue_workers(model)),
+        (job_id, entry_json, max_queue, idempotency_ttl_s, "1" if idempotency_key else "0",
+         weight, fingerprint,
+         "" if live_since is None else repr(live_since),
+         *(x for pair in record.items() for x in pair)),
+        _submitted,
+    )
+
+
+class CancelVerdict(enum.Enum):
+    """What ``cancel.lua`` did."""
+
+    CANCELLED = "cancelled"  # it was queued: it ended now
+    REQUESTED = "requested"  # it is running: its worker was told
+    ENDED = "ended"  # it had ended: nothing to cancel
+    MISSING = "missing"  # no such job
+
+
+def _cancel_verdict(reply: object) -> CancelVerdict:
+    return CancelVerdict(text(reply))
+
+
+def cancel(keys: Keys, *, job_id: str, model: str, priority: str, now: float,
+           result_ttl_s: int, end_event: bytes) -> ScriptCall[CancelVerdict]:
+    """Cancel a job of queue ``model`` at level ``priority`` (the queue's key
+    goes to the script with the others: declared keys only)."""
+    return ScriptCall(
+        script("cancel"),
+        (keys.job(job_id), keys.out(job_id), keys.events(job_id),
+         keys.queue(level_queue(model, priority)), keys.backlog(model), keys.ends(job_id)),
+        (repr(now), result_ttl_s, end_event, keys.cancels, job_id, GROUP),
+        _cancel_verdict,
+    )
+
+
+class ExpireVerdict(enum.Enum):
+    """What ``expire.lua`` did."""
+
+    EXPIRED = "expired"  # it was queued past its deadline: it ended now
+    MISSING = "missing"  # no such job
+    UNCHANGED = "unchanged"  # not queued, or not yet due
+
+
+def _expire_verdict(reply: object) -> ExpireVerdict:
+    verdict = text(reply)
+    if verdict in ("expired", "missing"):
+        return ExpireVerdict(verdict)
+    return ExpireVerdict.UNCHANGED
+
+
+def expire(keys: Keys, *, job_id: str, model: str, priority: str, now: float,
+           result_ttl_s: int, end_event: bytes, error: str) -> ScriptCall[ExpireVerdict]:
+    """End a job still queued at ``now`` past its deadline, and take it off its queue."""
+    return ScriptCall(
+        script("expire"),
+        (keys.job(job_id), keys.out(job_id), keys.events(job_id),
+         keys.queue(level_queue(model, priority)), keys.backlog(model), keys.ends(job_id)),
+        (repr(now), result_ttl_s, end_event, GROUP, error),
+        _expire_verdict,
+    )
+
+
+def _forgotten(reply: object) -> bool:
+    return integer(reply) == 1
+
+
+def forget_queue(keys: Keys, *, model: str, live_since: float) -> ScriptCall[bool]:
+    """Delete the keys of a queue nobody uses; True when it was forgotten, False
+    when it is in use (something queued, a consumer group, a live worker)."""
+    return ScriptCall(
+        script("forget_queue"),
+        (*(keys.queue(level_queue(model, p)) for p in PRIORITIES), keys.backlog(model),
+         keys.queue_workers(model)),
+        (repr(live_since),),
+        _forgotten,
+    )

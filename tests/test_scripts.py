@@ -1,0 +1,135 @@
+"""The typed script bindings: a call names its script by the SHA1 Redis gives it,
+loads it again when the server lost it (blocking and asyncio clients alike), and
+its reply reads as the binding's dataclass or enum."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import pytest
+import redis
+
+from tokenfleet.shared.client_scripts import (
+    Admission,
+    CancelVerdict,
+    ExpireVerdict,
+    cancel,
+    expire,
+    forget_queue,
+    submit,
+)
+from tokenfleet.shared.keys import Keys
+from tokenfleet.shared.redis_conn import connect_async, node_client
+from tokenfleet.shared.scripts import load, script
+from tokenfleet.shared.worker_scripts import (
+    Bad,
+    Ended,
+    Ending,
+    RunningHere,
+    LogEvent,
+    Missing,
+    Run,
+    Stale,
+    Take,
+    emit,
+    finish,
+    resume,
+    start,
+)
+from tokenfleet.shared.schemas import FinishReason, JobStatus
+
+pytestmark = pytest.mark.timeout(60)
+
+SCRIPTS = ("submit", "cancel", "start", "emit", "finish", "requeue", "resume", "expire",
+           "forget_queue")
+
+
+def _node(r: redis.Redis, keys: Keys) -> Any:
+    """The client of the node the test's keys live on (one server: the client)."""
+    return node_client(r, keys.queue("default"))
+
+
+def test_each_script_is_named_by_the_sha1_redis_gives_its_source(r: redis.Redis,
+                                                                   settings: Any) -> None:
+    node = _node(r, Keys(settings.namespace))
+    for name in SCRIPTS:
+        one = script(name)
+        assert node.script_load(one.source) == one.sha
+
+
+def test_a_call_loads_its_script_again_when_the_server_lost_it(r: redis.Redis,
+                                                               settings: Any) -> None:
+    keys = Keys(settings.namespace)
+    call = forget_queue(keys, model="default", live_since=time.time())  # nothing there
+    node = _node(r, keys)
+    node.script_flush()
+    assert call.run(node) is True  # NOSCRIPT, loaded, run
+    assert node.script_exists(call.script.sha) == [True]
+    node.script_flush()
+    load(node, [call.script, call.script])
+    assert node.script_exists(call.script.sha) == [True]
+
+
+async def test_the_asyncio_client_runs_the_same_calls(r: redis.Redis, settings: Any) -> None:
+    keys = Keys(settings.namespace)
+    _node(r, keys).script_flush()
+    client = connect_async(settings.redis_url)
+    try:
+        verdict = await cancel(keys, job_id="default:nothing", model="default",
+                               priority="normal", now=time.time(), result_ttl_s=60,
+                               end_event=b"{}").run_async(client)
+    finally:
+        await client.aclose()
+    assert verdict is CancelVerdict.MISSING
+
+
+def test_a_job_goes_through_the_scripts_with_typed_verdicts(r: redis.Redis,
+                                                            settings: Any) -> None:
+    """submit, start, emit, finish, then a cancel and an expire that find it ended."""
+    keys = Keys(settings.namespace)
+    node, job_id = _node(r, keys), "default:abc"
+    sub = submit(keys, job_id=job_id, model="default", priority="normal",
+                 entry_json='{"job_id": "default:abc"}',
+                 record={"id": job_id, "status": "queued", "attempts": 0}, weight=7,
+                 max_queue=10, idempotency_key="k", idempotency_ttl_s=60, fingerprint="f",
+                 live_since=None)
+    queued = sub.run(node)
+    assert queued.admission is Admission.QUEUED and queued.job_id == job_id
+    again = sub.run(node)
+    assert again.admission is Admission.DUPLICATE and again.job_id == job_id
+    entry_id = r.hget(keys.job(job_id), "entry").decode()
+    take = start(keys, queue="default", level="default", worker="w", now=time.time(),
+                 takes=[Take(job_id, entry_id, False), Take("default:none", "1-1", False)])
+    assert take.run(node) == [Run(attempt=1, cancel=False, handbacks=0), Missing()]
+    emitted = emit(keys, result_ttl_s=60, now=time.time(), events=[
+        LogEvent(job_id, 1, 0, 2, b'{"k":"tok","index":0,"token_ids":[5,6],"text":"ab"}'),
+        LogEvent(job_id, 2, 2, 1, b'{"k":"tok","index":2,"token_ids":[7],"text":"c"}'),
+    ]).run(node)
+    assert emitted.fenced == {job_id} and not emitted.gaps  # the second event's attempt is 2
+    resumed = resume(keys, job_id=job_id, attempt=1).run(node)
+    assert resumed.owned and len(resumed.events) == 1
+    assert not resume(keys, job_id=job_id, attempt=2).run(node).owned
+    finished = finish(keys, result_ttl_s=60, worker="w", now=time.time(), endings=[
+        Ending(job_id, "default", entry_id, 1, JobStatus.SUCCEEDED, FinishReason.LENGTH,
+               text="ab", token_ids=[5, 6], logged=2),
+        Ending("default:other", "default", "", 3, JobStatus.SUCCEEDED),
+    ]).run(node)
+    assert finished.fenced == {"default:other"} and not finished.untrusted
+    assert cancel(keys, job_id=job_id, model="default", priority="normal", now=time.time(),
+                  result_ttl_s=60, end_event=b"{}").run(node) is CancelVerdict.ENDED
+    assert expire(keys, job_id=job_id, model="default", priority="normal", now=time.time(),
+                  result_ttl_s=60, end_event=b"{}", error="late").run(node) \
+        is ExpireVerdict.UNCHANGED
+    ended = start(keys, queue="default", level="default", worker="w", now=time.time(),
+                  takes=[Take(job_id, entry_id, False)]).run(node)
+    assert ended == [Ended(JobStatus.SUCCEEDED)]
+
+
+def test_start_verdicts_read_as_their_dataclasses() -> None:
+    decode = start(Keys("ns"), queue="q", level="q", worker="w", now=0.0, takes=[]).decode
+    reply = [[b"run", 3, b"1", b"2"], [b"stale"], [b"held"], [b"missing"],
+             [b"bad", b"job record's weight is \xff", b"1"], [b"cancelled"]]
+    assert decode(reply) == [Run(3, True, 2), Stale(), RunningHere(), Missing(),
+                             Bad("job record's weight is \ufffd", True),
+                             Ended(JobStatus.CANCELLED)]
