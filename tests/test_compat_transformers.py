@@ -8,9 +8,10 @@ from typing import Any
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, DynamicCache, PreTrainedTokenizerFast
+from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreTrainedTokenizerFast
 
 from tokenfleet.shared.compat import hf_transformers
+from tokenfleet.shared import tiny
 from tokenfleet.shared.tiny import byte_level_tokenizer
 
 
@@ -102,3 +103,11 @@ def test_rust_decoder_is_none_where_decode_does_more_than_the_rust_tokenizer() -
     own = OwnDecode(tokenizer_object=byte_level_tokenizer().backend_tokenizer)
     assert hf_transformers.rust_decoder(own) is None
     assert hf_transformers.rust_decoder(object()) is None
+
+
+def test_a_saved_tokenizer_loads_with_only_its_model_inputs(tmp_path: Any) -> None:
+    tok = tiny.tokenizer()  # what the synthetic models save
+    hf_transformers.save_tokenizer(tok, tmp_path)
+    loaded = AutoTokenizer.from_pretrained(tmp_path)
+    assert sorted(loaded("hello")) == ["attention_mask", "input_ids"]
+    assert loaded("hello")["input_ids"] == tok("hello")["input_ids"]

@@ -17,12 +17,16 @@ checks each one against the installed release.
   ``cache_position`` tensor on older ones; ``CacheLayer`` takes either.
 - ``rust_decoder``: the ``tokenizers.Tokenizer`` whose ``decode`` is exactly a
   tokenizer's, found by the private ``_decode`` a fast tokenizer runs.
+- ``save_tokenizer``: a fast tokenizer saved so that every release loads it
+  (5.x names its class ``TokenizersBackend``, which 4.x does not know).
 """
 
 from __future__ import annotations
 
 import inspect
+import json
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -100,3 +104,16 @@ def rust_decoder(tokenizer: Any) -> Any:
             or getattr(decode, "__qualname__", "") not in _PLAIN_DECODES):
         return None
     return backend
+
+
+def save_tokenizer(tokenizer: Any, out: Path) -> None:
+    """``tokenizer.save_pretrained(out)``, with a fast tokenizer's class saved
+    under the name every release resolves and its inputs named (4.x fast
+    tokenizers otherwise add ``token_type_ids``, which ``generate()`` rejects)."""
+    tokenizer.save_pretrained(out)
+    path = Path(out) / "tokenizer_config.json"
+    config = json.loads(path.read_text())
+    if config.get("tokenizer_class") == "TokenizersBackend":
+        config["tokenizer_class"] = "PreTrainedTokenizerFast"
+        config.setdefault("model_input_names", list(tokenizer.model_input_names))
+        path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
