@@ -72,6 +72,8 @@ def write(name: str, out: Path) -> Path:
     from transformers import GenerationConfig, LlamaForCausalLM
     from transformers.utils import logging as hf_logging
 
+    from tokenfleet.shared.compat import hf_transformers
+
     hf_logging.disable_progress_bar()
     tokenizer = _tokenizer()
     cfg = config(name, tokenizer)
@@ -88,7 +90,7 @@ def write(name: str, out: Path) -> Path:
     )
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out)
-    tokenizer.save_pretrained(out)
+    hf_transformers.save_tokenizer(tokenizer, out)
     (out / "tokenfleet.json").write_text(json.dumps({"synthetic": name, "seed": SEED}))
     return out
 

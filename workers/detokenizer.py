@@ -16,6 +16,8 @@ from typing import Any
 
 from tokenizers.decoders import DecodeStream
 
+from tokenfleet.shared.compat.hf_transformers import rust_decoder
+
 REPLACEMENT = "\ufffd"
 # Tokens held back past this many, the text before the last REPLACEMENT is final
 # and goes out: a character takes at most 4 bytes, so a longer wait is for bytes
@@ -24,8 +26,6 @@ REPLACEMENT = "\ufffd"
 # never changes; with byte-fallback tokens (one byte each) a run held this long
 # is invalid already, and every token of it stays a REPLACEMENT.
 HOLD_TOKENS = 4
-# Fast tokenizers whose ``decode`` is exactly the Rust tokenizer's (no clean-up).
-_PLAIN_DECODES = ("TokenizersBackend._decode", "PreTrainedTokenizerFast._decode")
 _rust: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
 
 
@@ -37,11 +37,7 @@ def rust_tokenizer(tokenizer: Any) -> Any:
         return _rust[tokenizer]
     except (KeyError, TypeError):
         pass
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    decode = getattr(type(tokenizer), "_decode", None)
-    if (backend is None or getattr(tokenizer, "clean_up_tokenization_spaces", False)
-            or getattr(decode, "__qualname__", "") not in _PLAIN_DECODES):
-        backend = None
+    backend = rust_decoder(tokenizer)
     try:
         _rust[tokenizer] = backend
     except TypeError:  # not weakly referable: ask every time

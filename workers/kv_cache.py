@@ -23,10 +23,11 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
+
+from tokenfleet.shared.compat.hf_transformers import CacheLayer, LayerCache
 
 
-class SlotLayer(DynamicLayer):  # type: ignore[misc]
+class SlotLayer(CacheLayer):
     """One layer's keys and values; ``keys``/``values`` are views of the live part."""
 
     def __init__(self) -> None:
@@ -69,9 +70,6 @@ class SlotLayer(DynamicLayer):  # type: ignore[misc]
 
     def get_seq_length(self) -> int:
         return self.width
-
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.width + query_length, 0
 
     def reset(self) -> None:
         self.k = self.v = None
@@ -145,11 +143,11 @@ def _grow(have: int, need: int, least: int = 8) -> int:
     return size
 
 
-class SlotCache(DynamicCache):  # type: ignore[misc]
+class SlotCache(LayerCache):
     """A ``DynamicCache`` whose layers are ``SlotLayer``s."""
 
     def __init__(self, num_layers: int) -> None:
-        Cache.__init__(self, layers=[SlotLayer() for _ in range(num_layers)])
+        super().__init__([SlotLayer() for _ in range(num_layers)])
 
     @property
     def slot_layers(self) -> list[SlotLayer]:

@@ -34,9 +34,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from transformers import AttentionInterface
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+from tokenfleet.shared.compat.hf_transformers import sdpa_attention, use_attention
 
 ATTENTION = "tokenfleet_paged"
 STEP_ARG = "tokenfleet_step"  # the forward's keyword that carries the StepPlan
@@ -148,8 +147,8 @@ def paged_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: 
     (``generate()``, the rectangular runner) on the same model."""
     plan: StepPlan | None = kwargs.pop(STEP_ARG, None)
     if plan is None:
-        return sdpa_attention_forward(module, query, key, value, attention_mask,  # type: ignore[no-any-return]
-                                      dropout=dropout, scaling=scaling, **kwargs)
+        return sdpa_attention(module, query, key, value, attention_mask,
+                              dropout=dropout, scaling=scaling, **kwargs)
     layer = module.layer_idx
     cache = plan.cache
     # [1, heads, tokens, dim] -> [tokens, heads, dim]
@@ -183,7 +182,4 @@ def paged_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: 
 
 def install(model: Any) -> None:
     """Make ``model`` call ``paged_attention``; it stays SDPA for any other use."""
-    AttentionInterface.register(ATTENTION, paged_attention)
-    AttentionMaskInterface.register(ATTENTION, sdpa_mask)
-    if model.config._attn_implementation != ATTENTION:
-        model.set_attn_implementation(ATTENTION)
+    use_attention(model, ATTENTION, paged_attention)

@@ -13,13 +13,13 @@ knows tensors and sequence ids only: no Redis, no Celery, no job states.
 
 from __future__ import annotations
 
-import inspect
 from typing import Any
 
 import torch
 from transformers import DynamicCache
 
 from tokenfleet.shared import models
+from tokenfleet.shared.compat import hf_transformers
 from tokenfleet.workers.kv_cache import SlotCache
 from tokenfleet.workers.sampler import sample
 from tokenfleet.workers.scheduler import Batch
@@ -71,14 +71,12 @@ class HFRunner(ModelLimits):
         self.device = next(model.parameters()).device
         pad = tokenizer.pad_token_id
         self.pad_id = pad if pad is not None else 0
-        # transformers renamed past_key_values to cache (5.x); take what this one has.
-        params = inspect.signature(model.forward).parameters
-        self._cache_arg = "cache" if "cache" in params else "past_key_values"
+        self._cache_arg = hf_transformers.cache_keyword(model)
         self._layers = int(model.config.get_text_config(decoder=True).num_hidden_layers)
         # Packed prefills pass their own boolean mask, which only SDPA takes as
         # given, and mean plain causal attention: a model that windows its
         # attention (or runs eager or flash attention) gets padded prefills.
-        self._packs = (getattr(model.config, "_attn_implementation", None) == "sdpa"
+        self._packs = (hf_transformers.attn_implementation(model) == "sdpa"
                        and not_plain_attention(model) is None)
         self.rows: list[str] = []  # job id of each cache row
         self.cache = SlotCache(self._layers)
