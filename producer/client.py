@@ -19,7 +19,6 @@ from tokenfleet.protocol import (
     check_deadline,
     expires_at,
     is_end,
-    live_since,
     parse_state,
     require_worker_for,
     served_queues,
@@ -30,6 +29,7 @@ from tokenfleet.protocol import (
 from tokenfleet.shared.client_scripts import CancelVerdict
 from tokenfleet.shared.errors import JobNotFound, NoWorker
 from tokenfleet.shared.keys import Keys
+from tokenfleet.shared.liveness import live_since
 from tokenfleet.shared.redis_conn import connect, resubscribe_after
 from tokenfleet.shared.schemas import GenerationRequest, JobState, JobStatus, TokenEvent
 from tokenfleet.shared.settings import Settings, get_settings

@@ -9,10 +9,10 @@ from typing import Any
 from pydantic import ValidationError
 from redis.exceptions import ResponseError
 
-from tokenfleet.protocol import EXPIRED_ERROR, live_since
 from tokenfleet.shared.client_scripts import ExpireVerdict, expire, forget_queue
 from tokenfleet.shared.keys import GROUP, PRIORITIES, Keys, level_queue, model_of
-from tokenfleet.shared.schemas import FinishReason, JobStatus, QueueEntry
+from tokenfleet.shared.liveness import live_since
+from tokenfleet.shared.schemas import EXPIRED_ERROR, FinishReason, JobStatus, QueueEntry
 from tokenfleet.shared.serialization import end_event, loads
 
 
@@ -36,7 +36,7 @@ def fleet_status(client: Any) -> dict[str, Any]:
         workers.append({**_typed(fields), "stats": stats,
                         "age_s": round(now - float(fields.get("last_seen", now)), 2)})
     for q in queues:
-        q["workers"] = sum(1 for w in workers if w.get("queue") == q["queue"])
+        q["workers"] = sum(1 for w in workers if w.get("queue") == q["queue"] and _live(w, now))
         q["unserved"] = q["workers"] == 0
     queues = [q for q in queues
               if not (q["unserved"] and q["depth"] == 0 and q["pending"] == 0)]
@@ -46,6 +46,14 @@ def fleet_status(client: Any) -> dict[str, Any]:
         "tokens_per_s": round(sum(float(w["stats"].get("tokens_per_s", 0)) for w in workers), 2),
         "at": now,
     }
+
+
+def _live(worker: dict[str, Any], now: float) -> bool:
+    """Live by its heartbeat's own word (``shared/liveness.py``), not by its
+    hash still being there; a heartbeat without a readable ``alive_until`` (an
+    older worker's) by its hash alone."""
+    until = worker.get("alive_until")
+    return not isinstance(until, float) or until >= now
 
 
 def _typed(fields: dict[str, str]) -> dict[str, Any]:

@@ -13,8 +13,9 @@ from tokenfleet.shared import client_scripts
 from tokenfleet.shared.client_scripts import Admission, CancelVerdict, Submitted
 from tokenfleet.shared.errors import IdempotencyConflict, JobNotFound, QueueFull
 from tokenfleet.shared.keys import Keys, new_job_id
-from tokenfleet.shared.liveness import live_since as live_since  # the clients' liveness rule
+from tokenfleet.shared.liveness import live_since
 from tokenfleet.shared.schemas import (
+    EXPIRED_ERROR,
     EndEvent,
     FinishReason,
     GenerationRequest,
@@ -38,7 +39,6 @@ RECHECK_S = 1.0
 # A reader waiting on a queued job wakes this long after its deadline, so the
 # deadline has surely passed by its own clock when it looks (is_overdue).
 EXPIRE_SLACK_S = 0.005
-EXPIRED_ERROR = "deadline passed before the job started"
 # How long cancel() waits for a running job to end before it answers.
 CANCEL_WAIT_S = 5.0
 

@@ -113,12 +113,12 @@ class AsyncCluster(AsyncHookedCluster):
     whose pub/sub goes through a plain client of one node (a PUBLISH reaches the
     subscribers of every node).
 
-    Its own pub/sub borrows a connection of a node's command pool and hands it
-    back disconnected when it closes. Under the gateway, with streams opening
-    and closing by the hundred, commands then failed on the nodes' connections
-    (AttributeError: no writer; RuntimeError: handler is closed). With
-    subscriptions off the command pools most of those failures went; the rest
-    are ridden out in ``around_command`` (README, "Redis Cluster").
+    Its own pub/sub would borrow a connection of a node's command pool and hand
+    it back disconnected when it closes, failing the commands that use it next
+    (no writer, handler closed) while streams open and close by the hundred;
+    so subscriptions stay off the command pools, and the rest of those
+    failures are ridden out in ``around_command`` (docs/capacity.md, "Redis
+    Cluster").
     """
 
     url: str  # the cluster URL, for the nodes' plain URLs

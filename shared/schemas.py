@@ -218,6 +218,12 @@ class FinishReason(str, enum.Enum):
     DEADLINE = "deadline"
 
 
+# The error of a job whose deadline passed while it was queued: what a worker
+# stores when it reads the job, what repair stores, and what a reader reports
+# before either has written it.
+EXPIRED_ERROR = "deadline passed before the job started"
+
+
 # Hash fields of the job record that hold JSON rather than a plain string.
 JSON_FIELDS = ("token_ids", "metadata", "request")
 

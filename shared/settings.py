@@ -159,12 +159,13 @@ class Settings(BaseSettings):
         "reclaimed."))
     drain_grace_s: float = Field(default=30.0, ge=0, description=(
         "Seconds a stopping worker lets its jobs run before it hands the rest back to the queue."))
-    # Forward passes failing this many times in a row mean the device is broken
-    # (as does a CUDA error at once): the worker hands its jobs back and exits
+    # Steps failing this many times in a row (the engine's forward passes, or
+    # any other error of a step) mean the device or the worker is broken (as
+    # does a CUDA error at once): the worker hands its jobs back and exits
     # non-zero. Keep it above max_attempts + 1, a poison job's own run of failures.
     max_failed_steps: int = Field(default=5, ge=1, description=(
-        "Failed forward passes in a row after which a worker takes its device for broken, hands "
-        "its jobs back and exits non-zero."))
+        "Failed steps in a row (forward passes, or any other error of a step) after which a "
+        "worker takes its device for broken, hands its jobs back and exits non-zero."))
 
     # The output side coalesces tokens: a job's tokens made within coalesce_ms
     # of its oldest one still held, up to coalesce_tokens of them, go to Redis

@@ -1,4 +1,4 @@
-"""The Celery app: ``celery -A tokenfleet.workers.app worker -P solo -c 1 -n gpu0@%h``.
+"""The Celery app: ``celery -A tokenfleet.workers.app worker -P solo -c 1 -n tiny-gpu0@%h``.
 
 Celery gives the fleet its process model, node names, remote control and
 monitoring events; the jobs themselves flow through the engine's own stream

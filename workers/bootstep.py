@@ -34,7 +34,7 @@ class EngineStep(bootsteps.StartStopStep):
     worker down (warm, exiting with the engine's code) when its device fails.
 
     The consumer name in the stream's group is the Celery node name
-    (``gpu0@host``): stable per host and GPU, so a restarted process first
+    (``<name>-gpu<i>@host``): stable per host and GPU, so a restarted process first
     re-reads the entries its predecessor held.
     """
 
@@ -63,7 +63,11 @@ class EngineStep(bootsteps.StartStopStep):
                                        "a Redis broker and the solo pool (-P solo)")
         settings = get_settings()
         # Before the model loads: a second process under a live name is refused at once.
-        check_name(connect(settings.redis_url), Keys(settings.namespace), parent.hostname)
+        redis = connect(settings.redis_url)
+        try:
+            check_name(redis, Keys(settings.namespace), parent.hostname)
+        finally:
+            redis.close()
         worker = build_worker(settings, name=parent.hostname)
         worker.on_fatal = self._on_fatal
         self.worker = worker
@@ -72,7 +76,8 @@ class EngineStep(bootsteps.StartStopStep):
         self._watch = parent.timer.call_repeatedly(FATAL_CHECK_S, self._exit_if_fatal, priority=10)
 
     def _on_fatal(self, code: int) -> None:
-        """Called from the engine's thread, once: remembered for the main thread."""
+        """Called once, from the thread that stopped the worker after its device
+        failed: remembered for the main thread."""
         self.exit_code = code
 
     def _exit_if_fatal(self) -> None:

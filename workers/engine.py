@@ -141,6 +141,11 @@ class Engine(ABC):
         """Sequences held and not yet running."""
         return self.num_held - self.num_running
 
+    def taken(self) -> list[Sequence]:
+        """The sequences taken from the inbox and not ended: those a step may
+        have run. Safe to call from another thread (a snapshot)."""
+        return list(self._held.values())
+
     def unfinished(self) -> list[Sequence]:
         """Every sequence not ended: to hand back, or to keep claimed.
         Safe to call from another thread (a snapshot)."""

@@ -10,8 +10,8 @@ that ships them registers the factory under the engine's name::
 and ``TOKENFLEET_ENGINE=mine`` (or ``tokenfleet worker --engine mine``) picks
 it. tokenfleet registers its own two the same way: ``hf`` (the built-in
 engine) and ``vllm``. A name is looked up when a worker is built, so the
-settings and the command line take any string and importing this module loads
-no engine.
+settings take any string, the command line any installed name, and importing
+this module loads no engine.
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ import time
 from typing import Any
 
 from tokenfleet.shared.keys import Keys
-from tokenfleet.shared.liveness import live_since
+from tokenfleet.shared.liveness import MIN_LIVE_S, live_since
 
 
 class NameTaken(RuntimeError):
@@ -30,8 +30,11 @@ def check_name(redis: Any, keys: Keys, name: str) -> None:
     if not fields:
         return
     try:
-        alive_until = float(fields.get("alive_until", "0"))
-        age = time.time() - float(fields.get("last_seen", "0"))
+        last_seen = float(fields.get("last_seen", "0"))
+        # A heartbeat without alive_until is an older worker's: live for the
+        # least any heartbeat keeps its worker live.
+        alive_until = float(fields.get("alive_until", last_seen + MIN_LIVE_S))
+        age = time.time() - last_seen
         pid = int(fields.get("pid", "0"))
     except ValueError:
         return  # not a heartbeat we wrote: nothing to protect

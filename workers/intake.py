@@ -22,16 +22,16 @@ from redis.exceptions import ConnectionError, ResponseError, TimeoutError
 
 from tokenfleet.shared.errors import invalid_input
 from tokenfleet.shared.keys import GROUP, Keys, job_model, model_of
-from tokenfleet.shared.schemas import FinishReason, JobStatus, QueueEntry
+from tokenfleet.shared.schemas import EXPIRED_ERROR, FinishReason, JobStatus, QueueEntry
 from tokenfleet.shared.serialization import loads
 from tokenfleet.shared.settings import Settings
 from tokenfleet.shared.worker_scripts import (
     Bad,
     Ended,
     Ending,
-    RunningHere,
     Missing,
     Run,
+    RunningHere,
     Stale,
     StartVerdict,
     Take,
@@ -193,7 +193,7 @@ class Intake:
                        logged=logged)
         if entry.deadline_at is not None and entry.deadline_at <= time.time():
             return end(attempt, JobStatus.EXPIRED, FinishReason.DEADLINE,
-                       "deadline passed before the job started", logged=logged)
+                       EXPIRED_ERROR, logged=logged)
         try:
             seq = self.admission.sequence(entry, entry_id, attempt)
         except (Rejected, ValidationError) as exc:

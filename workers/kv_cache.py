@@ -2,7 +2,7 @@
 
 transformers' ``DynamicCache`` concatenates every layer's keys and values at
 each decode step, and the batch operations (drop a row, add rows) copy the
-whole cache again: at 64 rows that was a fifth of the engine's time on CPU.
+whole cache again: a cost that grows with the batch at every step.
 Here each layer owns buffers ``[rows, heads, columns, head_dim]`` with room to
 spare, and:
 

@@ -7,7 +7,7 @@ batch into one packed key tensor per layer and attends with one dense
 ``[tokens, cached + tokens]`` mask, so a decode step costs batch² × length in
 attention; its block-table path needs ``flash_attn_with_kvcache`` (CUDA only).
 Its API (sectors, allocators, ``RequestState``) is internal and changes from
-one minor version to the next (5.19 announces removals for 5.23). What we do
+one minor version to the next. What we do
 take from the library is its seam: a function registered with
 ``AttentionInterface`` that the model's own layers call with the new keys and
 values of a packed batch (the way ``paged|sdpa`` works), and

@@ -261,6 +261,7 @@ class Worker:
                 self._wake.clear()
                 continue
             self._idle.clear()
+            failed_before = self.engine.stats.failed_steps
             try:
                 self._step()
             except DeviceFailure as failure:
@@ -274,8 +275,11 @@ class Worker:
                     break
                 self._stop_engine.wait(STEP_ERROR_PAUSE_S)
                 continue
-            if in_a_row:
-                in_a_row, self.failing = 0, ""
+            # A step the engine recovered from itself (a forward pass retried
+            # smaller) shows too, until a step goes through without one.
+            in_a_row, retried = 0, self.engine.stats.failed_steps - failed_before
+            self.failing = (f"{retried} failed forward pass(es) retried by the engine "
+                            "in the last step" if retried else "")
         # The last step's writes: stored, or given up once stop() ends the engine.
         self._collect()
 
@@ -283,8 +287,9 @@ class Worker:
         """A step raised outside the engine's own recovery (the code around the
         model, or a job that trips it). It counts as a failed step; once
         ``max_failed_steps`` did in a row, returns the failure that stops the
-        worker, with the jobs held as its suspects (one of them may be the
-        cause: their hand-back counts as an attempt)."""
+        worker, with the jobs the engine had taken as its suspects (one of them
+        may be the cause: their hand-back counts as an attempt; the jobs still
+        in its inbox never ran and are handed back free)."""
         self.engine.stats.failed_steps += 1
         error = f"{type(exc).__name__}: {exc}"
         self.failing = f"{in_a_row} step(s) failed in a row, the last with {error}"
@@ -293,7 +298,7 @@ class Worker:
         if in_a_row < self.settings.max_failed_steps:
             return None
         return DeviceFailure(f"{in_a_row} steps failed in a row, the last with {error}",
-                             self.engine.unfinished())
+                             self.engine.taken())
 
     def _step(self) -> None:
         """Step N+1 runs while Redis stores step N: its writes go out only once
@@ -303,8 +308,10 @@ class Worker:
         dropped = self._collect()
         if dropped:
             outputs = [o for o in outputs if o.seq.job_id not in dropped]
-        self.publisher.send(outputs)
+        # Named as sent before the send: a send that raises part-way has its
+        # pending writes collected (or handed back) with these outputs.
         self._sent = outputs
+        self.publisher.send(outputs)
 
     def _collect(self) -> set[str]:
         """Wait until the step sent last is stored. Returns the ids of the jobs

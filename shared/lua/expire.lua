@@ -1,6 +1,7 @@
--- End a job still queued past its deadline. Run by a reader (status, wait,
--- stream) that sees such a job: with no live worker nobody else would, and the
--- job would sit 'queued' for good. A worker that takes the job afterwards finds
+-- End a job still queued past its deadline. Run by `tokenfleet repair`
+-- (producer/fleet.py, repair_fleet) on a queue no live worker serves: nobody
+-- else would, and the job would sit 'queued' for good (readers report it
+-- expired, but write nothing). A worker that takes the job afterwards finds
 -- it expired and only acknowledges it; a job a worker already started is not
 -- touched here (its worker ends it at the deadline).
 -- KEYS: 1 job hash, 2 token log, 3 event channel, 4 queue stream, 5 backlog counter,

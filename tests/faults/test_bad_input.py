@@ -91,7 +91,7 @@ def test_5000_random_stream_entries_end_in_the_dead_letters_with_a_reason(
     assert reply, f"entry {fields!r} was neither run nor dead-lettered"
     record = loads(reply[0][1][0][1][b"data"])
     assert record["entry_id"] == entry_id.decode() and record["reason"]
-    assert worker._threads and all(t.is_alive() for t in worker._threads)
+    assert worker.threads and all(t.is_alive() for t in worker.threads)
     Dead.count += 1
 
 

@@ -79,7 +79,7 @@ def test_three_hostile_records_in_one_read_are_dead_lettered_alone_and_ten_good_
     # The worker serves on.
     after = client.submit("after the hostile read", max_new_tokens=4)
     assert client.wait(after, timeout=30).status is JobStatus.SUCCEEDED
-    assert all(t.is_alive() for t in worker._threads)
+    assert all(t.is_alive() for t in worker.threads)
     report.update(good=10, succeeded=10, hostile=3, dead_lettered=len(dead), stuck=0,
                   all_good_done_s=round(done_s, 2))
 
