@@ -1,0 +1,65 @@
+"""The gpu-sim engine: one token per running sequence each step, never an end
+of sequence, and its own count of the time its steps spent in the device."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from tokenfleet.shared.schemas import FinishReason, SamplingParams
+from tokenfleet.shared.settings import Settings
+from tokenfleet.workers.detokenizer import TextStream
+from tokenfleet.workers.gpu_sim import TEXT, GpuSimEngine, build_gpu_sim
+from tokenfleet.workers.sequence import Sequence
+
+
+@pytest.fixture
+def built() -> Any:
+    return build_gpu_sim(Settings(max_batch=2, gpu_sim_step_ms=5))
+
+
+def sequence(tokenizer: Any, job_id: str, max_new_tokens: int) -> Sequence:
+    return Sequence(job_id, tokenizer("a prompt")["input_ids"],
+                    SamplingParams(max_new_tokens=max_new_tokens), TextStream(tokenizer))
+
+
+def test_each_step_makes_one_token_per_running_sequence_and_the_rest_wait(built: Any) -> None:
+    engine: GpuSimEngine = built.engine
+    for i in range(3):
+        engine.add(sequence(built.tokenizer, f"j{i}", 4))
+    first = engine.step()
+    assert [o.seq.job_id for o in first] == ["j0", "j1"]  # max_batch 2: j2 waits for a slot
+    assert engine.num_running == 2 and engine.num_waiting == 1
+    assert engine.last_batch.size == 2
+
+
+def test_jobs_run_to_max_new_tokens_on_the_text_never_an_end_of_sequence(built: Any) -> None:
+    engine: GpuSimEngine = built.engine
+    tok = built.tokenizer
+    long = len(engine.token_ids) + 5  # past the end of the text: it starts over
+    engine.add(sequence(tok, "long", long))
+    ended = []
+    while engine.has_work:
+        ended += [o for o in engine.step() if o.finished and o.seq.job_id == "long"]
+    (out,) = ended
+    ids = out.seq.generated
+    assert len(ids) == long and out.seq.finish_reason == FinishReason.LENGTH
+    assert not set(ids) & engine.eos_token_ids
+    assert ids == (engine.token_ids * 2)[:long] and tok.decode(ids).startswith(TEXT)
+
+
+def test_the_device_step_is_timed_by_batch_size_each_step_holding_the_sleep() -> None:
+    built = build_gpu_sim(Settings(max_batch=4, gpu_sim_step_ms=5))
+    engine: GpuSimEngine = built.engine
+    for i in range(4):
+        engine.add(sequence(built.tokenizer, f"t{i}", 6))
+    while engine.has_work:
+        engine.step()
+    figures: Any = engine.stats.as_dict()["gpu_sim"]
+    # Six steps at batch 4; the last leaves no work, so its cycle never closes.
+    times = figures["4"]
+    assert set(figures) == {"4"} and times["steps"] == 5
+    assert times["device_s"] >= 5 * 0.005
+    assert times["step_s"] >= times["device_s"] and times["between_s"] >= 0
+    assert engine.stats.tokens == 24
