@@ -1,8 +1,15 @@
 """The gpu-sim engine: one token per running sequence each step, never an end
-of sequence, and its own count of the time its steps spent in the device."""
+of sequence, and its own count of the time its steps spent in the device; and
+``tokenfleet bench --modes gpu-sim``, which reports what the fleet makes of it."""
 
 from __future__ import annotations
 
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -12,6 +19,8 @@ from tokenfleet.shared.settings import Settings
 from tokenfleet.workers.detokenizer import TextStream
 from tokenfleet.workers.gpu_sim import TEXT, GpuSimEngine, build_gpu_sim
 from tokenfleet.workers.sequence import Sequence
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture
@@ -63,3 +72,24 @@ def test_the_device_step_is_timed_by_batch_size_each_step_holding_the_sleep() ->
     assert times["device_s"] >= 5 * 0.005
     assert times["step_s"] >= times["device_s"] and times["between_s"] >= 0
     assert engine.stats.tokens == 24
+
+
+@pytest.mark.timeout(180)
+def test_the_bench_mode_reports_tokens_per_second_against_the_ideal(tmp_path: Path) -> None:
+    out = tmp_path / "sim.json"
+    result = subprocess.run(
+        [sys.executable, "-m", "tokenfleet.workers.cli", "bench", "--modes", "gpu-sim",
+         "--step-ms", "2", "--concurrency", "4", "--jobs", "4", "--max-new-tokens", "8",
+         "--json", str(out)],
+        cwd=ROOT, env={**os.environ, "COLUMNS": "160"}, capture_output=True, text=True,
+        timeout=170)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    line = re.search(r"^gpu-sim step 2 ms batch 4: ([\d,]+) tokens/s, (\d\.\d{3}) of ideal$",
+                     result.stdout, re.MULTILINE)
+    assert line, result.stdout
+    ideal = 4 * 1000 / 2
+    assert 0 < float(line[1].replace(",", "")) <= ideal * 1.05
+    assert "whole run with the ramp" in result.stdout and "inside step()" in result.stdout
+    figures = json.loads(out.read_text())["gpu_sim"]["4"]
+    assert figures["whole_run"]["tokens"] == 4 * 8
+    assert 0 < figures["steady"]["in_device"] <= figures["steady"]["in_step"] <= 1.001
