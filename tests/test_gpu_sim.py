@@ -16,6 +16,7 @@ import pytest
 
 from tokenfleet.shared.schemas import FinishReason, SamplingParams
 from tokenfleet.shared.settings import Settings
+from tokenfleet.workers.bench.gpu_sim_mode import figures, lines
 from tokenfleet.workers.detokenizer import TextStream
 from tokenfleet.workers.gpu_sim import TEXT, GpuSimEngine, build_gpu_sim
 from tokenfleet.workers.sequence import Sequence
@@ -72,6 +73,23 @@ def test_the_device_step_is_timed_by_batch_size_each_step_holding_the_sleep() ->
     assert times["device_s"] >= 5 * 0.005
     assert times["step_s"] >= times["device_s"] and times["between_s"] >= 0
     assert engine.stats.tokens == 24
+
+
+def test_steady_figures_are_the_full_batch_steps_of_the_run_less_the_warm_up() -> None:
+    warm = {"2": {"steps": 3, "device_s": 0.03, "step_s": 0.033, "between_s": 0.003}}
+    after = {"2": {"steps": 103, "device_s": 1.03, "step_s": 1.083, "between_s": 0.053},
+             "1": {"steps": 1, "device_s": 0.01, "step_s": 0.011, "between_s": 0.001}}
+    f = figures(warm, after, batch=2, step_ms=10, jobs=2, max_new_tokens=100, tokens=200,
+                elapsed_s=1.25)
+    steady = f["steady"]
+    # 100 steps of 2 tokens in 1.05 + 0.05 s; each step's 10 ms against 11 ms of cycle.
+    assert f["ideal_tokens_per_s"] == 200
+    assert steady["tokens_per_s"] == pytest.approx(200 / 1.1, abs=0.1)
+    assert steady["in_step"] + steady["between_steps"] == pytest.approx(1, abs=1e-3)
+    assert steady["in_device"] == pytest.approx(1.0 / 1.1, abs=1e-3)
+    assert steady["device_late"] == pytest.approx(0, abs=1e-3)
+    assert f["whole_run"]["tokens_per_s"] == 160 and f["whole_run"]["of_ideal"] == 0.8
+    assert next(lines(f)) == "gpu-sim step 10 ms batch 2: 182 tokens/s, 0.909 of ideal"
 
 
 @pytest.mark.timeout(180)
