@@ -55,6 +55,12 @@ class Settings(BaseSettings):
     # a GPU vLLM takes gpu_memory_utilization (below) of it, weights included.
     vllm_cpu_kv_cache_bytes: int = Field(default=256 << 20, ge=1 << 20, description=(
         "vLLM on the CPU backend: its KV cache in bytes, reserved in host memory at start."))
+    # The gpu-sim engine (workers/gpu_sim.py, for `tokenfleet bench --modes
+    # gpu-sim`): how long its simulated device step holds the engine thread,
+    # outside Python with the GIL released, as a GPU's forward pass does.
+    gpu_sim_step_ms: float = Field(default=10.0, gt=0, description=(
+        "The gpu-sim engine's step: milliseconds each step waits with the GIL released, as a "
+        "GPU's forward pass does, before it emits one token per running sequence."))
     # The built-in engine's KV cache: "rect" (one left-padded rectangle, whole
     # prefills in steps of their own) or "paged" (blocks per sequence, one
     # packed forward per step, chunked prefill). Rect is the default by

@@ -21,11 +21,13 @@ ROOT = TESTS.parent
 
 def test_tokenfleet_registers_its_own_engines_by_entry_point() -> None:
     from tokenfleet.workers.build import build_hf
+    from tokenfleet.workers.gpu_sim import build_gpu_sim
     from tokenfleet.workers.vllm_engine import build_vllm
 
-    assert {"hf", "vllm"} <= set(engines.names())
+    assert set(engines.BUILT_IN) <= set(engines.names())
     assert engines.factory("hf") is build_hf
     assert engines.factory("vllm") is build_vllm
+    assert engines.factory("gpu-sim") is build_gpu_sim
 
 
 def test_an_installed_distribution_adds_an_engine_by_name(
@@ -72,8 +74,8 @@ def cli(*args: str, pythonpath: str = "") -> subprocess.CompletedProcess[str]:
 def test_the_worker_command_takes_any_installed_engine_and_lists_them(tmp_path: Path) -> None:
     shown = cli("worker", "--help", pythonpath=install(tmp_path))
     assert shown.returncode == 0, shown.stderr
-    assert "[echo|hf|vllm]" in " ".join(shown.stdout.split())
+    assert "[echo|gpu-sim|hf|vllm]" in " ".join(shown.stdout.split())
 
     refused = cli("worker", "--engine", "nope", "--gpus", "none")
     assert refused.returncode == 2
-    assert "'nope' is not one of 'hf', 'vllm'" in refused.stderr
+    assert "'nope' is not one of 'gpu-sim', 'hf', 'vllm'" in refused.stderr

@@ -447,7 +447,7 @@ def _int_list(ctx: click.Context, param: click.Parameter, value: str | None) -> 
 
 # What ``bench --vs-vllm`` runs differently: the options of the other modes it refuses.
 NOT_VS_VLLM = ("jobs", "workload", "rate", "modes", "redis_url", "plot_path", "soak", "probe_jobs",
-               "overhead_jobs", "absorb_workers", "absorb_tokens")
+               "overhead_jobs", "absorb_workers", "absorb_tokens", "step_ms")
 
 
 @main.command()
@@ -459,7 +459,8 @@ NOT_VS_VLLM = ("jobs", "workload", "rate", "modes", "redis_url", "plot_path", "s
                    "each --engines, the same openai-client load on each (needs vLLM)")
 @click.option("--engines", default="hf", show_default=True,
               help="with --vs-vllm: the worker engines (TOKENFLEET_ENGINE) to run, hf and/or vllm")
-@click.option("--jobs", default=256, show_default=True, help="jobs per run")
+@click.option("--jobs", default=256, show_default=True,
+              help="jobs per run (gpu-sim: default the concurrency)")
 @click.option("--concurrency", default=None, callback=_int_list,
               help="concurrent jobs (the engine's batch size), comma-separated "
                    "[default: 1,4,16,64,256; with --vs-vllm, 64 requests sent at once]")
@@ -471,8 +472,10 @@ NOT_VS_VLLM = ("jobs", "workload", "rate", "modes", "redis_url", "plot_path", "s
 @click.option("--rate", type=float, default=None,
               help="jobs per second arriving at a fixed rate (default: all submitted at once)")
 @click.option("--modes", default="direct,fleet,naive,overhead", show_default=True,
-              help="which of direct, fleet, naive, overhead, absorb to run (absorb: how many "
-                   "tokens/s one Redis takes from K null-runner workers at each concurrency)")
+              help="which of direct, fleet, naive, overhead, absorb, gpu-sim to run (absorb: how "
+                   "many tokens/s one Redis takes from K null-runner workers at each concurrency; "
+                   "gpu-sim: one worker on an engine whose step waits --step-ms with the GIL "
+                   "released, as a GPU's does, against the ideal batch x 1000 / step-ms)")
 @click.option("--redis-url", default=None,
               help="an existing Redis (default: a redis-server started on a free port)")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path),
@@ -495,13 +498,15 @@ NOT_VS_VLLM = ("jobs", "workload", "rate", "modes", "redis_url", "plot_path", "s
               help="absorb mode: worker processes (K) to sweep, comma-separated")
 @click.option("--absorb-tokens", default=200_000, show_default=True,
               help="absorb mode: tokens generated at each point of the sweep")
+@click.option("--step-ms", type=float, default=10.0, show_default=True,
+              help="gpu-sim mode: milliseconds of each simulated device step")
 @click.pass_context
 def bench(ctx: click.Context, model: str, vs_vllm: bool, engines: str, jobs: int,
           concurrency: list[int] | None, max_new_tokens: int | None, workload: str,
           rate: float | None,
           modes: str, redis_url: str | None, json_path: Path | None, plot_path: Path | None,
           device: str, dtype: str, soak: int, probe_jobs: int, overhead_jobs: int,
-          repeat: int, absorb_workers: list[int], absorb_tokens: int) -> None:
+          repeat: int, absorb_workers: list[int], absorb_tokens: int, step_ms: float) -> None:
     """Benchmark the fleet against the model in-process and naive Celery, or (--vs-vllm)
     against vLLM's OpenAI server."""
     from rich.console import Console
@@ -538,7 +543,8 @@ def bench(ctx: click.Context, model: str, vs_vllm: bool, engines: str, jobs: int
                 modes=[m.strip() for m in modes.split(",") if m.strip()],
                 redis_url=redis_url, device=device, dtype=dtype, soak=soak,
                 probe_jobs=probe_jobs, overhead_jobs=overhead_jobs, repeat=repeat,
-                absorb_workers=absorb_workers, absorb_tokens=absorb_tokens))
+                absorb_workers=absorb_workers, absorb_tokens=absorb_tokens, step_ms=step_ms,
+                sim_jobs=jobs if "jobs" in given else None))
             render(results, console)
     except BenchError as exc:
         raise click.ClickException(str(exc)) from exc

@@ -8,10 +8,10 @@ that ships them registers the factory under the engine's name::
     mine = "my_package.my_engine:build"
 
 and ``TOKENFLEET_ENGINE=mine`` (or ``tokenfleet worker --engine mine``) picks
-it. tokenfleet registers its own two the same way: ``hf`` (the built-in
-engine) and ``vllm``. A name is looked up when a worker is built, so the
-settings take any string, the command line any installed name, and importing
-this module loads no engine.
+it. tokenfleet registers its own the same way: ``hf`` (the built-in
+engine), ``vllm`` and ``gpu-sim`` (a simulated GPU step, for the benchmark).
+A name is looked up when a worker is built, so the settings take any string,
+the command line any installed name, and importing this module loads no engine.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     from tokenfleet.workers.engine import Engine
 
 GROUP = "tokenfleet.engines"
-BUILT_IN = ("hf", "vllm")  # what tokenfleet's own metadata registers
+BUILT_IN = ("gpu-sim", "hf", "vllm")  # what tokenfleet's own metadata registers
 
 
 class BuiltEngine(NamedTuple):
@@ -78,9 +78,10 @@ def _unknown(name: str) -> str:
                f"are {', '.join(installed) or 'none'}. An engine is installed with the "
                f"distribution that registers it under the {GROUP!r} entry points")
     if not set(BUILT_IN) <= set(installed):
-        # An install made before the group existed lacks even tokenfleet's own.
-        message += ("; tokenfleet's own (hf, vllm) are missing, so its installed metadata "
-                    "is out of date: install tokenfleet again (pip install -e . in a checkout)")
+        # An install made before the group (or one of tokenfleet's own) existed.
+        message += (f"; some of tokenfleet's own ({', '.join(BUILT_IN)}) are missing, so its "
+                    "installed metadata is out of date: install tokenfleet again "
+                    "(pip install -e . in a checkout)")
     return message
 
 

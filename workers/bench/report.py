@@ -8,7 +8,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from tokenfleet.workers.bench import redis_cost
+from tokenfleet.workers.bench import gpu_sim_mode, redis_cost
 
 # The fleet's targets, on a 2-core machine with the CPU build of torch.
 FLEET_VS_DIRECT = {64: 0.90, 256: 0.80}
@@ -140,6 +140,9 @@ def render(results: dict[str, Any], console: Console) -> None:
         console.print(table)
     _render_costs(results, console)
     redis_cost.render(results, console)
+    for figures in results.get("gpu_sim", {}).values():
+        for line in gpu_sim_mode.lines(figures):
+            console.print(line, highlight=False, soft_wrap=True)
     render_targets(results["targets"], console)
 
 

@@ -7,7 +7,8 @@ one task at a time whatever the concurrency, so it runs once. A low-load probe
 (one job at a time) measures what the fleet adds to the time to first token,
 and ``soak`` passes many jobs through one worker while watching its memory.
 ``absorb`` sweeps K null-runner workers at each batch size against one Redis
-(``redis_cost``).
+(``redis_cost``). ``gpu-sim`` runs one worker of the gpu-sim engine at each
+concurrency: how much of a GPU's tokens the fleet passes on (``gpu_sim_mode``).
 """
 
 from __future__ import annotations
@@ -32,14 +33,14 @@ from rich.progress import (
 )
 
 from tokenfleet.shared.redis_url import redacted
-from tokenfleet.workers.bench import redis_cost
+from tokenfleet.workers.bench import gpu_sim_mode, redis_cost
 from tokenfleet.workers.bench.modes import BenchEnv, Direct, FleetSession, NaiveSession, Tick, publish_cost
 from tokenfleet.workers.bench.procs import BenchError, RedisProc
 from tokenfleet.workers.bench.report import judge, ratios
 from tokenfleet.workers.bench.workload import WORKLOADS, Job, describe, make_jobs
 from tokenfleet.workers.null_runner import NULL_MODEL
 
-MODES = ("direct", "fleet", "naive", "overhead", "absorb")
+MODES = ("direct", "fleet", "naive", "overhead", "absorb", "gpu-sim")
 
 
 @dataclass
@@ -60,6 +61,8 @@ class BenchConfig:
     repeat: int = 1  # runs of each measurement, taking turns; the best one is kept
     absorb_workers: list[int] = field(default_factory=lambda: [1, 2, 4])  # K of the sweep
     absorb_tokens: int = 200_000  # tokens per point of the sweep
+    step_ms: float = 10.0  # gpu-sim: the simulated device step
+    sim_jobs: int | None = None  # gpu-sim: jobs per run; None: the concurrency
 
     def check(self) -> None:
         unknown = set(self.modes) - set(MODES)
@@ -74,6 +77,8 @@ class BenchConfig:
         if not self.absorb_workers or min(self.absorb_workers) < 1 or self.absorb_tokens < 1:
             raise BenchError("--absorb-workers needs one or more positive numbers, e.g. 1,2,4, "
                              "and --absorb-tokens a positive number")
+        if self.step_ms <= 0 or (self.sim_jobs is not None and self.sim_jobs < 1):
+            raise BenchError("--step-ms must be above 0 and --jobs at least 1")
         if (min(self.jobs, self.max_new_tokens, self.probe_jobs, self.repeat) < 1
                 or self.overhead_jobs < 2):
             raise BenchError("--jobs, --max-new-tokens, --probe-jobs and --repeat must be at "
@@ -146,7 +151,7 @@ def _run_modes(cfg: BenchConfig, env: BenchEnv, jobs: list[Job], probe: list[Job
     modes = set(cfg.modes)
     out: dict[str, Any] = {"direct": {}, "fleet": {}, "naive": None, "overhead": {},
                            "overhead_costs": None, "low_load": None, "memory": None,
-                           "absorb": None, "cold_start": None}
+                           "absorb": None, "cold_start": None, "gpu_sim": {}}
     direct = None
     if "direct" in modes:
         with ticker.phase("loading the model", 1):
@@ -216,6 +221,11 @@ def _run_modes(cfg: BenchConfig, env: BenchEnv, jobs: list[Job], probe: list[Job
                 out["overhead_costs"] = costs
     if cfg.soak:
         out["memory"] = _soak(cfg, env, ticker)
+    if "gpu-sim" in modes:
+        for c in levels:
+            out["gpu_sim"][str(c)] = gpu_sim_mode.run(env, c, cfg.sim_jobs or c,
+                                                      cfg.max_new_tokens, cfg.step_ms,
+                                                      ticker.phase)
     if "absorb" in modes:
         out["absorb"] = redis_cost.absorb(env, levels, cfg.absorb_workers, cfg.absorb_tokens,
                                           ticker.phase)

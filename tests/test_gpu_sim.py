@@ -1,0 +1,113 @@
+"""The gpu-sim engine: one token per running sequence each step, never an end
+of sequence, and its own count of the time its steps spent in the device; and
+``tokenfleet bench --modes gpu-sim``, which reports what the fleet makes of it."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tokenfleet.shared.schemas import FinishReason, SamplingParams
+from tokenfleet.shared.settings import Settings
+from tokenfleet.workers.bench.gpu_sim_mode import figures, lines
+from tokenfleet.workers.detokenizer import TextStream
+from tokenfleet.workers.gpu_sim import TEXT, GpuSimEngine, build_gpu_sim
+from tokenfleet.workers.sequence import Sequence
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture
+def built() -> Any:
+    return build_gpu_sim(Settings(max_batch=2, gpu_sim_step_ms=5))
+
+
+def sequence(tokenizer: Any, job_id: str, max_new_tokens: int) -> Sequence:
+    return Sequence(job_id, tokenizer("a prompt")["input_ids"],
+                    SamplingParams(max_new_tokens=max_new_tokens), TextStream(tokenizer))
+
+
+def test_each_step_makes_one_token_per_running_sequence_and_the_rest_wait(built: Any) -> None:
+    engine: GpuSimEngine = built.engine
+    for i in range(3):
+        engine.add(sequence(built.tokenizer, f"j{i}", 4))
+    first = engine.step()
+    assert [o.seq.job_id for o in first] == ["j0", "j1"]  # max_batch 2: j2 waits for a slot
+    assert engine.num_running == 2 and engine.num_waiting == 1
+    assert engine.last_batch.size == 2
+
+
+def test_jobs_run_to_max_new_tokens_on_the_text_never_an_end_of_sequence(built: Any) -> None:
+    engine: GpuSimEngine = built.engine
+    tok = built.tokenizer
+    long = len(engine.token_ids) + 5  # past the end of the text: it starts over
+    engine.add(sequence(tok, "long", long))
+    ended = []
+    while engine.has_work:
+        ended += [o for o in engine.step() if o.finished and o.seq.job_id == "long"]
+    (out,) = ended
+    ids = out.seq.generated
+    assert len(ids) == long and out.seq.finish_reason == FinishReason.LENGTH
+    assert not set(ids) & engine.eos_token_ids
+    assert ids == (engine.token_ids * 2)[:long] and tok.decode(ids).startswith(TEXT)
+
+
+def test_the_device_step_is_timed_by_batch_size_each_step_holding_the_sleep() -> None:
+    built = build_gpu_sim(Settings(max_batch=4, gpu_sim_step_ms=5))
+    engine: GpuSimEngine = built.engine
+    for i in range(4):
+        engine.add(sequence(built.tokenizer, f"t{i}", 6))
+    while engine.has_work:
+        engine.step()
+    figures: Any = engine.stats.as_dict()["gpu_sim"]
+    # Six steps at batch 4; the last leaves no work, so its cycle never closes.
+    times = figures["4"]
+    assert set(figures) == {"4"} and times["steps"] == 5
+    assert times["device_s"] >= 5 * 0.005
+    assert times["step_s"] >= times["device_s"] and times["between_s"] >= 0
+    assert engine.stats.tokens == 24
+
+
+def test_steady_figures_are_the_full_batch_steps_of_the_run_less_the_warm_up() -> None:
+    warm = {"2": {"steps": 3, "device_s": 0.03, "step_s": 0.033, "between_s": 0.003}}
+    after = {"2": {"steps": 103, "device_s": 1.03, "step_s": 1.083, "between_s": 0.053},
+             "1": {"steps": 1, "device_s": 0.01, "step_s": 0.011, "between_s": 0.001}}
+    f = figures(warm, after, batch=2, step_ms=10, jobs=2, max_new_tokens=100, tokens=200,
+                elapsed_s=1.25)
+    steady = f["steady"]
+    # 100 steps of 2 tokens in 1.05 + 0.05 s; each step's 10 ms against 11 ms of cycle.
+    assert f["ideal_tokens_per_s"] == 200
+    assert steady["tokens_per_s"] == pytest.approx(200 / 1.1, abs=0.1)
+    assert steady["in_step"] + steady["between_steps"] == pytest.approx(1, abs=1e-3)
+    assert steady["in_device"] == pytest.approx(1.0 / 1.1, abs=1e-3)
+    assert steady["device_late"] == pytest.approx(0, abs=1e-3)
+    assert f["whole_run"]["tokens_per_s"] == 160 and f["whole_run"]["of_ideal"] == 0.8
+    assert next(lines(f)) == "gpu-sim step 10 ms batch 2: 182 tokens/s, 0.909 of ideal"
+
+
+@pytest.mark.timeout(180)
+def test_the_bench_mode_reports_tokens_per_second_against_the_ideal(tmp_path: Path) -> None:
+    out = tmp_path / "sim.json"
+    result = subprocess.run(
+        [sys.executable, "-m", "tokenfleet.workers.cli", "bench", "--modes", "gpu-sim",
+         "--step-ms", "2", "--concurrency", "4", "--jobs", "4", "--max-new-tokens", "8",
+         "--json", str(out)],
+        cwd=ROOT, env={**os.environ, "COLUMNS": "160"}, capture_output=True, text=True,
+        timeout=170)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    line = re.search(r"^gpu-sim step 2 ms batch 4: ([\d,]+) tokens/s, (\d\.\d{3}) of ideal$",
+                     result.stdout, re.MULTILINE)
+    assert line, result.stdout
+    ideal = 4 * 1000 / 2
+    assert 0 < float(line[1].replace(",", "")) <= ideal * 1.05
+    assert "whole run with the ramp" in result.stdout and "inside step()" in result.stdout
+    figures = json.loads(out.read_text())["gpu_sim"]["4"]
+    assert figures["whole_run"]["tokens"] == 4 * 8
+    assert 0 < figures["steady"]["in_device"] <= figures["steady"]["in_step"] <= 1.001

@@ -1,0 +1,155 @@
+"""The gpu-sim engine: a GPU's step, as the fleet sees it, with no GPU.
+
+A GPU's decode step holds the engine thread outside Python with the GIL
+released (the thread waits on CUDA) for a time that hardly depends on the
+batch, then hands back one token per running sequence. This engine does the
+same: each step sleeps ``gpu_sim_step_ms`` (``time.sleep`` releases the GIL)
+and then emits, for every running sequence, the next token of a fixed English
+text in the built-in tiny model's tokenizer (a byte-level BPE), so that
+detokenization and everything else above the seam cost what they cost. It
+never emits an end of sequence: every job runs to its ``max_new_tokens``. A
+new sequence costs no prefill: its first token comes with the next step.
+
+It keeps where the engine thread's time went, step by step, by batch size
+(``GpuSimStats``): the worker's heartbeat carries it in its ``stats`` field
+under ``gpu_sim``, for ``tokenfleet bench --modes gpu-sim``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Sequence as Ids
+from dataclasses import asdict, dataclass, field
+
+from tokenfleet.shared.settings import Settings
+from tokenfleet.workers import budget
+from tokenfleet.workers.engine import BatchShape, Engine
+from tokenfleet.workers.engines import BuiltEngine
+from tokenfleet.workers.null_runner import null_tokenizer
+from tokenfleet.workers.sequence import Sequence, SeqOutput
+from tokenfleet.workers.stats import WorkerStats
+
+MAX_MODEL_LEN = 1 << 16  # no cache to bound it: admission's limits are the only ones
+TEXT = (
+    "It was a bright cold day in April, and the clocks were striking thirteen. The river ran "
+    "high after a week of rain, and the boats along the quay rocked against their ropes while "
+    "the fishermen mended nets and argued about the weather, the price of bread, and whether "
+    "the new bridge would ever be finished before winter came again to the valley. "
+)
+
+
+@dataclass
+class StepTimes:
+    """Where the engine thread's wall time went over the steps of one batch
+    size. A step counts once the next one starts, and only if the engine had
+    work left after it (the worker then steps again at once): its cycle is
+    ``step_s + between_s`` and holds no idle wait."""
+
+    steps: int = 0
+    device_s: float = 0.0  # in the simulated device step (the sleep, the GIL taken back)
+    step_s: float = 0.0  # in ``Engine.step``, the device step included
+    between_s: float = 0.0  # from a step's end to the next one's start: the worker's writes
+
+
+@dataclass
+class GpuSimStats(WorkerStats):
+    """The worker's figures, and the gpu-sim engine's ``StepTimes`` by batch
+    size (``as_dict()["gpu_sim"]``, keyed by the size as a string). Written by
+    the engine thread; a reader on another thread gets a snapshot."""
+
+    by_batch: dict[int, StepTimes] = field(default_factory=dict)
+
+    def add_step(self, batch: int, device_s: float, step_s: float, between_s: float) -> None:
+        times = self.by_batch.setdefault(batch, StepTimes())
+        times.steps += 1
+        times.device_s += device_s
+        times.step_s += step_s
+        times.between_s += between_s
+
+    def as_dict(self) -> dict[str, object]:
+        figures = super().as_dict()
+        # list() copies in one call: the engine thread may add a batch size meanwhile.
+        figures["gpu_sim"] = {str(b): asdict(t) for b, t in list(self.by_batch.items())}
+        return figures
+
+
+class GpuSimEngine(Engine):
+    """Runs up to ``max_batch`` sequences (the rest wait for a slot); each step
+    takes ``step_s`` seconds with the GIL released and makes one token per
+    running sequence, cycling through ``token_ids`` from where its output is."""
+
+    stats: GpuSimStats
+
+    def __init__(self, token_ids: Ids[int], eos_token_id: int, max_batch: int,
+                 step_s: float) -> None:
+        super().__init__({eos_token_id}, MAX_MODEL_LEN)
+        if eos_token_id in token_ids or not token_ids:
+            raise ValueError("the gpu-sim text must be some tokens, none of them the end of "
+                             "sequence")
+        self.stats = GpuSimStats()
+        self.token_ids = list(token_ids)
+        self.max_batch = max_batch
+        self.step_s = step_s
+        self._running: dict[str, Sequence] = {}
+        self._waiting: deque[Sequence] = deque()
+        self._device_s = 0.0  # the last step's time in the device step
+        # The last step's batch size, device and step seconds and end, until
+        # the next step starts and closes its cycle.
+        self._open: tuple[int, float, float, float] | None = None
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    def step(self) -> list[SeqOutput]:
+        started = time.perf_counter()
+        last, self._open = self._open, None
+        if last is not None:
+            batch, device_s, step_s, ended = last
+            self.stats.add_step(batch, device_s, step_s, started - ended)
+        outputs = super().step()
+        ended = time.perf_counter()
+        # Without work left the worker idles before the next step: that wait
+        # is no part of this step's cycle, so the step is not counted.
+        if self.has_work and self.last_batch.size:
+            self._open = (self.last_batch.size, self._device_s, ended - started, ended)
+        return outputs
+
+    def _add(self, seq: Sequence) -> None:
+        self._waiting.append(seq)
+
+    def _run(self) -> list[tuple[Sequence, int]]:
+        admitted = False
+        while self._waiting and len(self._running) < self.max_batch:
+            seq = self._waiting.popleft()
+            self._running[seq.job_id] = seq
+            admitted = True
+        self._device_s = 0.0
+        if not self._running:
+            self.last_batch = BatchShape(0, False)
+            return []
+        started = time.perf_counter()
+        time.sleep(self.step_s)  # the GIL is free meanwhile, as while CUDA runs a step
+        self._device_s = time.perf_counter() - started
+        ids, n = self.token_ids, len(self.token_ids)
+        # From where each output is, so a resumed job goes on with the text.
+        made = [(seq, ids[len(seq.generated) % n]) for seq in self._running.values()]
+        self.last_batch = BatchShape(len(made), admitted)
+        return made
+
+    def _release(self, seq: Sequence) -> None:
+        if self._running.pop(seq.job_id, None) is None:
+            self._waiting.remove(seq)
+
+
+def build_gpu_sim(settings: Settings) -> BuiltEngine:
+    """The factory the ``gpu-sim`` entry point names: no model, the tiny
+    model's tokenizer, ``max_batch`` as set ("auto": the no-model default)."""
+    tokenizer = null_tokenizer()
+    settings = budget.apply(settings, budget.resolve(settings, None, MAX_MODEL_LEN))
+    max_batch, _ = budget.resolved(settings)
+    engine = GpuSimEngine(tokenizer.encode(TEXT, add_special_tokens=False),
+                          int(tokenizer.eos_token_id), max_batch,
+                          settings.gpu_sim_step_ms / 1000)
+    return BuiltEngine(engine, tokenizer, settings)
