@@ -167,3 +167,45 @@ def test_a_step_error_shows_in_the_heartbeat_until_a_step_succeeds(
     completed(client, job_ids, loaded_tiny)
     wait_until(lambda: r.hget(key, "failing") == b"", timeout=30, what="the heartbeat to clear")
     assert not worker.fatal.is_set()
+
+
+class FailingForwardRunner(HFRunner):
+    """The real model, whose forward pass raises while ``broken`` is set: a
+    failure the engine recovers from itself, retrying the step."""
+
+    def __init__(self, loaded: tuple[Any, Any], good_steps: int) -> None:
+        super().__init__(*loaded)
+        self.good_steps, self.steps = good_steps, 0
+        self.broken = threading.Event()
+
+    def run(self, batch: Batch) -> list[int]:
+        self.steps += 1
+        if self.steps == self.good_steps + 1:
+            self.broken.set()
+        if self.broken.is_set():
+            raise RuntimeError("the forward pass failed")
+        return super().run(batch)
+
+
+def test_forward_passes_the_engine_retries_show_in_the_heartbeat_until_one_succeeds(
+    client: FleetClient, start_worker: Any, loaded_tiny: Any, r: redis.Redis, settings: Any,
+) -> None:
+    keys = Keys(settings.namespace)
+    job_ids = submit(client)
+    runner = FailingForwardRunner(loaded_tiny, good_steps=3)
+    worker = start_worker("retrying@test", runner=runner, max_failed_steps=100_000)
+    key = keys.worker("retrying@test")
+
+    failing = wait_until(lambda: r.hget(key, "failing"), timeout=60,
+                         what="the retried forward passes in the heartbeat")
+    assert b"failed forward pass(es) retried by the engine" in failing
+    assert r.hget(key, "fatal") == b""
+
+    # The first jobs end as the engine's retries decide (their failures count
+    # as attempts); once the forward passes succeed again, new jobs complete.
+    for job_id in job_ids:
+        assert client.wait(job_id, timeout=120).status.is_terminal
+    runner.broken.clear()
+    completed(client, submit(client), loaded_tiny)
+    wait_until(lambda: r.hget(key, "failing") == b"", timeout=30, what="the heartbeat to clear")
+    assert not worker.fatal.is_set()
