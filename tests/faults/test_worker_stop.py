@@ -52,8 +52,9 @@ class HangingRunner(HFRunner):
 
 
 class MalformedRunner(HFRunner):
-    """The real model, until ``broken`` is set: then a decode step returns no
-    token, a bug the engine trips on outside the forward pass it retries."""
+    """The real model, until ``broken`` is set after ``good_steps``: then a
+    decode step returns no token, a bug the engine trips on outside the forward
+    pass it retries."""
 
     def __init__(self, loaded: tuple[Any, Any], good_steps: int) -> None:
         super().__init__(*loaded)
@@ -64,9 +65,20 @@ class MalformedRunner(HFRunner):
         self.steps += 1
         if self.steps == self.good_steps + 1:
             self.broken.set()
-        if self.broken.is_set() and not batch.is_prefill:
-            return []
+        if self.broken.is_set():
+            return self.broken_run(batch)
         return super().run(batch)
+
+    def broken_run(self, batch: Batch) -> list[int]:
+        return [] if not batch.is_prefill else super().run(batch)
+
+
+class FailingForwardRunner(MalformedRunner):
+    """While broken, the forward pass raises: a failure the engine recovers
+    from itself, retrying the step."""
+
+    def broken_run(self, batch: Batch) -> list[int]:
+        raise RuntimeError("the forward pass failed")
 
 
 JOBS = [(f"the worker stops {i}", 30) for i in range(3)]
@@ -148,20 +160,26 @@ def test_a_step_error_that_repeats_stops_the_worker_as_a_failed_device_does(
     completed(client, job_ids, loaded_tiny)
 
 
+def failing_shown(start_worker: Any, r: redis.Redis, settings: Any, name: str,
+                  runner: MalformedRunner) -> tuple[Any, str, bytes]:
+    """Start a worker on ``runner`` that never gives up, and wait until its
+    heartbeat's ``failing`` field says something: (worker, its key, the field)."""
+    worker = start_worker(name, runner=runner, max_failed_steps=100_000)
+    key = Keys(settings.namespace).worker(name)
+    failing = wait_until(lambda: r.hget(key, "failing"), timeout=60,
+                         what="the failing steps in the heartbeat")
+    assert r.hget(key, "fatal") == b""
+    return worker, key, failing
+
+
 def test_a_step_error_shows_in_the_heartbeat_until_a_step_succeeds(
     client: FleetClient, start_worker: Any, loaded_tiny: Any, r: redis.Redis, settings: Any,
 ) -> None:
-    keys = Keys(settings.namespace)
     job_ids = submit(client)
     runner = MalformedRunner(loaded_tiny, good_steps=3)
-    worker = start_worker("failing@test", runner=runner, max_failed_steps=100_000)
-    key = keys.worker("failing@test")
-
-    failing = wait_until(lambda: r.hget(key, "failing"), timeout=60,
-                         what="the step errors in the heartbeat")
+    worker, key, failing = failing_shown(start_worker, r, settings, "failing@test", runner)
     assert b"failed in a row, the last with ValueError" in failing
     assert loads(r.hget(key, "stats") or b"{}")["failed_steps"] >= 1
-    assert r.hget(key, "fatal") == b""
 
     runner.broken.clear()  # the steps succeed again: the jobs finish, the heartbeat clears
     completed(client, job_ids, loaded_tiny)
@@ -169,37 +187,13 @@ def test_a_step_error_shows_in_the_heartbeat_until_a_step_succeeds(
     assert not worker.fatal.is_set()
 
 
-class FailingForwardRunner(HFRunner):
-    """The real model, whose forward pass raises while ``broken`` is set: a
-    failure the engine recovers from itself, retrying the step."""
-
-    def __init__(self, loaded: tuple[Any, Any], good_steps: int) -> None:
-        super().__init__(*loaded)
-        self.good_steps, self.steps = good_steps, 0
-        self.broken = threading.Event()
-
-    def run(self, batch: Batch) -> list[int]:
-        self.steps += 1
-        if self.steps == self.good_steps + 1:
-            self.broken.set()
-        if self.broken.is_set():
-            raise RuntimeError("the forward pass failed")
-        return super().run(batch)
-
-
 def test_forward_passes_the_engine_retries_show_in_the_heartbeat_until_one_succeeds(
     client: FleetClient, start_worker: Any, loaded_tiny: Any, r: redis.Redis, settings: Any,
 ) -> None:
-    keys = Keys(settings.namespace)
     job_ids = submit(client)
     runner = FailingForwardRunner(loaded_tiny, good_steps=3)
-    worker = start_worker("retrying@test", runner=runner, max_failed_steps=100_000)
-    key = keys.worker("retrying@test")
-
-    failing = wait_until(lambda: r.hget(key, "failing"), timeout=60,
-                         what="the retried forward passes in the heartbeat")
+    worker, key, failing = failing_shown(start_worker, r, settings, "retrying@test", runner)
     assert b"failed forward pass(es) retried by the engine" in failing
-    assert r.hget(key, "fatal") == b""
 
     # The first jobs end as the engine's retries decide (their failures count
     # as attempts); once the forward passes succeed again, new jobs complete.
