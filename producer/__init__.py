@@ -11,8 +11,10 @@ lives in ``tokenfleet.workers`` and needs the ``worker`` extra (torch, Celery).
 
 from tokenfleet.aio import AsyncFleetClient
 from tokenfleet.client import FleetClient
+from tokenfleet.generation import AsyncGeneration, Generation
 from tokenfleet.shared.errors import (
     IdempotencyConflict,
+    InvalidRequest,
     JobNotFound,
     NoWorker,
     QueueFull,
@@ -22,6 +24,7 @@ from tokenfleet.shared.errors import (
 )
 from tokenfleet.shared.schemas import (
     ChatMessage,
+    EndEvent,
     FinishReason,
     GenerationRequest,
     JobState,
@@ -32,11 +35,15 @@ from tokenfleet.shared.schemas import (
 
 __all__ = [
     "AsyncFleetClient",
+    "AsyncGeneration",
     "ChatMessage",
+    "EndEvent",
     "FinishReason",
     "FleetClient",
+    "Generation",
     "GenerationRequest",
     "IdempotencyConflict",
+    "InvalidRequest",
     "JobNotFound",
     "JobState",
     "JobStatus",

@@ -5,8 +5,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncGenerator
-from typing import Any
+from collections.abc import AsyncGenerator, Coroutine
+from typing import Any, Literal, overload
 
 from tokenfleet.protocol import (
     CANCEL_WAIT_S,
@@ -30,8 +30,9 @@ from tokenfleet.shared.errors import JobNotFound, NoWorker
 from tokenfleet.shared.keys import Keys
 from tokenfleet.shared.liveness import live_since
 from tokenfleet.shared.redis_conn import connect_async
-from tokenfleet.shared.schemas import GenerationRequest, JobState, JobStatus, TokenEvent
+from tokenfleet.shared.schemas import EndEvent, GenerationRequest, JobState, JobStatus, TokenEvent
 from tokenfleet.shared.settings import Settings, get_settings
+from tokenfleet.generation import AsyncGeneration
 from tokenfleet.subscriptions import Subscriptions
 
 
@@ -50,6 +51,7 @@ class AsyncFleetClient:
         self.redis: Any = connect_async(url or self.settings.redis_url)
         self.keys = Keys(namespace or self.settings.namespace)
         self._subscriptions = Subscriptions(self.redis)
+        self._background: set[asyncio.Task[Any]] = set()  # strong references, awaited by close()
 
     async def __aenter__(self) -> AsyncFleetClient:
         return self
@@ -58,6 +60,8 @@ class AsyncFleetClient:
         await self.close()
 
     async def close(self) -> None:
+        if self._background:  # a generation's cancel, on its way to Redis
+            await asyncio.gather(*self._background, return_exceptions=True)
         await self._subscriptions.close()
         await self.redis.aclose()
 
@@ -72,6 +76,23 @@ class AsyncFleetClient:
         if job_id is None:
             raise NoWorker(request.model, await self.served_queues())
         return job_id
+
+    def generation(self, prompt: str | GenerationRequest | None = None, /, *,
+                   require_worker: bool | None = None, **kwargs: Any) -> AsyncGeneration:
+        """``async with client.generation(prompt, ...) as gen: async for event in gen:``:
+        the job is submitted on entering the block (as ``submit``) and cancelled if
+        the block is left before it ended, even when the task is being cancelled (a
+        web framework cancels the streaming task when the HTTP client leaves)."""
+        async def submit() -> str:
+            return await self.submit(prompt, require_worker=require_worker, **kwargs)
+        return AsyncGeneration(self, submit)
+
+    def in_background(self, work: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
+        """Run ``work`` on a task of its own, which ``close()`` waits for."""
+        task = asyncio.get_running_loop().create_task(work)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+        return task
 
     async def served_queues(self) -> list[str]:
         """The queues at least one live worker serves now."""
@@ -100,6 +121,8 @@ class AsyncFleetClient:
         verdict = cancel_verdict(await call.run_async(self.redis), job_id)
         if verdict is not CancelVerdict.REQUESTED:
             return verdict is CancelVerdict.CANCELLED
+        if timeout <= 0:
+            return False  # asked; the worker stops it at its next step
         try:
             state = await self.wait(job_id, timeout=timeout)
         except TimeoutError:
@@ -123,20 +146,35 @@ class AsyncFleetClient:
                         break
                 check_deadline(deadline, job_id)
 
-    async def stream(self, job_id: str, timeout: float | None = None
-                     ) -> AsyncGenerator[TokenEvent, None]:
-        async with contextlib.aclosing(self.stream_batches(job_id, timeout)) as batches:
+    @overload
+    def stream(self, job_id: str, timeout: float | None = None, *,
+               final: Literal[False] = False) -> AsyncGenerator[TokenEvent, None]: ...
+    @overload
+    def stream(self, job_id: str, timeout: float | None = None, *,
+               final: Literal[True]) -> AsyncGenerator[TokenEvent | EndEvent, None]: ...
+
+    async def stream(self, job_id: str, timeout: float | None = None, *,
+                     final: bool = False) -> AsyncGenerator[TokenEvent | EndEvent, None]:
+        """See ``FleetClient.stream``; ``final=True`` ends with the ``EndEvent``."""
+        cursor = EventCursor()
+        async with contextlib.aclosing(self._batches(job_id, timeout, cursor)) as batches:
             async for batch in batches:
                 for event in batch:
                     yield event
+        if final:
+            assert cursor.final is not None  # set whenever the cursor ends
+            yield cursor.final
 
-    async def stream_batches(self, job_id: str, timeout: float | None = None
-                             ) -> AsyncGenerator[list[TokenEvent], None]:
+    def stream_batches(self, job_id: str, timeout: float | None = None
+                       ) -> AsyncGenerator[list[TokenEvent], None]:
         """``stream``'s events in lists: each time, every event in by then. A
         reader that falls behind (the gateway on a busy host) takes the backlog
         in one go and can write it out as one frame."""
+        return self._batches(job_id, timeout, EventCursor())
+
+    async def _batches(self, job_id: str, timeout: float | None, cursor: EventCursor
+                       ) -> AsyncGenerator[list[TokenEvent], None]:
         deadline = None if timeout is None else time.monotonic() + timeout
-        cursor = EventCursor()
         async with self._subscriptions.listen(self.keys.events(job_id)) as messages:
             await self._catch_up(job_id, cursor)
             if events := cursor.take():
@@ -162,7 +200,7 @@ class AsyncFleetClient:
         cursor.expires_at = expires_at(state)
         if state.status.is_terminal:
             cursor.feed_log(await self.redis.xrange(log, cursor.log_after(), "+"))
-            cursor.ended = True
+            cursor.end_from(state)
 
 
 async def _next(messages: asyncio.Queue[bytes], deadline: float | None,

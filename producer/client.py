@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, Literal, overload
 
 from redis.exceptions import ConnectionError as RedisConnectionError
 
+from tokenfleet.generation import Generation
 from tokenfleet.pubsub_pool import PubSubPool
 from tokenfleet.protocol import (
     CANCEL_WAIT_S,
@@ -31,7 +32,7 @@ from tokenfleet.shared.errors import JobNotFound, NoWorker
 from tokenfleet.shared.keys import Keys
 from tokenfleet.shared.liveness import live_since
 from tokenfleet.shared.redis_conn import connect, resubscribe_after
-from tokenfleet.shared.schemas import GenerationRequest, JobState, JobStatus, TokenEvent
+from tokenfleet.shared.schemas import EndEvent, GenerationRequest, JobState, JobStatus, TokenEvent
 from tokenfleet.shared.settings import Settings, get_settings
 
 
@@ -85,6 +86,14 @@ class FleetClient:
             raise NoWorker(request.model, self.served_queues())
         return job_id
 
+    def generation(self, prompt: str | GenerationRequest | None = None, /, *,
+                   require_worker: bool | None = None, **kwargs: Any) -> Generation:
+        """``with client.generation(prompt, ...) as gen: for event in gen: ...``: the
+        job is submitted on entering the block (as ``submit``) and cancelled if the
+        block is left before it ended; ``gen.end`` is its ``EndEvent``."""
+        return Generation(self, lambda: self.submit(prompt, require_worker=require_worker,
+                                                     **kwargs))
+
     def served_queues(self) -> list[str]:
         """The queues at least one live worker serves now."""
         names = list(self.redis.scan_iter(match=self.keys.served_pattern(), count=500))
@@ -114,6 +123,7 @@ class FleetClient:
         job to end and returns True only if it ended cancelled. False: it had
         ended already, it ended otherwise, or it was still running after
         ``timeout`` (the request stands; ``status`` tells how it ends).
+        ``timeout=0`` asks and returns at once.
         """
         # The queue's key goes to the script with the others (declared keys only).
         model, priority = self.redis.hmget(self.keys.job(job_id), ["model", "priority"])
@@ -124,6 +134,8 @@ class FleetClient:
         verdict = cancel_verdict(call.run(self.redis), job_id)
         if verdict is not CancelVerdict.REQUESTED:
             return verdict is CancelVerdict.CANCELLED
+        if timeout <= 0:
+            return False  # asked; the worker stops it at its next step
         try:
             return self.wait(job_id, timeout=timeout).status is JobStatus.CANCELLED
         except TimeoutError:
@@ -157,8 +169,18 @@ class FleetClient:
                         break
                 check_deadline(deadline, job_id)
 
-    def stream(self, job_id: str, timeout: float | None = None) -> Iterator[TokenEvent]:
-        """Yield the job's token events in order, from its first token to its end.
+    @overload
+    def stream(self, job_id: str, timeout: float | None = None, *,
+               final: Literal[False] = False) -> Iterator[TokenEvent]: ...
+    @overload
+    def stream(self, job_id: str, timeout: float | None = None, *,
+               final: Literal[True]) -> Iterator[TokenEvent | EndEvent]: ...
+
+    def stream(self, job_id: str, timeout: float | None = None, *,
+               final: bool = False) -> Iterator[TokenEvent | EndEvent]:
+        """Yield the job's token events in order, from its first token to its end;
+        with ``final=True`` the last item is the job's ``EndEvent`` (its status,
+        finish reason and error), so no second ``status()`` is needed.
 
         Works whenever it starts: what was generated before is replayed from the
         job's token log, the rest arrives live, with no gap and no duplicate.
@@ -174,6 +196,9 @@ class FleetClient:
                 failures += 1
                 if not resubscribe_after(self.redis, failures):
                     raise
+        if final:
+            assert cursor.final is not None  # set whenever the cursor ends
+            yield cursor.final
 
     def _follow(self, job_id: str, cursor: EventCursor,
                 deadline: float | None) -> Iterator[TokenEvent]:
@@ -198,5 +223,5 @@ class FleetClient:
         if state.status.is_terminal:
             # Ended between the two reads: the log now holds every token.
             cursor.feed_log(self.redis.xrange(self.keys.out(job_id), cursor.log_after(), "+"))
-            cursor.ended = True
+            cursor.end_from(state)
 

@@ -9,9 +9,11 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from pydantic import ValidationError
+
 from tokenfleet.shared import client_scripts
 from tokenfleet.shared.client_scripts import Admission, CancelVerdict, Submitted
-from tokenfleet.shared.errors import IdempotencyConflict, JobNotFound, QueueFull
+from tokenfleet.shared.errors import IdempotencyConflict, InvalidRequest, JobNotFound, QueueFull
 from tokenfleet.shared.keys import Keys, new_job_id
 from tokenfleet.shared.liveness import live_since
 from tokenfleet.shared.schemas import (
@@ -46,14 +48,13 @@ CANCEL_WAIT_S = 5.0
 def build_request(
     prompt: str | GenerationRequest | None, kwargs: dict[str, Any], settings: Settings
 ) -> GenerationRequest:
-    """Validate what the caller gave (``pydantic.ValidationError`` if it is wrong)."""
+    """Validate what the caller gave: ``InvalidRequest`` (a ``TokenfleetError``
+    with JSON-ready ``errors``) if it is wrong."""
     if isinstance(prompt, GenerationRequest):
         if kwargs:
             raise TypeError("pass either a GenerationRequest or keyword arguments, not both")
         # Re-validate: the object may have been built without this fleet's limits.
-        return GenerationRequest.model_validate(
-            prompt.model_dump(), context={"settings": settings}
-        )
+        return _validated(prompt.model_dump(), settings)
     unknown = set(kwargs) - SAMPLING_FIELDS - REQUEST_FIELDS
     if unknown:
         raise TypeError(f"unknown argument(s) to submit: {', '.join(sorted(unknown))}")
@@ -61,7 +62,14 @@ def build_request(
     data["sampling"] = {k: v for k, v in kwargs.items() if k in SAMPLING_FIELDS}
     if prompt is not None:
         data["prompt"] = prompt
-    return GenerationRequest.model_validate(data, context={"settings": settings})
+    return _validated(data, settings)
+
+
+def _validated(data: dict[str, Any], settings: Settings) -> GenerationRequest:
+    try:
+        return GenerationRequest.model_validate(data, context={"settings": settings})
+    except ValidationError as exc:
+        raise InvalidRequest.from_validation(exc) from exc
 
 
 @dataclass(frozen=True)
@@ -188,6 +196,7 @@ class EventCursor:
 
     next_index: int = 0
     ended: bool = False
+    final: EndEvent | None = None  # the job's end, once seen (or read from its record)
     expires_at: float | None = None  # a queued job's deadline: look again then
     pending: list[TokenEvent] = field(default_factory=list)
 
@@ -199,7 +208,7 @@ class EventCursor:
         """Take one event; return False when it leaves a gap (re-read the log)."""
         event = parse_event(payload)
         if isinstance(event, EndEvent):
-            self.ended = True
+            self.ended, self.final = True, event
             return True
         if event.end <= self.next_index:
             return True  # seen already, from the log or a redelivery
@@ -225,6 +234,13 @@ class EventCursor:
     def take(self) -> list[TokenEvent]:
         out, self.pending = self.pending, []
         return out
+
+    def end_from(self, state: JobState) -> None:
+        """The record says the job ended (its end message may never come)."""
+        self.ended = True
+        if self.final is None:
+            self.final = EndEvent(status=state.status, finish_reason=state.finish_reason,
+                                  error=state.error)
 
 
 def is_end(message: dict[str, Any]) -> bool:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any
 
 from pydantic import ValidationError
 from redis.exceptions import AuthenticationError, ConnectionError
@@ -57,6 +58,27 @@ class IdempotencyConflict(TokenfleetError):
             "model, prompt or parameters); nothing was enqueued: use a new key for a new request"
         )
         self.key = key
+
+
+class InvalidRequest(TokenfleetError, ValueError):
+    """The request breaks a rule (a field's type, range or limit); nothing was enqueued.
+
+    The message is one line naming the field and the limit; ``errors`` lists every
+    problem JSON-ready (``{"loc": [...], "msg": ..., "type": ...}``, the input
+    left out: it can be a whole prompt), for a web backend to return as it is. A
+    ``ValueError`` too, as pydantic's ``ValidationError`` it replaces is.
+    """
+
+    def __init__(self, message: str, errors: list[dict[str, Any]] | None = None) -> None:
+        super().__init__(message)
+        self.errors = list(errors or [])
+
+    @classmethod
+    def from_validation(cls, exc: ValidationError) -> InvalidRequest:
+        errors = [{"loc": list(error["loc"]), "msg": error["msg"], "type": error["type"]}
+                  for error in exc.errors(include_url=False, include_input=False,
+                                          include_context=False)]
+        return cls(invalid_input(exc), errors)
 
 
 class RedisUnavailable(TokenfleetError, ConnectionError):

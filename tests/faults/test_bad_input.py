@@ -9,9 +9,8 @@ from typing import Any
 import pytest
 import redis
 from hypothesis import HealthCheck, given, settings as hsettings, strategies as st
-from pydantic import ValidationError
 
-from tokenfleet import FleetClient, IdempotencyConflict
+from tokenfleet import FleetClient, IdempotencyConflict, InvalidRequest
 from tokenfleet.shared.keys import Keys
 from tokenfleet.shared.schemas import JobStatus
 from tokenfleet.shared.serialization import loads
@@ -60,7 +59,7 @@ def test_5000_random_submits_are_accepted_or_refused_with_a_validation_error(
     prompt = kwargs.pop("prompt", "x")
     try:
         job_id = client.submit(prompt, require_worker=False, **kwargs)
-    except (ValidationError, TypeError) as exc:
+    except (InvalidRequest, TypeError) as exc:
         assert str(exc)  # a message a user can read
         Tally.refused += 1
         return

@@ -10,9 +10,8 @@ from typing import Any
 import pytest
 import redis
 import torch
-from pydantic import ValidationError
 
-from tokenfleet import AsyncFleetClient, FleetClient
+from tokenfleet import AsyncFleetClient, FleetClient, InvalidRequest
 from tokenfleet.shared.keys import GROUP, Keys
 from tokenfleet.shared.schemas import GenerationRequest, JobStatus, SamplingParams
 from tokenfleet.shared.serialization import loads
@@ -123,11 +122,11 @@ def test_two_worker_processes_split_a_burst_and_no_job_runs_twice(
 def test_invalid_requests_fail_at_submit_and_nothing_reaches_redis(
     client: FleetClient, r: redis.Redis, settings: Any
 ) -> None:
-    with pytest.raises(ValidationError, match="max_new_tokens"):
+    with pytest.raises(InvalidRequest, match="max_new_tokens"):
         client.submit("hello", max_new_tokens=0)
-    with pytest.raises(ValidationError, match="limit of 1024"):
+    with pytest.raises(InvalidRequest, match="limit of 1024"):
         client.submit("hello", max_new_tokens=100_000)
-    with pytest.raises(ValidationError, match="prompt is empty"):
+    with pytest.raises(InvalidRequest, match="prompt is empty"):
         client.submit("")
     with pytest.raises(TypeError, match="unknown argument"):
         client.submit("hello", max_tokens=5)
