@@ -90,7 +90,8 @@ class Worker:
         self._held: set[str] = set()
         self.feeder = Feeder(
             self.redis, self.keys, settings, name, self.queue,
-            Admission(tokenizer, settings, engine.max_model_len), self.publisher,
+            Admission(tokenizer, settings, engine.max_model_len, vocab_size=engine.vocab_size,
+                      refusal=engine.refusal), self.publisher,
             sink=self._receive, credits=self.credits, holds=self._held.__contains__,
         )
         self.metrics = Metrics(self.queue, engine.stats)
