@@ -57,11 +57,17 @@ class DeviceFailure(RuntimeError):
 
     ``suspects`` are the sequences of the step that failed (their job may have
     caused it); the worker hands them back with every other held sequence.
+
+    ``by_jobs``: the device works (no fatal device error, and it had run good
+    steps), so the step most likely failed on what one of its jobs held, yet the
+    engine cannot go on after a failed step (vLLM's cannot). The worker still
+    restarts, but a supervisor does not count it against the device.
     """
 
-    def __init__(self, reason: str, suspects: Iterable[Sequence]) -> None:
+    def __init__(self, reason: str, suspects: Iterable[Sequence], by_jobs: bool = False) -> None:
         super().__init__(reason)
         self.suspects = list(suspects)
+        self.by_jobs = by_jobs
 
 
 class BatchShape(NamedTuple):

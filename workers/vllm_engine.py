@@ -26,7 +26,7 @@ from tokenfleet.shared import models
 from tokenfleet.shared.schemas import FinishReason
 from tokenfleet.shared.settings import Settings
 from tokenfleet.workers import budget
-from tokenfleet.workers.engine import BatchShape, DeviceFailure, Engine
+from tokenfleet.workers.engine import BatchShape, DeviceFailure, Engine, is_fatal_device_error
 from tokenfleet.workers.engines import BuiltEngine
 from tokenfleet.workers.sequence import Sequence
 
@@ -56,6 +56,7 @@ class VLLMEngine(Engine):
         self._request: dict[str, str] = {}  # job id -> its live request id
         self._new = 0  # requests added since the last step (for the stats)
         self._ended_by_vllm: list[Sequence] = []  # finished in vLLM in the last step
+        self._good_steps = 0  # steps vLLM ran without raising
 
     @classmethod
     def build(cls, settings: Settings) -> tuple[VLLMEngine, Any]:
@@ -150,9 +151,13 @@ class VLLMEngine(Engine):
             outputs = self.llm.step()
         except Exception as exc:
             # vLLM's engine does not come back from a failed step: hand every
-            # job back (the worker does) and let the process restart.
+            # job back (the worker does) and let the process restart. Unless
+            # the device broke or never ran a step, a job is the likely cause.
             raise DeviceFailure(f"vLLM step failed: {type(exc).__name__}: {exc}",
-                                list(self._live.values())) from exc
+                                list(self._live.values()),
+                                by_jobs=self._good_steps > 0 and not is_fatal_device_error(exc)
+                                ) from exc
+        self._good_steps += 1
         self.last_batch, self._new = BatchShape(self.num_running, self._new > 0), 0
         made: list[tuple[Sequence, int]] = []
         for out in outputs:
