@@ -277,4 +277,6 @@ def _reason(exc: Exception) -> str:
         return f"invalid request: {invalid_input(exc)}"
     if isinstance(exc, KeyError):
         return f"malformed entry: missing field {exc.args[0]!r}"
+    if isinstance(exc, Rejected):  # a sentence of its own: no class name for the user
+        return str(exc)
     return f"{type(exc).__name__}: {exc}"
