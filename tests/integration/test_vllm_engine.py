@@ -195,9 +195,10 @@ def test_a_request_vllm_refuses_fails_at_once_and_the_worker_serves_sixteen_othe
 
 
 def test_a_token_log_outside_the_vocabulary_fails_its_job_alone_with_no_worker_exit(
-        client: FleetClient, engine: Any, r: redis.Redis, settings: Any) -> None:
+        client: FleetClient, engine: Any, r: redis.Redis, settings: Any,
+        loaded_tiny: Any) -> None:
     keys = Keys(settings.namespace)
-    vocab = engine[0].vocab_size
+    vocab = loaded_tiny[0].get_input_embeddings().num_embeddings
     poisoned = {client.submit(f"poisoned {i}", max_new_tokens=20, require_worker=False): bad
                 for i, bad in enumerate((vocab, 10**6))}
     for job_id, bad in poisoned.items():
