@@ -1,12 +1,14 @@
 """Turning a queue entry into a sequence the engine can run: tokenize and check.
 
 Requests were validated by the producer, but the worker checks again what only
-it can know (the prompt's length in this model's tokens, the chat template) and
-what it must not trust (a producer with other limits, a hand-written entry).
+it can know (the prompt's length in this model's tokens, the chat template,
+what its engine accepts) and what it must not trust (a producer with other
+limits, a hand-written entry, the token ids of a resumed job's log).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from tokenfleet.shared.schemas import GenerationRequest, QueueEntry
@@ -20,10 +22,16 @@ class Rejected(Exception):
 
 
 class Admission:
-    def __init__(self, tokenizer: Any, settings: Settings, max_model_len: int) -> None:
+    def __init__(self, tokenizer: Any, settings: Settings, max_model_len: int, *,
+                 vocab_size: int | None = None,
+                 refusal: Callable[[Sequence], str | None] | None = None) -> None:
+        """``vocab_size``: the engine's (``Engine.vocab_size``), else the
+        tokenizer's; ``refusal``: the engine's ``Engine.refusal``."""
         self.tokenizer = tokenizer
         self.settings = settings
         self.max_model_len = max_model_len
+        self.vocab_size = vocab_size if vocab_size is not None else len(tokenizer)
+        self.refusal = refusal
         self._encode = _fast_encoder(tokenizer)
 
     @property
@@ -67,6 +75,22 @@ class Admission:
             deadline_at=entry.deadline_at,
             created_at=entry.created_at,
         )
+
+
+    def resume(self, seq: Sequence, token_ids: list[Any]) -> None:
+        """Give ``seq`` the tokens an earlier attempt logged, then ask the
+        engine whether it runs the request. The log is read back from Redis,
+        so its ids are checked before the detokenizer or any engine sees one:
+        an id outside the vocabulary would make the model index past its
+        embedding (a crash of the whole step, every job in it lost)."""
+        for token_id in token_ids:
+            if type(token_id) is not int or not 0 <= token_id < self.vocab_size:
+                raise Rejected(f"token log holds id {token_id!r} outside the vocabulary of "
+                               f"{self.vocab_size} (ids 0 to {self.vocab_size - 1})")
+        seq.restore(token_ids)
+        why = self.refusal(seq) if self.refusal is not None else None
+        if why is not None:
+            raise Rejected(why)
 
 
 def _fast_encoder(tokenizer: Any) -> Any:

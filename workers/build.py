@@ -129,4 +129,5 @@ def hf_engine(settings: Settings, runner: ModelRunner, eos_token_ids: set[int],
                           max_prefill_tokens=settings.max_step_tokens,
                           max_step_tokens=(max(settings.max_step_tokens, max_batch)
                                            if runner.chunked_prefill else None))
-    return HFEngine(scheduler, runner, max_failed_steps=settings.max_failed_steps)
+    return HFEngine(scheduler, runner, max_failed_steps=settings.max_failed_steps,
+                    vocab_size=runner.vocab_size)

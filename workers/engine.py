@@ -57,11 +57,17 @@ class DeviceFailure(RuntimeError):
 
     ``suspects`` are the sequences of the step that failed (their job may have
     caused it); the worker hands them back with every other held sequence.
+
+    ``by_jobs``: the device works (no fatal device error, and it had run good
+    steps), so the step most likely failed on what one of its jobs held, yet the
+    engine cannot go on after a failed step (vLLM's cannot). The worker still
+    restarts, but a supervisor does not count it against the device.
     """
 
-    def __init__(self, reason: str, suspects: Iterable[Sequence]) -> None:
+    def __init__(self, reason: str, suspects: Iterable[Sequence], by_jobs: bool = False) -> None:
         super().__init__(reason)
         self.suspects = list(suspects)
+        self.by_jobs = by_jobs
 
 
 class BatchShape(NamedTuple):
@@ -88,6 +94,9 @@ class Engine(ABC):
 
     - ``eos_token_ids``: the tokens that end a sequence (``FinishReason.EOS``);
     - ``max_model_len``: the longest sequence, prompt and output, it serves;
+    - ``vocab_size``: how many token ids its model has (ids are ``0`` to
+      ``vocab_size - 1``); None when the engine does not say, and the
+      tokenizer's size bounds the ids instead;
     - ``clock``: the wall clock deadlines are compared with;
     - ``stats``: the worker's figures; an engine that fails a step and goes on
       counts it in ``stats.failed_steps``;
@@ -96,9 +105,10 @@ class Engine(ABC):
     """
 
     def __init__(self, eos_token_ids: Iterable[int], max_model_len: int,
-                 clock: Callable[[], float] = time.time) -> None:
+                 clock: Callable[[], float] = time.time, vocab_size: int | None = None) -> None:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.max_model_len = max_model_len
+        self.vocab_size = vocab_size
         self.clock = clock  # wall clock: deadlines are absolute times
         self.stats = WorkerStats()
         self.last_batch = BatchShape(0, False)
@@ -123,6 +133,15 @@ class Engine(ABC):
         A job not here yet is ended when it arrives; one on another worker is
         forgotten after a while."""
         self._aborts.append((job_id, reason, error))
+
+    def refusal(self, seq: Sequence) -> str | None:
+        """Why this engine would refuse ``seq``, or None when it runs it: asked
+        before the job is handed over (``add``), so that a request the engine
+        cannot run fails at once with a reason that names the field and the
+        limit, instead of holding a slot. Called from any thread (the feeder's):
+        it may read only what is fixed once the engine is built. By default an
+        engine takes every request the fleet's own validation lets through."""
+        return None
 
     # -- the engine thread ------------------------------------------------------
 
@@ -183,7 +202,17 @@ class Engine(ABC):
         while self._inbox:
             seq = self._inbox.popleft()
             self._held[seq.job_id] = seq
-            self._add(seq)
+            try:
+                self._add(seq)
+            except DeviceFailure:
+                raise
+            except Exception as exc:
+                # The engine refused this request (vLLM raises at add_request
+                # for what its own validation rejects): the job fails alone, at
+                # once, and its slot is free; the other requests go in.
+                log.warning("engine refused job %s: %s: %s", seq.job_id, type(exc).__name__, exc)
+                self.end(seq, FinishReason.ERROR, f"the engine refused the request: {exc}")
+                continue
             early = self._early.pop(seq.job_id, None)
             if early is not None:
                 self.end(seq, early[1], early[2])
@@ -230,7 +259,10 @@ class Engine(ABC):
         within the rest of ``seq.sampling.max_new_tokens`` and ``max_model_len``.
         Called once per sequence, on the engine thread, before any ``_run``
         that may see it. An engine that cannot serve it ends it here with
-        ``self.end(seq, reason, error)`` (``_release`` follows)."""
+        ``self.end(seq, reason, error)`` (``_release`` follows), or raises: the
+        job then fails with the exception's message (``_release`` follows
+        too, for a sequence this call may have taken only in part), and the
+        other sequences are not affected."""
 
     @abstractmethod
     def _run(self) -> list[tuple[Sequence, int]]:

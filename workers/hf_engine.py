@@ -43,6 +43,11 @@ class ModelRunner(Runner, Protocol):
     def eos_token_ids(self) -> set[int]: ...
 
     @property
+    def vocab_size(self) -> int:
+        """How many token ids the model has."""
+        ...
+
+    @property
     def chunked_prefill(self) -> bool:
         """Whether a prompt may be prefilled in chunks, in the same forward
         pass as other sequences' decodes (a step then carries at most
@@ -60,8 +65,8 @@ class HFEngine(Engine):
     """Owned by the engine thread, but for ``add`` and ``abort`` (see ``Engine``)."""
 
     def __init__(self, scheduler: Scheduler, runner: Runner, max_failed_steps: int = 5,
-                 clock: Callable[[], float] = time.time) -> None:
-        super().__init__(scheduler.eos_token_ids, scheduler.max_model_len, clock)
+                 clock: Callable[[], float] = time.time, vocab_size: int | None = None) -> None:
+        super().__init__(scheduler.eos_token_ids, scheduler.max_model_len, clock, vocab_size)
         self.scheduler = scheduler
         self.runner = runner
         # Must exceed a poison job's own run of failures (one in its batch, then

@@ -196,12 +196,12 @@ class Intake:
                        EXPIRED_ERROR, logged=logged)
         try:
             seq = self.admission.sequence(entry, entry_id, attempt)
+            self.admission.resume(seq, logged.token_ids)
         except (Rejected, ValidationError) as exc:
             return end(attempt, JobStatus.FAILED, FinishReason.ERROR, _reason(exc),
                        dead=_reason(exc), logged=logged)
         seq.entry_json = data.decode()  # as read: a hand-back queues it again unchanged
         seq.queue = queue  # the level's stream it came from: where it is acknowledged
-        seq.restore(logged.token_ids)
         return seq
 
     def _reject(self, queue: str, entry_id: str, entry: QueueEntry, data: bytes,
@@ -277,4 +277,6 @@ def _reason(exc: Exception) -> str:
         return f"invalid request: {invalid_input(exc)}"
     if isinstance(exc, KeyError):
         return f"malformed entry: missing field {exc.args[0]!r}"
+    if isinstance(exc, Rejected):  # a sentence of its own: no class name for the user
+        return str(exc)
     return f"{type(exc).__name__}: {exc}"

@@ -24,6 +24,7 @@ class NullRunner:
         self.tokenizer = tokenizer
         self.token_id: int = tokenizer.encode(TOKEN_TEXT, add_special_tokens=False)[0]
         self.max_model_len = max_model_len
+        self.vocab_size = len(tokenizer)
         eos = tokenizer.eos_token_id
         self.eos_token_ids: set[int] = set() if eos is None else {int(eos)}
         self.steps = 0

@@ -46,7 +46,8 @@ def not_plain_attention(model: Any) -> str | None:
 
 
 class ModelLimits:
-    """What the engine reads from a runner's model: its length and end tokens."""
+    """What the engine reads from a runner's model: its length, end tokens and
+    vocabulary."""
 
     model: Any
     tokenizer: Any
@@ -59,6 +60,12 @@ class ModelLimits:
     def eos_token_ids(self) -> set[int]:
         return models.eos_token_ids(self.model.generation_config, self.model.config,
                                     self.tokenizer)
+
+    @property
+    def vocab_size(self) -> int:
+        """The rows of the model's input embedding: a token id at or past it
+        makes the forward pass index outside it."""
+        return int(self.model.get_input_embeddings().num_embeddings)
 
 
 class HFRunner(ModelLimits):

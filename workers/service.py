@@ -52,6 +52,10 @@ log = logging.getLogger(__name__)
 # The exit status of a process whose device failed (EX_SOFTWARE in sysexits.h):
 # non-zero, so systemd, Docker or Kubernetes restart it.
 FATAL_EXIT_CODE = 70
+# The exit status of a process whose engine stopped on a step that a job most
+# likely broke, on a device that works (EX_TEMPFAIL): restarted at once, and
+# not counted against the device by ``tokenfleet worker``'s supervisor.
+JOB_FAULT_EXIT_CODE = 75
 # Tries of a step's writes that Redis refused for a reason of the write itself
 # (not its own state: see publisher.is_transient) before its jobs are given up.
 MAX_STORE_TRIES = 5
@@ -90,7 +94,8 @@ class Worker:
         self._held: set[str] = set()
         self.feeder = Feeder(
             self.redis, self.keys, settings, name, self.queue,
-            Admission(tokenizer, settings, engine.max_model_len), self.publisher,
+            Admission(tokenizer, settings, engine.max_model_len, vocab_size=engine.vocab_size,
+                      refusal=engine.refusal), self.publisher,
             sink=self._receive, credits=self.credits, holds=self._held.__contains__,
         )
         self.metrics = Metrics(self.queue, engine.stats)
@@ -392,7 +397,8 @@ class Worker:
         finally:  # the process exits even if the stop went wrong
             self.fatal.set()
             if self.on_fatal is not None:
-                self.on_fatal(FATAL_EXIT_CODE)
+                by_jobs = self._failure is not None and self._failure.by_jobs
+                self.on_fatal(JOB_FAULT_EXIT_CODE if by_jobs else FATAL_EXIT_CODE)
 
     # -- side loops ------------------------------------------------------------
 

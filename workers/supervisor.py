@@ -5,7 +5,11 @@ so a crash costs one process's jobs for ``claim_idle_s`` and not the host's
 capacity for good. A child that keeps dying (``max_restarts`` within
 ``window_s``: a model that does not load, a broken device) is given up on: the
 others are stopped too and the parent exits non-zero with a line saying why, so
-systemd, Kubernetes or supervisor see the failure instead of a half-fleet.
+systemd, Kubernetes or supervisor see the failure instead of a half-fleet. A
+child that exits with ``JOB_FAULT_EXIT_CODE`` (its engine stopped on a step
+that one of its jobs most likely broke, on a device that works) is restarted
+after the first backoff and not counted: a few poison jobs in a row must not
+cost the host its workers.
 SIGTERM / SIGINT are passed on to every child (Celery's warm shutdown drains).
 """
 
@@ -18,6 +22,8 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
+
+from tokenfleet.workers.service import JOB_FAULT_EXIT_CODE
 
 POLL_S = 0.2  # how often the parent looks at its children
 
@@ -86,6 +92,11 @@ class Supervisor:
         child.proc = None
         if self.stopping or code == 0:
             child.done, child.code = True, code
+            return
+        if code == JOB_FAULT_EXIT_CODE:
+            self.say(f"{child.node} stopped on a job its engine could not run (exit code "
+                     f"{code}; its log above says which); restarting in 1s")
+            child.restart_at = now + 1.0
             return
         child.failures.append(now)
         while child.failures and child.failures[0] < now - self.window_s:

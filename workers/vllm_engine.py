@@ -26,7 +26,7 @@ from tokenfleet.shared import models
 from tokenfleet.shared.schemas import FinishReason
 from tokenfleet.shared.settings import Settings
 from tokenfleet.workers import budget
-from tokenfleet.workers.engine import BatchShape, DeviceFailure, Engine
+from tokenfleet.workers.engine import BatchShape, DeviceFailure, Engine, is_fatal_device_error
 from tokenfleet.workers.engines import BuiltEngine
 from tokenfleet.workers.sequence import Sequence
 
@@ -46,8 +46,8 @@ class VLLMEngine(Engine):
     vLLM is called from that thread only."""
 
     def __init__(self, llm: Any, eos_token_ids: set[int], max_model_len: int, max_batch: int,
-                 vllm: Any) -> None:
-        super().__init__(eos_token_ids, max_model_len)
+                 vllm: Any, vocab_size: int | None = None) -> None:
+        super().__init__(eos_token_ids, max_model_len, vocab_size=vocab_size)
         self.llm = llm
         self.max_batch = max_batch
         self._vllm = vllm  # the module: SamplingParams and friends
@@ -56,6 +56,7 @@ class VLLMEngine(Engine):
         self._request: dict[str, str] = {}  # job id -> its live request id
         self._new = 0  # requests added since the last step (for the stats)
         self._ended_by_vllm: list[Sequence] = []  # finished in vLLM in the last step
+        self._good_steps = 0  # steps vLLM ran without raising
 
     @classmethod
     def build(cls, settings: Settings) -> tuple[VLLMEngine, Any]:
@@ -87,6 +88,7 @@ class VLLMEngine(Engine):
             enforce_eager=on_cpu, seed=0, **memory)
         llm = LLMEngine.from_engine_args(args)
         max_model_len = int(llm.vllm_config.model_config.max_model_len)
+        vocab_size = int(llm.vllm_config.model_config.get_vocab_size())
         try:
             generation = GenerationConfig.from_pretrained(path)
         except OSError:  # a model without generation_config.json
@@ -94,15 +96,28 @@ class VLLMEngine(Engine):
         eos = models.eos_token_ids(generation, AutoConfig.from_pretrained(path), tokenizer)
         log.info("vLLM %s serving %s (max batch %d, max model len %d)", vllm.__version__,
                  settings.model, max_batch, max_model_len)
-        return cls(llm, eos, max_model_len, max_batch, vllm), tokenizer
+        return cls(llm, eos, max_model_len, max_batch, vllm, vocab_size), tokenizer
 
     @property
     def num_running(self) -> int:
         return min(len(self._live), self.max_batch)
 
+    def refusal(self, seq: Sequence) -> str | None:
+        """What vLLM's ``SamplingParams`` refuse (it checks its arguments when
+        built: a ``temperature`` above 2, say), in vLLM's words, which name the
+        field and its range. Building them reads nothing of the engine's."""
+        try:
+            self._sampling(seq, max(1, self._budget(seq)))
+        except Exception as exc:  # VLLMValidationError, or ValueError in older vLLMs
+            return f"vLLM refuses the request: {exc}"
+        return None
+
+    def _budget(self, seq: Sequence) -> int:
+        return min(seq.sampling.max_new_tokens - len(seq.generated),
+                   self.max_model_len - seq.num_tokens)
+
     def _add(self, seq: Sequence) -> None:
-        budget = min(seq.sampling.max_new_tokens - len(seq.generated),
-                     self.max_model_len - seq.num_tokens)
+        budget = self._budget(seq)
         if budget <= 0:  # a resumed job that had made all its tokens
             self.end(seq, FinishReason.LENGTH)
             return
@@ -136,9 +151,13 @@ class VLLMEngine(Engine):
             outputs = self.llm.step()
         except Exception as exc:
             # vLLM's engine does not come back from a failed step: hand every
-            # job back (the worker does) and let the process restart.
+            # job back (the worker does) and let the process restart. Unless
+            # the device broke or never ran a step, a job is the likely cause.
             raise DeviceFailure(f"vLLM step failed: {type(exc).__name__}: {exc}",
-                                list(self._live.values())) from exc
+                                list(self._live.values()),
+                                by_jobs=self._good_steps > 0 and not is_fatal_device_error(exc)
+                                ) from exc
+        self._good_steps += 1
         self.last_batch, self._new = BatchShape(self.num_running, self._new > 0), 0
         made: list[tuple[Sequence, int]] = []
         for out in outputs:

@@ -19,7 +19,9 @@ from tokenfleet.workers.engine import is_fatal_device_error
 from tokenfleet.workers.publisher import is_transient
 from tokenfleet.workers.runner import HFRunner
 from tokenfleet.workers.scheduler import Batch
-from tokenfleet.workers.service import FATAL_EXIT_CODE
+from tokenfleet.workers import supervisor
+from tokenfleet.workers.service import FATAL_EXIT_CODE, JOB_FAULT_EXIT_CODE
+from tokenfleet.workers.supervisor import Child, Supervisor
 
 from helpers import direct_greedy, logged_tokens
 
@@ -202,3 +204,52 @@ def test_a_refused_write_is_retried_only_when_redis_itself_is_the_cause(
     error: Exception, transient: bool
 ) -> None:
     assert is_transient(error) is transient
+
+
+class ExitedProcess:
+    """A child process that has already exited with ``code``."""
+
+    def __init__(self, code: int) -> None:
+        self.code = code
+
+    def poll(self) -> int:
+        return self.code
+
+
+class FakeTime:
+    """The supervisor's clock: a sleep moves it on at once."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.now += seconds
+
+
+@pytest.mark.parametrize("crash,starts,gives_up", [
+    (JOB_FAULT_EXIT_CODE, 9, False),  # eight job-fault crashes, then a clean exit
+    (FATAL_EXIT_CODE, 5, True),  # a broken device: given up at max_restarts
+])
+def test_crashes_a_job_caused_do_not_make_the_supervisor_give_up_on_the_worker(
+    monkeypatch: pytest.MonkeyPatch, crash: int, starts: int, gives_up: bool
+) -> None:
+    exits = iter([crash] * 8 + [0])
+    started: list[list[str]] = []
+
+    def popen(cmd: list[str], env: dict[str, str]) -> ExitedProcess:
+        started.append(cmd)
+        return ExitedProcess(next(exits))
+
+    monkeypatch.setattr(supervisor, "time", FakeTime())
+    monkeypatch.setattr(supervisor.signal, "signal", lambda *_: None)
+    lines: list[str] = []
+    run = Supervisor([Child("w-gpu0@host", ["celery"], {})], max_restarts=5, say=lines.append,
+                     popen=popen)
+    code = run.run()
+
+    assert len(started) == starts
+    assert code == (crash if gives_up else 0)
+    assert any("giving up" in line for line in lines) is gives_up, lines

@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -55,16 +56,25 @@ def engine(tiny_dir: Path) -> Iterator[Any]:
 
 @pytest.fixture
 def vllm_worker(settings: Any, engine: Any) -> Iterator[Any]:
+    with serving(settings, engine) as worker:
+        yield worker
+
+
+@contextmanager
+def serving(settings: Any, engine: Any) -> Iterator[Any]:
+    """A worker on the module's vLLM engine, from its first heartbeat until it stopped."""
     from tokenfleet.workers.service import Worker
 
     vllm_engine, tokenizer = engine
     worker = Worker(settings, vllm_engine, tokenizer, name="vllm@test")
     worker.start()
-    wait_until(lambda: worker.redis.zscore(worker.keys.queue_workers(worker.queue),
-                                           worker.name) is not None,
-               timeout=30, what="the vLLM worker's first heartbeat")
-    yield worker
-    worker.stop(grace_s=0)
+    try:
+        wait_until(lambda: worker.redis.zscore(worker.keys.queue_workers(worker.queue),
+                                               worker.name) is not None,
+                   timeout=30, what="the vLLM worker's first heartbeat")
+        yield worker
+    finally:
+        worker.stop(grace_s=0)
     assert not vllm_engine.has_work, "the engine kept a job after its worker stopped"
 
 
@@ -163,3 +173,91 @@ def test_kill_9_of_a_vllm_worker_resumes_its_jobs_from_their_logs_without_a_dupl
         events = list(client.stream(state.id, timeout=10))
         assert [t for e in events for t in e.token_ids] == state.token_ids
         assert "".join(e.text for e in events) == state.text
+
+
+def test_a_request_vllm_refuses_fails_at_once_and_the_worker_serves_sixteen_others(
+        client: FleetClient, vllm_worker: Any, r: redis.Redis, settings: Any) -> None:
+    keys = Keys(settings.namespace)
+    # More refused requests than the engine has slots: none may keep one.
+    refused = [client.submit(f"too hot {i}", max_new_tokens=30, temperature=2.5)
+               for i in range(20)]
+    good = [client.submit(f"{PROMPTS[i % len(PROMPTS)]} {i}", max_new_tokens=12,
+                          temperature=0.0) for i in range(16)]
+    for job_id in refused:
+        state = client.wait(job_id, timeout=30)
+        assert state.status is JobStatus.FAILED and state.error is not None
+        assert "temperature must be in [0, 2], got 2.5" in state.error, state.error
+        assert state.token_ids == []
+    states = [client.wait(j, timeout=120) for j in good]
+    assert [s.status for s in states] == [JobStatus.SUCCEEDED] * 16
+    assert vllm_worker.engine.stats.failed_steps == 0 and not vllm_worker.fatal.is_set()
+    assert r.xpending(keys.queue("default"), GROUP)["pending"] == 0
+
+
+def test_a_token_log_outside_the_vocabulary_fails_its_job_alone_with_no_worker_exit(
+        client: FleetClient, engine: Any, r: redis.Redis, settings: Any,
+        loaded_tiny: Any) -> None:
+    keys = Keys(settings.namespace)
+    vocab = loaded_tiny[0].get_input_embeddings().num_embeddings
+    poisoned = {client.submit(f"poisoned {i}", max_new_tokens=20, require_worker=False): bad
+                for i, bad in enumerate((vocab, 10**6))}
+    for job_id, bad in poisoned.items():
+        # As handed back by an earlier attempt, its log tampered with.
+        r.hset(keys.job(job_id), "attempts", 1)
+        event = {"index": 0, "token_ids": [5, bad], "text": "xx"}
+        r.xadd(keys.out(job_id), {"e": json.dumps(event)}, id="0-2")
+    good = [client.submit(f"{PROMPTS[i % len(PROMPTS)]} {i}", max_new_tokens=12,
+                          temperature=0.0, require_worker=False) for i in range(16)]
+    with serving(settings, engine) as worker:
+        for job_id, bad in poisoned.items():
+            state = client.wait(job_id, timeout=30)
+            assert state.status is JobStatus.FAILED and state.error is not None
+            assert f"token log holds id {bad} outside the vocabulary of {vocab}" in state.error
+        states = [client.wait(j, timeout=120) for j in good]
+        assert [s.status for s in states] == [JobStatus.SUCCEEDED] * 16
+        assert worker.engine.stats.failed_steps == 0
+        assert not worker.fatal.is_set() and all(t.is_alive() for t in worker.threads)
+
+
+class FailingLLM:
+    """vLLM's ``LLMEngine`` as the engine calls it, whose step raises an
+    ``IndexError`` (a request the model cannot run) after ``good`` steps."""
+
+    def __init__(self, good: int) -> None:
+        self.good, self.steps = good, 0
+        self.live: list[str] = []
+
+    def add_request(self, request_id: str, prompt: Any, params: Any) -> None:
+        self.live.append(request_id)
+
+    def step(self) -> list[Any]:
+        from types import SimpleNamespace
+
+        self.steps += 1
+        if self.steps > self.good:
+            raise IndexError("index out of range in self")
+        return [SimpleNamespace(request_id=r, finished=False,
+                                outputs=[SimpleNamespace(token_ids=[70])]) for r in self.live]
+
+    def abort_request(self, request_ids: list[str]) -> None:
+        self.live = [r for r in self.live if r not in request_ids]
+
+
+@pytest.mark.parametrize("good,code", [(2, 75), (0, 70)])
+def test_a_failed_vllm_step_on_a_working_device_exits_as_a_job_fault(
+        client: FleetClient, settings: Any, loaded_tiny: Any, good: int, code: int) -> None:
+    from tokenfleet.workers.service import FATAL_EXIT_CODE, JOB_FAULT_EXIT_CODE, Worker
+    from tokenfleet.workers.vllm_engine import VLLMEngine
+
+    assert (JOB_FAULT_EXIT_CODE, FATAL_EXIT_CODE) == (75, 70)
+    engine = VLLMEngine(FailingLLM(good), {0}, 512, 4, vllm, vocab_size=1024)
+    worker = Worker(settings, engine, loaded_tiny[1], name="failing@test")
+    exits: list[int] = []
+    worker.on_fatal = exits.append
+    worker.start()
+    try:
+        client.submit("a job the step fails on", max_new_tokens=20, require_worker=False)
+        assert worker.fatal.wait(60), "the worker did not stop"
+    finally:
+        worker.stop(grace_s=0)
+    assert exits == [code] and "IndexError" in (worker.fatal_reason or "")
