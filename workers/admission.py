@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from tokenfleet.shared.errors import LimitExceeded
+from tokenfleet.shared.limits import worker_limits
 from tokenfleet.shared.schemas import GenerationRequest, QueueEntry
 from tokenfleet.shared.settings import Settings
 from tokenfleet.workers.detokenizer import TextStream
@@ -24,6 +26,7 @@ class Admission:
         self.tokenizer = tokenizer
         self.settings = settings
         self.max_model_len = max_model_len
+        self.limits = worker_limits(settings, max_model_len)
         self._encode = _fast_encoder(tokenizer)
 
     @property
@@ -42,12 +45,11 @@ class Admission:
         else:
             ids = self._encode(request.prompt)
         ids = list(ids)
-        limit = min(self.settings.max_prompt_tokens, self.max_model_len - 1)
-        if len(ids) > limit:
-            raise Rejected(
-                f"prompt is {len(ids)} tokens, above this worker's limit of {limit} "
-                f"(TOKENFLEET_MAX_PROMPT_TOKENS, model length {self.max_model_len})"
-            )
+        # Counted here always: a client without the tokenizer could not.
+        limit = self.limits.prompt_tokens
+        if len(ids) > limit.value:
+            raise Rejected(str(LimitExceeded("prompt_tokens", len(ids), limit.value,
+                                             limit.by, limit.why)))
         return ids
 
     def sequence(self, entry: QueueEntry, entry_id: str, attempt: int) -> Sequence:
