@@ -14,6 +14,7 @@ from tokenfleet.client import FleetClient
 from tokenfleet.shared.errors import (
     IdempotencyConflict,
     JobNotFound,
+    LimitExceeded,
     NoWorker,
     QueueFull,
     RedisAuthFailed,
@@ -40,6 +41,7 @@ __all__ = [
     "JobNotFound",
     "JobState",
     "JobStatus",
+    "LimitExceeded",
     "NoWorker",
     "QueueFull",
     "RedisAuthFailed",
