@@ -35,10 +35,14 @@ end
 -- hash expires once none is live, so with no live worker the client's hold.
 -- On a tie a worker's wins: the refusal names the fleet's limit.
 local submitted = cjson.decode(ARGV[3])
-local limits = {}
+local limits, seen = {}, {}
 for _, published in ipairs(redis.call('HVALS', KEYS[9])) do
-  for name, limit in pairs(cjson.decode(published)) do
-    if limits[name] == nil or limit.value < limits[name].value then limits[name] = limit end
+  -- Workers of one model and settings publish the same text: decoded once.
+  if not seen[published] then
+    seen[published] = true
+    for name, limit in pairs(cjson.decode(published)) do
+      if limits[name] == nil or limit.value < limits[name].value then limits[name] = limit end
+    end
   end
 end
 for name, limit in pairs(submitted.limits) do
