@@ -15,6 +15,7 @@ from tokenfleet.shared.errors import LimitExceeded, QueueFull
 from tokenfleet.shared.keys import Keys, level_queue
 from tokenfleet.shared.schemas import JobStatus
 
+from gateway_server import gateway  # noqa: F401  (a fixture)
 from helpers import wait_until
 
 pytestmark = pytest.mark.timeout(120)
@@ -121,3 +122,13 @@ def test_a_dead_workers_limits_are_forgotten_by_a_live_one(
                what="a live worker's heartbeat to forget the dead one's limits")
     with client_with(settings) as client:
         client.submit("Hello", max_new_tokens=8)
+
+
+def test_the_gateway_refuses_a_request_over_the_workers_limit_as_invalid(
+        gateway: Any, start_worker: Any, r: redis.Redis, settings: Any) -> None:
+    start_worker(max_new_tokens_limit=16)
+    http = gateway(max_new_tokens_limit=4096)  # the gateway's own setting allows it
+    response = http.post("/v1/jobs", json={"prompt": "Hello", "sampling": {"max_new_tokens": 100}})
+    assert response.status_code == 400, response.text  # not retried by an HTTP client
+    assert "max_new_tokens is 100; the queue allows 16" in response.text
+    assert queued(r, settings) == 0

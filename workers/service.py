@@ -40,10 +40,10 @@ from tokenfleet.shared.redis_conn import connect
 from tokenfleet.shared.schemas import FinishReason
 from tokenfleet.shared.serialization import dumps
 from tokenfleet.shared.settings import Settings
+from tokenfleet.workers import limits
 from tokenfleet.workers.admission import Admission
 from tokenfleet.workers.budget import resolved
 from tokenfleet.workers.engine import DeviceFailure, Engine
-from tokenfleet.workers import limits
 from tokenfleet.workers.feeder import Feeder
 from tokenfleet.workers.metrics import Metrics
 from tokenfleet.workers.publisher import Publisher, is_transient

@@ -1,6 +1,6 @@
--- Admit one job: idempotency check, a live worker (unless queued ahead), bounded
--- queue, then record + stream entry together, so a reader never sees an entry
--- without its record or the reverse.
+-- Admit one job: idempotency check, a live worker (unless queued ahead), the
+-- queue's limits (its length among them), then record + stream entry together,
+-- so a reader never sees an entry without its record or the reverse.
 -- KEYS: 1 the level's stream, 2 job hash, 3 idempotency key,
 --       4-6 every level's stream of the model (the depth counts them all),
 --       7 the model's backlog counter, 8 the model's live workers (sorted set),
