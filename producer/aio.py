@@ -66,12 +66,13 @@ class AsyncFleetClient:
         await self.redis.aclose()
 
     async def submit(self, prompt: str | GenerationRequest | None = None, /, *,
-                     require_worker: bool | None = None, **kwargs: Any) -> str:
+                     require_worker: bool | None = None,
+                     prompt_tokens: int | None = None, **kwargs: Any) -> str:
         """See ``FleetClient.submit``: ``NoWorker`` unless a live worker serves the
         queue or ``require_worker=False``; ``IdempotencyConflict``; ``QueueFull``."""
         request = build_request(prompt, kwargs, self.settings)
         sub = submission(request, self.keys, self.settings,
-                         require_worker_for(require_worker, self.settings))
+                         require_worker_for(require_worker, self.settings), prompt_tokens)
         job_id = submitted_id(await sub.call.run_async(self.redis), request, self.settings)
         if job_id is None:
             raise NoWorker(request.model, await self.served_queues())

@@ -66,7 +66,8 @@ class FleetClient:
         self.redis.close()
 
     def submit(self, prompt: str | GenerationRequest | None = None, /, *,
-               require_worker: bool | None = None, **kwargs: Any) -> str:
+               require_worker: bool | None = None, prompt_tokens: int | None = None,
+               **kwargs: Any) -> str:
         """Validate, then enqueue atomically; returns the job id.
 
         Keyword arguments are the fields of ``SamplingParams`` and of
@@ -77,10 +78,18 @@ class FleetClient:
         ``NoWorker`` when no live worker serves the queue. To queue ahead of the
         workers (they start later) pass ``require_worker=False`` or set
         ``TOKENFLEET_REQUIRE_WORKER=0``; give such jobs a ``deadline_s``.
+
+        The queue's limits (prompt tokens, ``max_new_tokens``, payload, queue
+        length) are the strictest of what its live workers publish and this
+        client's own settings; with no live worker, this client's alone. A
+        request over one raises ``LimitExceeded``, naming the limit and what
+        sets it (``model length 1024``). Pass ``prompt_tokens`` (the prompt's
+        length in the model's tokens) where you have the tokenizer, to have an
+        over-long prompt refused here; else the worker refuses it (the job fails).
         """
         request = build_request(prompt, kwargs, self.settings)
         sub = submission(request, self.keys, self.settings,
-                         require_worker_for(require_worker, self.settings))
+                         require_worker_for(require_worker, self.settings), prompt_tokens)
         job_id = submitted_id(sub.call.run(self.redis), request, self.settings)
         if job_id is None:
             raise NoWorker(request.model, self.served_queues())

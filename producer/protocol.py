@@ -12,9 +12,11 @@ from typing import Any
 from pydantic import ValidationError
 
 from tokenfleet.shared import client_scripts
-from tokenfleet.shared.client_scripts import Admission, CancelVerdict, Submitted
-from tokenfleet.shared.errors import IdempotencyConflict, InvalidRequest, JobNotFound, QueueFull
+from tokenfleet.shared.client_scripts import Admission, Asked, CancelVerdict, Submitted
+from tokenfleet.shared.errors import (IdempotencyConflict, InvalidRequest, JobNotFound,
+                                      LimitExceeded, QueueFull)
 from tokenfleet.shared.keys import Keys, new_job_id
+from tokenfleet.shared.limits import client_limits
 from tokenfleet.shared.liveness import live_since
 from tokenfleet.shared.schemas import (
     EXPIRED_ERROR,
@@ -84,13 +86,17 @@ def require_worker_for(require_worker: bool | None, settings: Settings) -> bool:
 
 
 def submission(request: GenerationRequest, keys: Keys, settings: Settings,
-               require_worker: bool = True) -> Submission:
+               require_worker: bool = True, prompt_tokens: int | None = None) -> Submission:
     """The submit.lua call for one request. With ``require_worker`` the script
-    refuses a queue no live worker serves (``NoWorker``)."""
+    refuses a queue no live worker serves (``NoWorker``). The script holds the
+    request to the strictest of this client's limits and its queue's workers';
+    its prompt's tokens only where the caller counted them (``prompt_tokens``),
+    else the worker that takes it counts them."""
     job_id = new_job_id(request.model, uuid.uuid4().hex)
     now = time.time()
     deadline_at = now + request.deadline_s if request.deadline_s else None
     entry = QueueEntry(job_id=job_id, request=request, created_at=now, deadline_at=deadline_at)
+    request_json = request.model_dump_json()
     record: dict[str, Arg] = {
         "id": job_id,
         "status": JobStatus.QUEUED.value,
@@ -99,7 +105,7 @@ def submission(request: GenerationRequest, keys: Keys, settings: Settings,
         "created_at": repr(now),
         "attempts": 0,
         "metadata": dumps(request.metadata),
-        "request": request.model_dump_json(),
+        "request": request_json,
     }
     if deadline_at is not None:
         record["deadline_at"] = repr(deadline_at)
@@ -107,7 +113,10 @@ def submission(request: GenerationRequest, keys: Keys, settings: Settings,
     return Submission(job_id, client_scripts.submit(
         keys, job_id=job_id, model=request.model, priority=request.priority,
         entry_json=entry.model_dump_json(), record=record, weight=backlog_weight(request),
-        max_queue=settings.max_queue, idempotency_key=idem,
+        limits=client_limits(settings),
+        asked=Asked(new_tokens=request.sampling.max_new_tokens,
+                    payload_bytes=len(request_json), prompt_tokens=prompt_tokens),
+        idempotency_key=idem,
         idempotency_ttl_s=settings.idempotency_ttl_s,
         fingerprint=request.fingerprint() if idem else "",
         live_since=live_since() if require_worker else None))
@@ -126,7 +135,11 @@ def submitted_id(result: Submitted, request: GenerationRequest,
     same idempotency key), None when no live worker serves the queue (the caller
     lists the served ones in its ``NoWorker``)."""
     if result.admission is Admission.FULL:
-        raise QueueFull(request.model, result.depth or 0, settings.max_queue)
+        limit = result.limit or client_limits(settings).queue
+        raise QueueFull(request.model, result.depth or 0, limit.value, limit.why)
+    if result.admission is Admission.OVER_LIMIT and result.limit is not None:
+        raise LimitExceeded(result.name or "", result.value or 0, result.limit.value,
+                            result.limit.by, result.limit.why)
     if result.admission is Admission.CONFLICT:
         raise IdempotencyConflict(request.idempotency_key or "")
     return result.job_id

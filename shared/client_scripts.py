@@ -11,9 +11,12 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
+
+import orjson
 
 from tokenfleet.shared.keys import GROUP, PRIORITIES, Keys, level_queue
+from tokenfleet.shared.schemas import Limit, QueueLimits
 from tokenfleet.shared.scripts import Arg, ScriptCall, integer, items, script, text
 
 
@@ -24,7 +27,8 @@ class Admission(enum.Enum):
     DUPLICATE = "dup"  # its idempotency key made a job before: that job's id
     CONFLICT = "conflict"  # its idempotency key was used for another request
     NO_WORKER = "noworker"  # no live worker serves the queue: nothing written
-    FULL = "full"  # the queue holds max_queue jobs: nothing written
+    FULL = "full"  # the queue holds its limit of jobs: nothing written
+    OVER_LIMIT = "over"  # the request is over a limit of the queue: nothing written
 
 
 @dataclass(frozen=True)
@@ -34,34 +38,60 @@ class Submitted:
     admission: Admission
     job_id: str | None = None  # QUEUED, DUPLICATE
     depth: int | None = None  # FULL: how many jobs the queue holds
+    # FULL, OVER_LIMIT: the limit broken (its name, e.g. "prompt_tokens"), what
+    # the request brought, and the limit as the strictest side set it.
+    name: str | None = None
+    value: int | None = None
+    limit: Limit | None = None
+
+
+@dataclass(frozen=True)
+class Asked:
+    """What a request brings, as ``submit.lua`` weighs it against the limits
+    (``QueueLimits``' names); ``prompt_tokens`` only where the caller counted them."""
+
+    new_tokens: int
+    payload_bytes: int
+    prompt_tokens: int | None = None
 
 
 def _submitted(reply: object) -> Submitted:
-    verdict, value = (text(x) for x in items(reply))
+    verdict, *values = (text(x) for x in items(reply))
     admission = Admission(verdict)
     if admission in (Admission.QUEUED, Admission.DUPLICATE):
-        return Submitted(admission, job_id=value)
+        return Submitted(admission, job_id=values[0])
     if admission is Admission.FULL:
-        return Submitted(admission, depth=int(value))
+        depth, limit, by, why = values
+        return Submitted(admission, depth=int(depth), name="queue", value=int(depth),
+                         limit=Limit(value=int(limit), by=by, why=why))
+    if admission is Admission.OVER_LIMIT:
+        name, value, limit, by, why = values
+        return Submitted(admission, name=name, value=int(value),
+                         limit=Limit(value=int(limit), by=by, why=why))
     return Submitted(admission)
 
 
 def submit(keys: Keys, *, job_id: str, model: str, priority: str, entry_json: str,
-           record: Mapping[str, Arg], weight: int, max_queue: int,
+           record: Mapping[str, Arg], weight: int, limits: QueueLimits, asked: Asked,
            idempotency_key: str | None, idempotency_ttl_s: int, fingerprint: str,
            live_since: float | None) -> ScriptCall[Submitted]:
     """Admit one job: ``record`` is its hash's fields, ``entry_json`` its stream
     entry, ``weight`` its tokens in the backlog. With ``live_since`` (the
     heartbeat score a live worker has at least) a queue no live worker serves
     is refused; None queues ahead of the workers. ``fingerprint`` (of the
-    request) tells a retry from another request under the same key."""
+    request) tells a retry from another request under the same key. The
+    request (``asked``) is held to the strictest of ``limits`` (the client's)
+    and those the queue's workers published."""
+    submitted = orjson.dumps({
+        "limits": limits.model_dump(mode="json"),
+        "asked": {k: v for k, v in asdict(asked).items() if v is not None}})
     return ScriptCall(
         script("submit"),
         (keys.queue(level_queue(model, priority)), keys.job(job_id),
          keys.idempotency(model, idempotency_key or "-"),
          *(keys.queue(level_queue(model, p)) for p in PRIORITIES),
-         keys.backlog(model), keys.queue_workers(model)),
-        (job_id, entry_json, max_queue, idempotency_ttl_s, "1" if idempotency_key else "0",
+         keys.backlog(model), keys.queue_workers(model), keys.limits(model)),
+        (job_id, entry_json, submitted, idempotency_ttl_s, "1" if idempotency_key else "0",
          weight, fingerprint,
          "" if live_since is None else repr(live_since),
          *(x for pair in record.items() for x in pair)),

@@ -16,12 +16,29 @@ class TokenfleetError(Exception):
 class QueueFull(TokenfleetError):
     """The model's queue holds ``max_queue`` jobs; nothing was enqueued. Retry later."""
 
-    def __init__(self, queue: str, depth: int, limit: int) -> None:
+    def __init__(self, queue: str, depth: int, limit: int,
+                 why: str = "TOKENFLEET_MAX_QUEUE") -> None:
         super().__init__(
-            f"queue {queue!r} is full ({depth} jobs waiting or running, limit {limit}); "
-            "nothing was enqueued: retry later or raise TOKENFLEET_MAX_QUEUE"
+            f"queue {queue!r} is full ({depth} jobs waiting or running, limit {limit}, "
+            f"{why}); nothing was enqueued: retry later"
         )
-        self.queue, self.depth, self.limit = queue, depth, limit
+        self.queue, self.depth, self.limit, self.why = queue, depth, limit, why
+
+
+# How a refusal names what a request brought, by the limit's name.
+_MEASURED = {"prompt_tokens": "prompt has {} tokens", "new_tokens": "max_new_tokens is {}",
+             "payload_bytes": "request is {} bytes as JSON"}
+
+
+class LimitExceeded(TokenfleetError, ValueError):
+    """The request is over a limit of its queue; nothing was enqueued. The
+    message names the limit and what sets it: the model ("model length 1024"),
+    the queue's workers or this client, by its setting's variable."""
+
+    def __init__(self, name: str, value: int, limit: int, by: str, why: str) -> None:
+        measured = _MEASURED.get(name, name + " is {}").format(value)
+        super().__init__(f"{measured}; {by} allows {limit} ({why})")
+        self.name, self.value, self.limit, self.by, self.why = name, value, limit, by, why
 
 
 class JobNotFound(TokenfleetError):

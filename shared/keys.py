@@ -145,6 +145,11 @@ class Keys:
         counts as live (``tokenfleet.shared.liveness``)."""
         return f"{self.namespace}:served:{{{model}}}"
 
+    def limits(self, model: str) -> str:
+        """Hash with a TTL: the limits each worker of a model holds its requests
+        to (worker name -> ``QueueLimits`` JSON), for ``submit.lua``."""
+        return f"{self.namespace}:limits:{{{model}}}"
+
     def served_pattern(self) -> str:
         return f"{self.namespace}:served:*"
 

@@ -306,6 +306,31 @@ class EndEvent(BaseModel):
     error: str | None = None
 
 
+class Limit(BaseModel):
+    """One limit of a queue, and what sets it, as a refusal names it: ``by``
+    the model, the queue (its workers' settings) or this client; ``why`` the
+    model's length or the setting's variable."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    value: int
+    by: str
+    why: str
+
+
+class QueueLimits(BaseModel):
+    """The limits one side holds a queue's requests to: what a worker's model
+    and settings allow (published with its heartbeat), or a client's own
+    settings. ``submit.lua`` holds a request to the strictest of all."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    prompt_tokens: Limit  # the prompt, in tokens of the model's tokenizer
+    new_tokens: Limit  # max_new_tokens
+    payload_bytes: Limit  # the request as JSON
+    queue: Limit  # jobs waiting or running in the queue, every level counted
+
+
 class QueueEntry(BaseModel):
     """What a stream entry carries: the job id and the request it runs."""
 

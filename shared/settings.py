@@ -105,18 +105,23 @@ class Settings(BaseSettings):
         "Whether submit refuses (NoWorker) a queue that no live worker serves; false: jobs queue "
         "ahead of the workers."))
 
-    # Admission limits, enforced by the producer and again by the worker.
+    # Admission limits. The four a worker publishes (queue, prompt tokens, new
+    # tokens, payload) hold every submit as the strictest of the live workers'
+    # and the client's own (shared/limits.py); the others are checked on each side.
     max_queue: int = Field(default=10_000, ge=1, description=(
         "The most jobs that may wait or run in one queue, all priorities counted (QueueFull past "
-        "it)."))
+        "it). Workers and clients: a submit is held to the lowest."))
     max_prompt_chars: int = Field(default=32_000, ge=1, description=(
         "The longest prompt, in characters."))
     max_prompt_tokens: int = Field(default=2048, ge=1, description=(
-        "The longest prompt, in tokens of the model's tokenizer."))
+        "The longest prompt, in tokens of the model's tokenizer. Workers (the model's length less "
+        "one where lower) and clients: a submit is held to the lowest."))
     max_new_tokens_limit: int = Field(default=1024, ge=1, description=(
-        "The largest max_new_tokens a request may ask for."))
+        "The largest max_new_tokens a request may ask for. Workers and clients: a submit is held "
+        "to the lowest."))
     max_payload_bytes: int = Field(default=256_000, ge=1, description=(
-        "The largest request, in bytes of JSON."))
+        "The largest request, in bytes of JSON. Workers, clients and the gateway: a submit is "
+        "held to the lowest."))
     max_stop_strings: int = Field(default=8, ge=0, description=(
         "The most stop strings a request may carry."))
     max_metadata_bytes: int = Field(default=4096, ge=0, description=(

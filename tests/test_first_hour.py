@@ -244,22 +244,24 @@ def test_prompts_from_stdin_or_a_file_and_limits_checked_at_submit(
     big.write_text("word " * 200_000)  # 1 MB: too big for an argument list, not for a file
     huge = run([tf, "submit", "--file", str(big)], env)
     assert huge.returncode == 3 and "TOKENFLEET_MAX_PROMPT_CHARS" in huge.stderr, huge.stderr
-    # Within the character limit but past the token limit of the served model.
+    # Within the character limit and the client's token limit (2048) but past
+    # what the served model takes: refused at submit, naming the model's length.
     many = tmp_path / "many.txt"
-    many.write_text("x y " * 7_000)
+    many.write_text("x y " * 750)
     refused = run([tf, "submit", "--file", str(many)], env)
-    assert refused.returncode == 3 and "TOKENFLEET_MAX_PROMPT_TOKENS" in refused.stderr, refused.stderr
+    assert refused.returncode == 3, refused.stderr
+    assert "the model allows 1023 (model length 1024)" in refused.stderr, refused.stderr
 
 
 @pytest.mark.timeout(180)
 def test_a_failed_job_fails_the_command_with_its_reason(settings: Any, start_worker: Any) -> None:
-    start_worker(max_prompt_tokens=3)  # this worker refuses what the client lets through
+    start_worker(max_stop_strings=0)  # this worker refuses what the client lets through
     env = user_env(settings)
     tf = str(BIN / "tokenfleet")
-    waited = run([tf, "submit", "a prompt of many tokens", "--wait"], env)
+    waited = run([tf, "submit", "a prompt", "--stop", ".", "--wait"], env)
     assert waited.returncode == 1 and "failed" in waited.stderr, waited.stderr
-    assert "prompt" in waited.stderr  # the reason, not just the status
-    streamed = run([tf, "submit", "a prompt of many tokens", "--stream"], env)
+    assert "stop strings" in waited.stderr  # the reason, not just the status
+    streamed = run([tf, "submit", "a prompt", "--stop", ".", "--stream"], env)
     assert streamed.returncode == 1 and "failed" in streamed.stderr, streamed.stderr
 
 

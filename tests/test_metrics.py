@@ -77,3 +77,15 @@ def test_the_metrics_server_stops_its_thread_and_frees_its_port() -> None:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         s.bind(("0.0.0.0", port))
     metrics.close()  # a second close does nothing
+
+
+def test_queue_depth_counts_waiting_jobs_and_running_ones_are_counted_apart() -> None:
+    metrics = Metrics("q", WorkerStats())
+    # 50 jobs taken by workers (pending), none waiting: the stream holds 50 entries.
+    metrics.queue_state({"normal": {"depth": 50, "pending": 50, "lag": 0},
+                         "high": {"depth": 7, "pending": 3, "lag": 4}}, backlog=0, running=50)
+    got = samples(metrics.registry, ("tokenfleet_queue_depth", "tokenfleet_running_jobs"))
+    assert got[("tokenfleet_queue_depth", (("priority", "normal"), ("queue", "q")))] == 0
+    assert got[("tokenfleet_running_jobs", (("priority", "normal"), ("queue", "q")))] == 50
+    assert got[("tokenfleet_queue_depth", (("priority", "high"), ("queue", "q")))] == 4
+    assert got[("tokenfleet_running_jobs", (("priority", "high"), ("queue", "q")))] == 3

@@ -11,6 +11,7 @@ import pytest
 import redis
 
 from tokenfleet.shared.client_scripts import (
+    Asked,
     Admission,
     CancelVerdict,
     ExpireVerdict,
@@ -20,6 +21,7 @@ from tokenfleet.shared.client_scripts import (
     submit,
 )
 from tokenfleet.shared.keys import Keys
+from tokenfleet.shared.limits import client_limits
 from tokenfleet.shared.redis_conn import connect_async, node_client
 from tokenfleet.shared.scripts import load, script
 from tokenfleet.shared.worker_scripts import (
@@ -92,7 +94,8 @@ def test_a_job_goes_through_the_scripts_with_typed_verdicts(r: redis.Redis,
     sub = submit(keys, job_id=job_id, model="default", priority="normal",
                  entry_json='{"job_id": "default:abc"}',
                  record={"id": job_id, "status": "queued", "attempts": 0}, weight=7,
-                 max_queue=10, idempotency_key="k", idempotency_ttl_s=60, fingerprint="f",
+                 limits=client_limits(settings), asked=Asked(new_tokens=4, payload_bytes=20),
+                 idempotency_key="k", idempotency_ttl_s=60, fingerprint="f",
                  live_since=None)
     queued = sub.run(node)
     assert queued.admission is Admission.QUEUED and queued.job_id == job_id

@@ -11,6 +11,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from tokenfleet.shared.errors import LimitExceeded
+from tokenfleet.shared.limits import worker_limits
 from tokenfleet.shared.schemas import GenerationRequest, QueueEntry
 from tokenfleet.shared.settings import Settings
 from tokenfleet.workers.detokenizer import TextStream
@@ -32,6 +34,7 @@ class Admission:
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size if vocab_size is not None else len(tokenizer)
         self.refusal = refusal
+        self.limits = worker_limits(settings, max_model_len)
         self._encode = _fast_encoder(tokenizer)
 
     @property
@@ -50,12 +53,11 @@ class Admission:
         else:
             ids = self._encode(request.prompt)
         ids = list(ids)
-        limit = min(self.settings.max_prompt_tokens, self.max_model_len - 1)
-        if len(ids) > limit:
-            raise Rejected(
-                f"prompt is {len(ids)} tokens, above this worker's limit of {limit} "
-                f"(TOKENFLEET_MAX_PROMPT_TOKENS, model length {self.max_model_len})"
-            )
+        # Counted here always: a client without the tokenizer could not.
+        limit = self.limits.prompt_tokens
+        if len(ids) > limit.value:
+            raise Rejected(str(LimitExceeded("prompt_tokens", len(ids), limit.value,
+                                             limit.by, limit.why)))
         return ids
 
     def sequence(self, entry: QueueEntry, entry_id: str, attempt: int) -> Sequence:

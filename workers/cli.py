@@ -256,9 +256,9 @@ def submit(prompt: str | None, prompt_file: Any, queue: str, priority: str, queu
     _apply_env(redis_url=redis_url)
     with FleetClient() as client:
         try:
-            _check_prompt_tokens(client, queue, text)
             job_id = client.submit(text, model=queue, priority=priority,
-                                   require_worker=not queue_ahead, **sampling)
+                                   require_worker=not queue_ahead,
+                                   prompt_tokens=_prompt_tokens(client, queue, text), **sampling)
         except ValidationError as exc:
             raise Refused(f"invalid request: {invalid_input(exc)}") from None
         except RedisError:
@@ -301,15 +301,15 @@ def _prompt_text(prompt: str | None, prompt_file: Any) -> str:
     return prompt
 
 
-def _check_prompt_tokens(client: Any, queue: str, prompt: str) -> None:
-    """Where the model a live worker of ``queue`` serves is on this machine (the
-    built-in one, or a directory here), count the prompt's tokens now rather than
-    let the worker refuse it later."""
+def _prompt_tokens(client: Any, queue: str, prompt: str) -> int | None:
+    """The prompt's tokens, where the model a live worker of ``queue`` serves is
+    on this machine (the built-in one, or a directory here), so that the submit
+    refuses a prompt over the queue's limit now rather than the worker later;
+    None where the tokenizer is not at hand (the worker counts them)."""
     from tokenfleet.shared.models import local_tokenizer_file
 
     if len(prompt) > client.settings.max_prompt_chars:
-        return  # validation refuses it, naming its own limit
-    limit = client.settings.max_prompt_tokens
+        return None  # validation refuses it, naming its own limit
     for model in _served_models(client, queue):
         path = local_tokenizer_file(model)
         if path is None:
@@ -317,12 +317,9 @@ def _check_prompt_tokens(client: Any, queue: str, prompt: str) -> None:
         try:
             from tokenizers import Tokenizer
         except ImportError:
-            return  # the bare client: the worker checks it
-        count = len(Tokenizer.from_file(str(path)).encode(prompt).ids)
-        if count > limit:
-            raise Refused(f"the prompt is {count:,} tokens of model {model}; the limit is "
-                          f"{limit:,} (TOKENFLEET_MAX_PROMPT_TOKENS)")
-        return
+            return None  # the bare client: the worker counts them
+        return len(Tokenizer.from_file(str(path)).encode(prompt).ids)
+    return None
 
 
 def _served_models(client: Any, queue: str) -> list[str]:

@@ -4,7 +4,7 @@ Names follow Prometheus conventions: counters end in ``_total``, durations are
 ``_seconds`` histograms. The counters (tokens, jobs by final status, failed
 steps, store retries) are the worker's ``WorkerStats``, read at each scrape:
 what ``/metrics`` and ``tokenfleet status`` show is one count. Queue gauges
-(depth, lag, pending, backlog) describe the whole queue as this worker sees it,
+(jobs waiting, jobs running, lag, pending, backlog) describe the whole queue as this worker sees it,
 so every worker of a queue reports the same value: aggregate them with
 ``max``. ``tokenfleet_backlog_tokens`` (queued prompt tokens, estimated, plus
 requested ``max_new_tokens``) is a better autoscaling signal than an entry
@@ -56,8 +56,12 @@ class Metrics:
         self.queue_wait = Histogram("tokenfleet_queue_wait_seconds",
                                     "From submit to the job's start on a worker", ["queue"],
                                     buckets=LATENCY, registry=r)
-        self.depth = Gauge("tokenfleet_queue_depth", "Jobs waiting or running in the queue",
+        self.depth = Gauge("tokenfleet_queue_depth", "Jobs waiting in the queue for a worker "
+                           "to take them (running ones are tokenfleet_running_jobs)",
                            ["queue", "priority"], registry=r)
+        self.running_jobs = Gauge("tokenfleet_running_jobs", "Jobs of the queue that workers "
+                                  "have taken and not yet ended (running, or held for a free "
+                                  "slot)", ["queue", "priority"], registry=r)
         self.lag = Gauge("tokenfleet_consumer_group_lag", "Entries no worker has read yet",
                          ["queue", "priority"], registry=r)
         self.pending = Gauge("tokenfleet_pending_entries", "Entries read but not acknowledged",
@@ -111,8 +115,12 @@ class Metrics:
             self._itl.observe(now - at, n)
 
     def queue_state(self, levels: dict[str, dict[str, Any]], backlog: int, running: int) -> None:
+        """``levels``: each priority level's stream length (``depth``: an entry
+        stays until its job ends), pending entries and group lag."""
         for priority, info in levels.items():
-            self.depth.labels(self.queue, priority).set(info["depth"])
+            # A taken entry stays pending until its job ends: what is not pending waits.
+            self.depth.labels(self.queue, priority).set(max(0, info["depth"] - info["pending"]))
+            self.running_jobs.labels(self.queue, priority).set(info["pending"])
             self.lag.labels(self.queue, priority).set(info["lag"])
             self.pending.labels(self.queue, priority).set(info["pending"])
         self.backlog.labels(self.queue).set(backlog)

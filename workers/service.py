@@ -35,10 +35,12 @@ from redis.exceptions import RedisError
 
 from tokenfleet.shared import liveness
 from tokenfleet.shared.keys import GROUP, PRIORITIES, Keys
+from tokenfleet.shared.limits import worker_limits
 from tokenfleet.shared.redis_conn import connect
 from tokenfleet.shared.schemas import FinishReason
 from tokenfleet.shared.serialization import dumps
 from tokenfleet.shared.settings import Settings
+from tokenfleet.workers import limits
 from tokenfleet.workers.admission import Admission
 from tokenfleet.workers.budget import resolved
 from tokenfleet.workers.engine import DeviceFailure, Engine
@@ -99,6 +101,9 @@ class Worker:
             sink=self._receive, credits=self.credits, holds=self._held.__contains__,
         )
         self.metrics = Metrics(self.queue, engine.stats)
+        # What this worker allows, published with each heartbeat: submit.lua holds
+        # every request to the queue to it, whoever submits.
+        self.limits = worker_limits(settings, engine.max_model_len)
         self._sent: list[SeqOutput] = []  # the step whose writes Redis is storing
         self._wake = threading.Event()
         self._idle = threading.Event()  # set by the engine loop when it has nothing to do
@@ -226,6 +231,7 @@ class Worker:
         try:
             self.redis.delete(self.keys.worker(self.name))
             self.redis.zrem(self.keys.queue_workers(self.queue), self.name)
+            limits.withdraw(self.redis, self.keys, self.queue, self.name)
         except RedisError as exc:
             log.warning("could not remove the heartbeat (%s); it expires", exc)
 
@@ -466,6 +472,8 @@ class Worker:
         pipe.expire(key, math.ceil(liveness.live_for_s(self.settings.heartbeat_s)))
         # Who serves this model, for submit(require_worker=True) and the status view.
         pipe.zadd(self.keys.queue_workers(self.queue), {self.name: info["alive_until"]})
+        limits.publish(pipe, self.keys, self.queue, self.name, self.limits.model_dump_json(),
+                       self.settings.heartbeat_s)
         # Touch the pending entries still being worked on: their idle time
         # restarts, so the reclaim (XPENDING + XCLAIM) elsewhere never takes a job from a live worker.
         by_stream: dict[str, list[Any]] = {}
@@ -475,6 +483,7 @@ class Worker:
         for stream, ids in by_stream.items():
             pipe.xclaim(stream, GROUP, self.name, 0, ids, justid=True)
         pipe.execute()
+        limits.forget_dead(self.redis, self.keys, self.queue)
 
     def _cancel_loop(self) -> None:
         while not self._stop_engine.is_set():

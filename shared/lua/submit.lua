@@ -1,16 +1,19 @@
--- Admit one job: idempotency check, a live worker (unless queued ahead), bounded
--- queue, then record + stream entry together, so a reader never sees an entry
--- without its record or the reverse.
+-- Admit one job: idempotency check, a live worker (unless queued ahead), the
+-- queue's limits (its length among them), then record + stream entry together,
+-- so a reader never sees an entry without its record or the reverse.
 -- KEYS: 1 the level's stream, 2 job hash, 3 idempotency key,
 --       4-6 every level's stream of the model (the depth counts them all),
---       7 the model's backlog counter, 8 the model's live workers (sorted set)
--- ARGV: 1 job id, 2 entry JSON, 3 max queue depth, 4 idempotency TTL (s),
+--       7 the model's backlog counter, 8 the model's live workers (sorted set),
+--       9 the limits its workers published (hash: worker name -> QueueLimits JSON)
+-- ARGV: 1 job id, 2 entry JSON, 3 JSON {"limits": the client's QueueLimits,
+--       "asked": {limit name: what the request brings}}, 4 idempotency TTL (s),
 --       5 '1' if an idempotency key is used, 6 backlog weight (tokens),
 --       7 fingerprint of the request, 8 heartbeat score a live worker has at
 --       least ('' to queue ahead of the workers), 9.. record field/value pairs
 -- Returns {'ok', job id}, {'dup', id of the job the key made before},
 --         {'conflict', ''} (the key was used for another request),
---         {'noworker', ''}, {'full', depth}
+--         {'noworker', ''}, {'full', depth, limit, by, why},
+--         {'over', limit name, value, limit, by, why} (a request over a limit)
 if ARGV[5] == '1' then
   local existing = redis.call('GET', KEYS[3])
   if existing then
@@ -27,9 +30,36 @@ end
 if ARGV[8] ~= '' and redis.call('ZCOUNT', KEYS[8], ARGV[8], '+inf') == 0 then
   return {'noworker', ''}
 end
+-- The strictest of the client's limits and of every worker's of the queue: a
+-- job may run on any of them. Workers publish theirs with each heartbeat and the
+-- hash expires once none is live, so with no live worker the client's hold.
+-- On a tie a worker's wins: the refusal names the fleet's limit.
+local submitted = cjson.decode(ARGV[3])
+local limits, seen = {}, {}
+for _, published in ipairs(redis.call('HVALS', KEYS[9])) do
+  -- Workers of one model and settings publish the same text: decoded once.
+  if not seen[published] then
+    seen[published] = true
+    for name, limit in pairs(cjson.decode(published)) do
+      if limits[name] == nil or limit.value < limits[name].value then limits[name] = limit end
+    end
+  end
+end
+for name, limit in pairs(submitted.limits) do
+  if limits[name] == nil or limit.value < limits[name].value then limits[name] = limit end
+end
+for _, name in ipairs({'payload_bytes', 'new_tokens', 'prompt_tokens'}) do
+  local value, limit = submitted.asked[name], limits[name]
+  if value ~= nil and limit ~= nil and value > limit.value then
+    return {'over', name, tostring(value), tostring(limit.value), limit.by, limit.why}
+  end
+end
 -- Finished entries are deleted, so the length is what is waiting or running.
 local depth = redis.call('XLEN', KEYS[4]) + redis.call('XLEN', KEYS[5]) + redis.call('XLEN', KEYS[6])
-if depth >= tonumber(ARGV[3]) then return {'full', tostring(depth)} end
+local most = limits.queue
+if depth >= most.value then
+  return {'full', tostring(depth), tostring(most.value), most.by, most.why}
+end
 local entry = redis.call('XADD', KEYS[1], '*', 'data', ARGV[2])
 -- The record knows its entry, so a cancel can take it off the queue at once.
 local fields = {}
