@@ -88,7 +88,7 @@ class Engine(ABC):
 
     - ``eos_token_ids``: the tokens that end a sequence (``FinishReason.EOS``);
     - ``max_model_len``: the longest sequence, prompt and output, it serves;
-    - ``clock``: the wall clock deadlines are compared with;
+    - ``clock``: the clock deadlines are compared with (in a worker, Redis's: ``FleetClock``);
     - ``stats``: the worker's figures; an engine that fails a step and goes on
       counts it in ``stats.failed_steps``;
     - ``last_batch``: what the last step's forward pass held (``BatchShape``),
@@ -99,7 +99,7 @@ class Engine(ABC):
                  clock: Callable[[], float] = time.time) -> None:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.max_model_len = max_model_len
-        self.clock = clock  # wall clock: deadlines are absolute times
+        self.clock = clock  # deadlines are absolute times on the clock that set them
         self.stats = WorkerStats()
         self.last_batch = BatchShape(0, False)
         # deque append/popleft are atomic: the hand-over between threads.
