@@ -26,6 +26,7 @@ from tokenfleet.protocol import (
     time_slice,
 )
 from tokenfleet.shared.client_scripts import CancelVerdict
+from tokenfleet.shared.clock import FleetClock
 from tokenfleet.shared.errors import JobNotFound, NoWorker
 from tokenfleet.shared.keys import Keys
 from tokenfleet.shared.liveness import live_since
@@ -52,6 +53,8 @@ class AsyncFleetClient:
         self.keys = Keys(namespace or self.settings.namespace)
         self._subscriptions = Subscriptions(self.redis)
         self._background: set[asyncio.Task[Any]] = set()  # strong references, awaited by close()
+        # Deadlines and liveness are judged on Redis's clock, not this host's.
+        self.clock = FleetClock()
 
     async def __aenter__(self) -> AsyncFleetClient:
         return self
@@ -72,7 +75,8 @@ class AsyncFleetClient:
         queue or ``require_worker=False``; ``IdempotencyConflict``; ``QueueFull``."""
         request = build_request(prompt, kwargs, self.settings)
         sub = submission(request, self.keys, self.settings,
-                         require_worker_for(require_worker, self.settings), prompt_tokens)
+                         require_worker_for(require_worker, self.settings),
+                         await self.clock.aread(self.redis), prompt_tokens)
         job_id = submitted_id(await sub.call.run_async(self.redis), request, self.settings)
         if job_id is None:
             raise NoWorker(request.model, await self.served_queues())
@@ -100,7 +104,7 @@ class AsyncFleetClient:
         names = [n async for n in self.redis.scan_iter(match=self.keys.served_pattern(),
                                                         count=500)]
         pipe = self.redis.pipeline(transaction=False)
-        since = live_since()
+        since = live_since(await self.clock.aread(self.redis))
         for name in names:
             pipe.zcount(name, since, "+inf")
         return served_queues(names, await pipe.execute() if names else [], self.keys)
@@ -108,7 +112,8 @@ class AsyncFleetClient:
     async def status(self, job_id: str) -> JobState:
         """See ``FleetClient.status``: a read; a job queued past its deadline
         reads as expired."""
-        return as_read(parse_state(job_id, await self.redis.hgetall(self.keys.job(job_id))))
+        fields = await self.redis.hgetall(self.keys.job(job_id))
+        return as_read(parse_state(job_id, fields), await self.clock.aread(self.redis))
 
     async def cancel(self, job_id: str, timeout: float = CANCEL_WAIT_S) -> bool:
         """See ``FleetClient.cancel``: True only if the job ended ``cancelled``; a
@@ -118,7 +123,7 @@ class AsyncFleetClient:
         if model is None:
             raise JobNotFound(job_id)
         call = cancel_call(job_id, model.decode(), (priority or b"normal").decode(),
-                           self.keys, self.settings)
+                           self.keys, self.settings, await self.clock.aread(self.redis))
         verdict = cancel_verdict(await call.run_async(self.redis), job_id)
         if verdict is not CancelVerdict.REQUESTED:
             return verdict is CancelVerdict.CANCELLED
@@ -142,7 +147,7 @@ class AsyncFleetClient:
                 # job's deadline), then read the record again.
                 wake = expires_at(state)
                 while True:
-                    payload = await _next(messages, deadline, wake)
+                    payload = await _next(messages, deadline, wake, self.clock.now())
                     if payload is None or is_end_payload(payload):
                         break
                 check_deadline(deadline, job_id)
@@ -181,7 +186,7 @@ class AsyncFleetClient:
             if events := cursor.take():
                 yield events
             while not cursor.ended:
-                payload = await _next(messages, deadline, cursor.expires_at)
+                payload = await _next(messages, deadline, cursor.expires_at, self.clock.now())
                 if payload is None or not cursor.feed(payload):
                     await self._catch_up(job_id, cursor)
                 while not cursor.ended and not messages.empty():
@@ -205,14 +210,15 @@ class AsyncFleetClient:
 
 
 async def _next(messages: asyncio.Queue[bytes], deadline: float | None,
-                wake: float | None = None) -> bytes | None:
-    """The next message, or None after a quiet interval (see ``time_slice``)."""
+                wake: float | None = None, now: float | None = None) -> bytes | None:
+    """The next message, or None after a quiet interval (see ``time_slice``;
+    ``wake`` and ``now`` on Redis's clock)."""
     if not messages.empty():  # no timer to arm: the common case under load
         return messages.get_nowait()
     # asyncio.timeout, not wait_for: on Python 3.11 wait_for can swallow a cancel
     # that arrives as the message does, and a cancelled stream would run on.
     try:
-        async with asyncio.timeout(time_slice(deadline, wake)):
+        async with asyncio.timeout(time_slice(deadline, wake, now)):
             return await messages.get()
     except TimeoutError:
         return None

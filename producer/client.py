@@ -28,6 +28,7 @@ from tokenfleet.protocol import (
     time_slice,
 )
 from tokenfleet.shared.client_scripts import CancelVerdict
+from tokenfleet.shared.clock import FleetClock
 from tokenfleet.shared.errors import JobNotFound, NoWorker
 from tokenfleet.shared.keys import Keys
 from tokenfleet.shared.liveness import live_since
@@ -54,6 +55,8 @@ class FleetClient:
         self.redis: Any = connect(url or self.settings.redis_url)
         self.keys = Keys(namespace or self.settings.namespace)
         self._pubsubs = PubSubPool(self.redis)  # kept from one wait() or stream() to the next
+        # Deadlines and liveness are judged on Redis's clock, not this host's.
+        self.clock = FleetClock()
 
     def __enter__(self) -> FleetClient:
         return self
@@ -89,7 +92,8 @@ class FleetClient:
         """
         request = build_request(prompt, kwargs, self.settings)
         sub = submission(request, self.keys, self.settings,
-                         require_worker_for(require_worker, self.settings), prompt_tokens)
+                         require_worker_for(require_worker, self.settings),
+                         self.clock.read(self.redis), prompt_tokens)
         job_id = submitted_id(sub.call.run(self.redis), request, self.settings)
         if job_id is None:
             raise NoWorker(request.model, self.served_queues())
@@ -107,7 +111,7 @@ class FleetClient:
         """The queues at least one live worker serves now."""
         names = list(self.redis.scan_iter(match=self.keys.served_pattern(), count=500))
         pipe = self.redis.pipeline(transaction=False)
-        since = live_since()
+        since = live_since(self.clock.read(self.redis))
         for name in names:
             pipe.zcount(name, since, "+inf")
         return served_queues(names, pipe.execute() if names else [], self.keys)
@@ -121,7 +125,8 @@ class FleetClient:
         entry ends the record; for a queue no worker serves,
         ``tokenfleet.fleet.repair_fleet`` does.
         """
-        return as_read(parse_state(job_id, self.redis.hgetall(self.keys.job(job_id))))
+        return as_read(parse_state(job_id, self.redis.hgetall(self.keys.job(job_id))),
+                       self.clock.read(self.redis))
 
     def cancel(self, job_id: str, timeout: float = CANCEL_WAIT_S) -> bool:
         """Cancel a job; True only if it ended ``cancelled``.
@@ -139,7 +144,7 @@ class FleetClient:
         if model is None:
             raise JobNotFound(job_id)
         call = cancel_call(job_id, model.decode(), (priority or b"normal").decode(),
-                           self.keys, self.settings)
+                           self.keys, self.settings, self.clock.read(self.redis))
         verdict = cancel_verdict(call.run(self.redis), job_id)
         if verdict is not CancelVerdict.REQUESTED:
             return verdict is CancelVerdict.CANCELLED
@@ -173,7 +178,8 @@ class FleetClient:
                 # job's deadline), then read the record again.
                 wake = expires_at(state)
                 while True:
-                    message = pubsub.get_message(timeout=time_slice(deadline, wake))
+                    message = pubsub.get_message(timeout=time_slice(deadline, wake,
+                                                                     self.clock.now()))
                     if message is None or is_end(message):
                         break
                 check_deadline(deadline, job_id)
@@ -215,7 +221,8 @@ class FleetClient:
             self._catch_up(job_id, cursor)
             yield from cursor.take()
             while not cursor.ended:
-                message = pubsub.get_message(timeout=time_slice(deadline, cursor.expires_at))
+                message = pubsub.get_message(timeout=time_slice(deadline, cursor.expires_at,
+                                                                 self.clock.now()))
                 if not cursor.feed_message(message):
                     self._catch_up(job_id, cursor)
                 yield from cursor.take()

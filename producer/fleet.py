@@ -10,6 +10,7 @@ from pydantic import ValidationError
 from redis.exceptions import ResponseError
 
 from tokenfleet.shared.client_scripts import ExpireVerdict, expire, forget_queue
+from tokenfleet.shared.clock import redis_now
 from tokenfleet.shared.keys import GROUP, PRIORITIES, Keys, level_queue, model_of
 from tokenfleet.shared.liveness import live_since
 from tokenfleet.shared.schemas import EXPIRED_ERROR, FinishReason, JobStatus, QueueEntry
@@ -22,10 +23,11 @@ def fleet_status(client: Any) -> dict[str, Any]:
     A read: nothing is written. A queue with nothing waiting or pending and no
     live worker is left out: a model name submitted once (mistyped, or queued
     ahead and expired) would otherwise show for good. ``repair_fleet`` deletes
-    its keys.
+    its keys. Every age and liveness is judged on Redis's clock, the one
+    heartbeats and queue entry ids are written on.
     """
     r, keys = client.redis, client.keys
-    now = time.time()
+    now = redis_now(r)
     queues = [_queue(r, keys, model, now) for model in _models(r, keys)]
     workers = []
     for raw in sorted(r.scan_iter(match=keys.workers_pattern(), count=500)):
@@ -97,16 +99,17 @@ def repair_fleet(client: Any, page: int = 500) -> Repaired:
     workers' to end, as they read them.
     """
     r, keys = client.redis, client.keys
-    since = live_since()
+    now = redis_now(r)  # the clock deadlines and heartbeats are written on
+    since = live_since(now)
     models = _models(r, keys)
     expired = 0
     for model in models:
         if r.zcount(keys.queue_workers(model), since, "+inf"):
             continue
         for priority in PRIORITIES:
-            for entry in _overdue(r, keys.queue(level_queue(model, priority)), page):
+            for entry in _overdue(r, keys.queue(level_queue(model, priority)), page, now):
                 verdict = expire(
-                    keys, job_id=entry.job_id, model=model, priority=priority, now=time.time(),
+                    keys, job_id=entry.job_id, model=model, priority=priority, now=now,
                     result_ttl_s=client.settings.result_ttl_s,
                     end_event=end_event(JobStatus.EXPIRED, FinishReason.DEADLINE, EXPIRED_ERROR),
                     error=EXPIRED_ERROR).run(r)
@@ -116,10 +119,10 @@ def repair_fleet(client: Any, page: int = 500) -> Repaired:
     return Repaired(expired, forgotten)
 
 
-def _overdue(r: Any, stream: str, page: int) -> list[QueueEntry]:
-    """The entries of ``stream`` whose deadline has passed (an entry no job can
-    come from is a worker's to dead-letter: skipped)."""
-    now, start, found = time.time(), "-", []
+def _overdue(r: Any, stream: str, page: int, now: float) -> list[QueueEntry]:
+    """The entries of ``stream`` whose deadline has passed at ``now`` (an entry
+    no job can come from is a worker's to dead-letter: skipped)."""
+    start, found = "-", []
     while entries := r.xrange(stream, start, "+", count=page):
         for _id, fields in entries:
             try:

@@ -86,14 +86,16 @@ def require_worker_for(require_worker: bool | None, settings: Settings) -> bool:
 
 
 def submission(request: GenerationRequest, keys: Keys, settings: Settings,
-               require_worker: bool = True, prompt_tokens: int | None = None) -> Submission:
-    """The submit.lua call for one request. With ``require_worker`` the script
-    refuses a queue no live worker serves (``NoWorker``). The script holds the
-    request to the strictest of this client's limits and its queue's workers';
-    its prompt's tokens only where the caller counted them (``prompt_tokens``),
-    else the worker that takes it counts them."""
+               require_worker: bool, now: float, prompt_tokens: int | None = None
+               ) -> Submission:
+    """The submit.lua call for one request, made at ``now`` (Redis's clock: the
+    one its deadline and the workers' heartbeats are judged by). With
+    ``require_worker`` the script refuses a queue no live worker serves
+    (``NoWorker``). The script holds the request to the strictest of this
+    client's limits and its queue's workers'; its prompt's tokens only where the
+    caller counted them (``prompt_tokens``), else the worker that takes it
+    counts them."""
     job_id = new_job_id(request.model, uuid.uuid4().hex)
-    now = time.time()
     deadline_at = now + request.deadline_s if request.deadline_s else None
     entry = QueueEntry(job_id=job_id, request=request, created_at=now, deadline_at=deadline_at)
     request_json = request.model_dump_json()
@@ -119,7 +121,7 @@ def submission(request: GenerationRequest, keys: Keys, settings: Settings,
         idempotency_key=idem,
         idempotency_ttl_s=settings.idempotency_ttl_s,
         fingerprint=request.fingerprint() if idem else "",
-        live_since=live_since() if require_worker else None))
+        live_since=live_since(now) if require_worker else None))
 
 
 def backlog_weight(request: GenerationRequest) -> int:
@@ -151,10 +153,11 @@ def served_queues(names: list[bytes], live_counts: list[int], keys: Keys) -> lis
 
 
 def cancel_call(job_id: str, model: str, priority: str, keys: Keys,
-                settings: Settings) -> ScriptCall[CancelVerdict]:
-    """The cancel.lua call for a job of queue ``model`` at level ``priority``."""
+                settings: Settings, now: float) -> ScriptCall[CancelVerdict]:
+    """The cancel.lua call for a job of queue ``model`` at level ``priority``,
+    at ``now`` (Redis's clock)."""
     return client_scripts.cancel(
-        keys, job_id=job_id, model=model, priority=priority, now=time.time(),
+        keys, job_id=job_id, model=model, priority=priority, now=now,
         result_ttl_s=settings.result_ttl_s,
         end_event=end_event(JobStatus.CANCELLED, FinishReason.CANCELLED, None))
 
@@ -168,11 +171,12 @@ def cancel_verdict(verdict: CancelVerdict, job_id: str) -> CancelVerdict:
     return verdict
 
 
-def is_overdue(state: JobState) -> bool:
-    """Queued past its deadline: it can no longer start (a worker that reads it
-    ends it expired), so a reader reports it as expired (``as_expired``)."""
+def is_overdue(state: JobState, now: float) -> bool:
+    """Queued past its deadline at ``now`` (Redis's clock): it can no longer
+    start (a worker that reads it ends it expired), so a reader reports it as
+    expired (``as_expired``)."""
     return (state.status is JobStatus.QUEUED and state.deadline_at is not None
-            and state.deadline_at <= time.time())
+            and state.deadline_at <= now)
 
 
 def as_expired(state: JobState) -> JobState:
@@ -185,13 +189,14 @@ def as_expired(state: JobState) -> JobState:
         "error": EXPIRED_ERROR, "finished_at": state.deadline_at})
 
 
-def as_read(state: JobState) -> JobState:
-    """The state a reader reports: the record's, or an overdue job as expired."""
-    return as_expired(state) if is_overdue(state) else state
+def as_read(state: JobState, now: float) -> JobState:
+    """The state a reader reports at ``now`` (Redis's clock): the record's, or
+    an overdue job as expired."""
+    return as_expired(state) if is_overdue(state, now) else state
 
 
 def expires_at(state: JobState) -> float | None:
-    """When a reader of this job should look again to see it expired (wall
+    """When a reader of this job should look again to see it expired (Redis's
     clock), or None."""
     return state.deadline_at if state.status is JobStatus.QUEUED else None
 
@@ -265,17 +270,19 @@ def is_end_payload(payload: bytes) -> bool:
     return b'"k":"end"' in payload
 
 
-def time_slice(deadline: float | None, job_expires_at: float | None = None) -> float:
+def time_slice(deadline: float | None, job_expires_at: float | None = None,
+               now: float | None = None) -> float:
     """How long one wait for a message may block: until the next recheck, the
     caller's timeout (``deadline``, monotonic) or the moment a queued job's own
-    deadline passes (``job_expires_at``, wall clock), whichever comes first."""
+    deadline passes (``job_expires_at``, Redis's clock, as is ``now``),
+    whichever comes first."""
     wait = RECHECK_S
     if deadline is not None:
         wait = max(0.0, min(wait, deadline - time.monotonic()))
-    if job_expires_at is not None:
+    if job_expires_at is not None and now is not None:
         # Once past, no wait: the reader's next look reports the job expired
         # (is_overdue reads the same clock), so this never spins.
-        wait = min(wait, max(0.0, job_expires_at - time.time() + EXPIRE_SLACK_S))
+        wait = min(wait, max(0.0, job_expires_at - now + EXPIRE_SLACK_S))
     return wait
 
 

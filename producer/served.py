@@ -32,7 +32,7 @@ class Served:
 
 async def served(client: Any, queue: str) -> Served | None:
     """The queue's live workers, or None if it has none."""
-    since = live_since()
+    since = live_since(await client.clock.aread(client.redis))
     names = [name.decode() for name in
              await client.redis.zrangebyscore(client.keys.queue_workers(queue), since, "+inf")]
     if not names:

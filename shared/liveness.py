@@ -1,17 +1,18 @@
 """When a worker counts as live: one rule, written by the worker, read by everyone.
 
-Every heartbeat stores the wall-clock time until which its worker counts as
-live, ``alive_until``: as the worker's score in ``<ns>:served:<queue>`` and as a
-field of its hash ``<ns>:workers:<name>``, whose TTL ends about then too. A
-reader compares that time with its own clock (a score at or above now is a live
-worker) and never needs the worker's ``heartbeat_s``: a producer, the gateway,
-``tokenfleet status`` and a second process asking for the same worker name all
-agree on who is live, whatever heartbeat period each worker runs with.
+Every heartbeat stores the time until which its worker counts as live,
+``alive_until``: as the worker's score in ``<ns>:served:<queue>`` and as a
+field of its hash ``<ns>:workers:<name>``, whose TTL ends about then too. Both
+the worker and every reader take the time from Redis's clock
+(``shared.clock.FleetClock``), never from their hosts' own clocks, which may
+disagree by minutes. A reader compares ``alive_until`` with that time (a score
+at or above now is a live worker) and never needs the worker's ``heartbeat_s``:
+a producer, the gateway, ``tokenfleet status`` and a second process asking for
+the same worker name all agree on who is live, whatever heartbeat period each
+worker runs with.
 """
 
 from __future__ import annotations
-
-import time
 
 # A worker stays live until it has missed this many heartbeats in a row: one
 # late beat (a pause of the process, a slow Redis round trip) must not make it
@@ -28,10 +29,10 @@ def live_for_s(heartbeat_s: float) -> float:
 
 
 def alive_until(heartbeat_s: float, sent_at: float) -> float:
-    """The wall-clock time until which a heartbeat sent at ``sent_at`` keeps its worker live."""
+    """The time (Redis's clock) until which a heartbeat sent at ``sent_at`` keeps it live."""
     return sent_at + live_for_s(heartbeat_s)
 
 
-def live_since() -> float:
-    """The least ``alive_until`` a worker live now has: the time now, on this clock."""
-    return time.time()
+def live_since(now: float) -> float:
+    """The least ``alive_until`` a worker live at ``now`` (Redis's clock) has."""
+    return now

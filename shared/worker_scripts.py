@@ -9,7 +9,6 @@ dataclasses below; no caller indexes a reply.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -231,7 +230,7 @@ def finish(keys: Keys, *, result_ttl_s: int, worker: str, now: float,
         dead: bytes | str = ""
         if e.dead_letter:
             dead = dumps({"reason": e.dead_letter, "job_id": e.job_id, "queue": e.queue,
-                          "entry_id": e.entry_id, "worker": worker, "at": time.time(),
+                          "entry_id": e.entry_id, "worker": worker, "at": now,
                           "error": e.error})
         j = keys.of_job(e.job_id)
         script_keys += (j.job, j.out, j.events, j.ends, keys.queue(e.queue))

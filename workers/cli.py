@@ -325,7 +325,8 @@ def _prompt_tokens(client: Any, queue: str, prompt: str) -> int | None:
 def _served_models(client: Any, queue: str) -> list[str]:
     from tokenfleet.shared.liveness import live_since
 
-    names = client.redis.zrangebyscore(client.keys.queue_workers(queue), live_since(), "+inf")
+    names = client.redis.zrangebyscore(client.keys.queue_workers(queue),
+                                         live_since(client.clock.read(client.redis)), "+inf")
     models = [client.redis.hget(client.keys.worker(n.decode()), "model") for n in names]
     return sorted({m.decode() for m in models if m})
 

@@ -97,7 +97,7 @@ class Engine(ABC):
     - ``vocab_size``: how many token ids its model has (ids are ``0`` to
       ``vocab_size - 1``); None when the engine does not say, and the
       tokenizer's size bounds the ids instead;
-    - ``clock``: the wall clock deadlines are compared with;
+    - ``clock``: the clock deadlines are compared with (in a worker, Redis's: ``FleetClock``);
     - ``stats``: the worker's figures; an engine that fails a step and goes on
       counts it in ``stats.failed_steps``;
     - ``last_batch``: what the last step's forward pass held (``BatchShape``),
@@ -109,7 +109,7 @@ class Engine(ABC):
         self.eos_token_ids = frozenset(eos_token_ids)
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
-        self.clock = clock  # wall clock: deadlines are absolute times
+        self.clock = clock  # deadlines are absolute times on the clock that set them
         self.stats = WorkerStats()
         self.last_batch = BatchShape(0, False)
         # deque append/popleft are atomic: the hand-over between threads.

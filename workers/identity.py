@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import os
 import socket
-import time
 from typing import Any
 
+from tokenfleet.shared.clock import redis_now
 from tokenfleet.shared.keys import Keys
 from tokenfleet.shared.liveness import MIN_LIVE_S, live_since
 
@@ -34,11 +34,12 @@ def check_name(redis: Any, keys: Keys, name: str) -> None:
         # A heartbeat without alive_until is an older worker's: live for the
         # least any heartbeat keeps its worker live.
         alive_until = float(fields.get("alive_until", last_seen + MIN_LIVE_S))
-        age = time.time() - last_seen
+        now = redis_now(redis)  # the clock the heartbeat's times are on
+        age = now - last_seen
         pid = int(fields.get("pid", "0"))
     except ValueError:
         return  # not a heartbeat we wrote: nothing to protect
-    if alive_until < live_since():
+    if alive_until < live_since(now):
         return
     host = fields.get("host", "")
     if host == socket.gethostname() and (pid == os.getpid() or not _alive(pid)):

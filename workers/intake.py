@@ -12,7 +12,6 @@ Feeder thread only.
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -143,7 +142,7 @@ class Intake:
                  for entry_id, entry, _data in parsed]
         try:
             return start(self.keys, queue=self.queue, level=queue, worker=self.consumer,
-                         now=time.time(), takes=takes).run(self.redis)
+                         now=self.publisher.fleet_clock.now(), takes=takes).run(self.redis)
         except ResponseError as exc:
             # start.lua checks each record before it writes, so this is a case
             # its checks do not know: start each entry alone, so that only the
@@ -191,7 +190,7 @@ class Intake:
             error = f"gave up after {attempt - 1 - handbacks} attempts (its worker died each time)"
             return end(attempt, JobStatus.FAILED, FinishReason.ERROR, error, dead=error,
                        logged=logged)
-        if entry.deadline_at is not None and entry.deadline_at <= time.time():
+        if entry.deadline_at is not None and entry.deadline_at <= self.publisher.fleet_clock.now():
             return end(attempt, JobStatus.EXPIRED, FinishReason.DEADLINE,
                        EXPIRED_ERROR, logged=logged)
         try:

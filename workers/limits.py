@@ -24,12 +24,12 @@ def publish(pipe: Any, keys: Keys, queue: str, name: str, limits_json: str,
     pipe.expire(key, math.ceil(liveness.live_for_s(heartbeat_s)))
 
 
-def forget_dead(redis: Any, keys: Keys, queue: str) -> None:
+def forget_dead(redis: Any, keys: Keys, queue: str, now: float) -> None:
     """Take out the fields of workers no longer live: a dead worker's limits
-    must not hold the queue's requests to what it allowed."""
+    must not hold the queue's requests to what it allowed. ``now``: Redis's clock."""
     pipe = redis.pipeline(transaction=False)
     pipe.hkeys(keys.limits(queue))
-    pipe.zrangebyscore(keys.queue_workers(queue), liveness.live_since(), "+inf")
+    pipe.zrangebyscore(keys.queue_workers(queue), liveness.live_since(now), "+inf")
     published, live = pipe.execute()
     # A worker that beats between these reads and the delete writes its field
     # again with its next beat; until then its limits are left out (the worker

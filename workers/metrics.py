@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 from wsgiref.simple_server import WSGIServer
 
@@ -38,8 +38,11 @@ class Metrics:
     """
 
     def __init__(self, queue: str, stats: WorkerStats,
-                 registry: CollectorRegistry | None = None) -> None:
+                 registry: CollectorRegistry | None = None,
+                 clock: Callable[[], float] = time.time) -> None:
         self.registry = registry or CollectorRegistry()
+        # The clock a job's created_at (its client's) is on: Redis's, in a worker.
+        self.clock = clock
         r = self.registry
         self.queue = queue
         self.stats = stats
@@ -90,7 +93,7 @@ class Metrics:
 
     def started(self, created_at: float | None) -> None:
         if created_at is not None:
-            self.queue_wait.labels(self.queue).observe(max(0.0, time.time() - created_at))
+            self.queue_wait.labels(self.queue).observe(max(0.0, self.clock() - created_at))
 
     def step_done(self, outputs: list[SeqOutput]) -> None:
         """The engine step ``stats`` recorded last made ``outputs``: its batch
@@ -107,7 +110,7 @@ class Metrics:
             if o.token_id is not None:
                 if seq.last_token_at is None:
                     if seq.created_at is not None:
-                        self._ttft.observe(max(0.0, time.time() - seq.created_at))
+                        self._ttft.observe(max(0.0, self.clock() - seq.created_at))
                 else:
                     last_at[seq.last_token_at] = last_at.get(seq.last_token_at, 0) + 1
                 seq.last_token_at = now

@@ -47,6 +47,7 @@ from redis.exceptions import (
     TryAgainError,
 )
 
+from tokenfleet.shared.clock import FleetClock
 from tokenfleet.shared.keys import GROUP, Keys
 from tokenfleet.shared.redis_conn import node_client
 from tokenfleet.shared.schemas import FinishReason
@@ -136,7 +137,8 @@ class Publisher:
     which touch neither)."""
 
     def __init__(self, redis: Any, keys: Keys, settings: Settings, worker: str,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 fleet_clock: FleetClock | None = None) -> None:
         self.redis = redis
         self.keys = keys
         self.settings = settings
@@ -147,6 +149,9 @@ class Publisher:
         # Coalescing: the window (seconds) and the most tokens one event holds;
         # a window of 0 or 1 token sends every token at once.
         self.clock = clock
+        # The times stored in job records (first token, end, dead letters):
+        # Redis's clock, which readers on other hosts judge them by.
+        self.fleet_clock = fleet_clock or FleetClock()
         self.window_s = settings.coalesce_ms / 1000
         self.max_tokens = settings.coalesce_tokens if self.window_s > 0 else 1
         self.held: dict[str, Held] = {}  # by job id
@@ -314,7 +319,7 @@ class Publisher:
         """An entry no job can come from: keep it in the DLQ, take it off the queue."""
         stream = self.keys.queue(queue)
         record = {"reason": reason, "queue": queue, "entry_id": entry_id,
-                  "worker": self.worker, "at": time.time(), "entry": _printable(raw)}
+                  "worker": self.worker, "at": self.fleet_clock.now(), "entry": _printable(raw)}
         pipe = self.redis.pipeline(transaction=True)
         pipe.xadd(self.keys.dlq(queue), {"data": dumps(record)})
         pipe.xack(stream, GROUP, entry_id)
@@ -333,14 +338,14 @@ class Publisher:
         )
 
     def _emit(self, events: list[Held]) -> ScriptCall[Emitted]:
-        return emit(self.keys, result_ttl_s=self.settings.result_ttl_s, now=time.time(),
-                    events=[LogEvent(e.seq.job_id, e.seq.attempt, e.index, len(e.token_ids),
+        return emit(self.keys, result_ttl_s=self.settings.result_ttl_s,
+                    now=self.fleet_clock.now(), events=[LogEvent(e.seq.job_id, e.seq.attempt, e.index, len(e.token_ids),
                                      token_event(e.index, e.token_ids, e.texts))
                             for e in events])
 
     def _finish(self, endings: list[Ending]) -> ScriptCall[Finished]:
         return finish(self.keys, result_ttl_s=self.settings.result_ttl_s, worker=self.worker,
-                      now=time.time(), endings=endings)
+                      now=self.fleet_clock.now(), endings=endings)
 
     def _execute(self, calls: Seq[ScriptCall[object]]) -> list[object]:
         """Run script calls in one pipeline; return their replies (undecoded), or

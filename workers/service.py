@@ -34,6 +34,7 @@ from typing import Any
 from redis.exceptions import RedisError
 
 from tokenfleet.shared import liveness
+from tokenfleet.shared.clock import FleetClock
 from tokenfleet.shared.keys import GROUP, PRIORITIES, Keys
 from tokenfleet.shared.limits import worker_limits
 from tokenfleet.shared.redis_conn import connect
@@ -87,8 +88,12 @@ class Worker:
         self.redis = redis or connect(settings.redis_url)
         # Numbers, not "auto": build_worker sizes them for the engine.
         self.max_batch, _ = resolved(settings)
+        # Every time this worker stores or judges against another host's (its
+        # heartbeat, deadlines, a job's times) is on Redis's clock.
+        self.clock = FleetClock()
+        engine.clock = self.clock.now
         self.engine = engine
-        self.publisher = Publisher(self.redis, self.keys, settings, name)
+        self.publisher = Publisher(self.redis, self.keys, settings, name, fleet_clock=self.clock)
         # Ids of the jobs this worker runs now (shared: the feeder thread reads
         # it, the engine thread updates it). A job leaves it when its end is
         # stored or when it is dropped here, never earlier: the feeder skips
@@ -100,7 +105,7 @@ class Worker:
                       refusal=engine.refusal), self.publisher,
             sink=self._receive, credits=self.credits, holds=self._held.__contains__,
         )
-        self.metrics = Metrics(self.queue, engine.stats)
+        self.metrics = Metrics(self.queue, engine.stats, clock=self.clock.now)
         # What this worker allows, published with each heartbeat: submit.lua holds
         # every request to the queue to it, whoever submits.
         self.limits = worker_limits(settings, engine.max_model_len)
@@ -137,6 +142,7 @@ class Worker:
                 self._cancel_thread)
 
     def start(self) -> None:
+        self.clock.sync(self.redis)  # before any job's deadline is judged
         self.feeder.ensure_group()
         if self.settings.metrics_port:
             self.metrics.serve(self.settings.metrics_port)
@@ -427,7 +433,7 @@ class Worker:
             "running": self.engine.num_running, "waiting": self.engine.num_waiting,
             "draining": int(self.feeder.paused.is_set() or self._stop_intake.is_set()),
             "fatal": self.fatal_reason or "", "failing": self.failing,
-            "stats": self.engine.stats.as_dict(), "last_seen": time.time(),
+            "stats": self.engine.stats.as_dict(), "last_seen": self.clock.now(),
         }
 
     def _observe_queue(self) -> None:
@@ -456,6 +462,7 @@ class Worker:
     def _beat(self) -> None:
         if self.settings.metrics_port:
             self._observe_queue()
+        self.clock.read(self.redis)  # a fresh reading of Redis's clock when due
         key = self.keys.worker(self.name)
         # The jobs still being worked on: running, waiting, and those the step
         # in flight finished (their end is not stored yet). ``_sent`` belongs to
@@ -465,7 +472,7 @@ class Worker:
         info: dict[Any, Any] = self.describe()
         info["stats"] = dumps(info["stats"])
         # Until when this worker counts as live: every reader compares this
-        # with its own clock (shared.liveness), and the hash expires about then.
+        # with Redis's clock too (shared.liveness), and the hash expires about then.
         info["alive_until"] = liveness.alive_until(self.settings.heartbeat_s, info["last_seen"])
         pipe = self.redis.pipeline(transaction=False)
         pipe.hset(key, mapping=info)
@@ -483,7 +490,7 @@ class Worker:
         for stream, ids in by_stream.items():
             pipe.xclaim(stream, GROUP, self.name, 0, ids, justid=True)
         pipe.execute()
-        limits.forget_dead(self.redis, self.keys, self.queue)
+        limits.forget_dead(self.redis, self.keys, self.queue, info["last_seen"])
 
     def _cancel_loop(self) -> None:
         while not self._stop_engine.is_set():

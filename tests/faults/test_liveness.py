@@ -2,19 +2,18 @@
 
 A worker writes with each heartbeat the time until which it is live (three of
 its heartbeats, ten seconds at least); every reader (``submit``, the served
-queues, a second process asking for the same name) compares that time with its
-own clock, so none needs the worker's ``TOKENFLEET_HEARTBEAT_S``."""
+queues, a second process asking for the same name) compares that time with
+Redis's clock, so none needs the worker's ``TOKENFLEET_HEARTBEAT_S``."""
 
 from __future__ import annotations
 
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
 import redis
 
 from tokenfleet import FleetClient
-from tokenfleet.shared import liveness
+from tokenfleet.shared.clock import redis_now
 from tokenfleet.shared.keys import Keys
 from tokenfleet.shared.schemas import JobStatus
 from tokenfleet.workers.identity import NameTaken, check_name
@@ -42,7 +41,7 @@ def test_a_worker_with_a_ten_second_heartbeat_is_live_between_its_beats(
     # Seen 15 s after that beat: past the next beat's time, and past any fixed
     # window of 10 s, yet within three beats.
     later = last_seen + 15
-    monkeypatch.setattr(liveness, "time", SimpleNamespace(time=lambda: later))
+    monkeypatch.setattr(client.clock, "read", lambda _redis: later)
     assert client.served_queues() == ["default"]
     job_id = client.submit("between the beats", max_new_tokens=4)
     monkeypatch.undo()
@@ -53,7 +52,7 @@ def test_a_name_is_taken_for_as_long_as_its_heartbeat_says(
     r: redis.Redis, settings: Any
 ) -> None:
     keys, name = Keys(settings.namespace), "gpu0@elsewhere"
-    now = liveness.live_since()
+    now = redis_now(r)
     # Its last beat is 20 s old, but its period is long: it said it is live 10 s more.
     r.hset(keys.worker(name), mapping={"host": "elsewhere", "pid": 4321,
                                        "last_seen": now - 20, "alive_until": now + 10})
