@@ -59,6 +59,15 @@ class IdempotencyConflict(TokenfleetError):
         self.key = key
 
 
+class PromptTooLong(TokenfleetError):
+    """The prompt has more tokens of the queue's model than the limit; nothing was enqueued."""
+
+    def __init__(self, model: str, count: int, limit: int, source: str) -> None:
+        super().__init__(f"the prompt is {count:,} tokens of model {model}; the limit is "
+                         f"{limit:,} ({source})")
+        self.model, self.count, self.limit = model, count, limit
+
+
 class RedisUnavailable(TokenfleetError, ConnectionError):
     """The first connection to Redis failed: nothing to ride out, so not retried.
 

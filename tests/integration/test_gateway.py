@@ -231,6 +231,45 @@ def test_openai_fields_the_gateway_cannot_honour_are_400_naming_them(
     assert not list(r.scan_iter(match=f"{settings.namespace}:job:*"))  # nothing was enqueued
 
 
+def test_a_refusal_is_one_sentence_naming_the_field_without_echoing_its_value(
+    gateway: Any, r: redis.Redis, settings: Any
+) -> None:
+    http = gateway()
+    hi = [{"role": "user", "content": "hi"}]
+    tools = [{"type": "function", "function": {"name": f"tool_{i}", "parameters": {}}}
+             for i in range(50)]
+    cases = [({"tools": tools}, "tools are not supported by this gateway: leave it unset"),
+             ({"response_format": {"type": "json_object"}},
+              "response_format type 'json_object' is not supported; only 'text'"),
+             ({"logit_bias": {str(i): 1 for i in range(100)}},
+              "logit_bias is not supported by this gateway: leave it unset or {}")]
+    for extra, sentence in cases:
+        response = http.post("/v1/chat/completions", json={"messages": hi, **extra})
+        assert response.status_code == 400, response.text
+        assert response.headers["x-should-retry"] == "false"
+        err = response.json()["error"]
+        assert err["message"] == sentence and err["code"] == "unsupported_parameter", err
+    assert not list(r.scan_iter(match=f"{settings.namespace}:job:*"))
+
+
+def test_a_gateway_started_while_redis_is_down_answers_503_from_the_first_request(
+    gateway: Any
+) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        dead = f"redis://:secret@127.0.0.1:{s.getsockname()[1]}/0"  # nothing listens there
+    http = gateway(redis_url=dead)
+    chat = {"messages": [{"role": "user", "content": "hi"}]}
+    for path, body in (("/v1/completions", {"prompt": "hi"}), ("/v1/chat/completions", chat),
+                       ("/v1/jobs", {"prompt": "hi"})):
+        response = http.post(path, json=body)
+        assert response.status_code == 503, (path, response.text)  # a retry can fix it
+        assert int(response.headers["retry-after"]) > 0
+        assert "secret" not in response.text  # the URL is the operator's, not the caller's
+        if path != "/v1/jobs":
+            assert response.json()["error"]["type"] == "server_error"
+
+
 def test_completion_errors_are_400_in_openai_shape_naming_the_param(gateway: Any) -> None:
     http = gateway()
     cases = [({"prompt": "hi", "n": 2}, "n"), ({"prompt": "hi", "max_tokens": 10**6}, "max_tokens"),
@@ -389,7 +428,7 @@ def test_an_idempotency_key_reused_for_another_request_is_409(gateway: Any,
     assert other.status_code == 409 and "order-1" in other.json()["detail"]
 
 
-def test_a_queue_no_live_worker_serves_is_503_naming_the_served_queues(
+def test_a_model_no_live_worker_serves_is_404_model_not_found_naming_the_served_ones(
     gateway: Any, start_worker: Any, r: redis.Redis, settings: Any
 ) -> None:
     if "require_worker" not in Settings.model_fields:
@@ -403,10 +442,14 @@ def test_a_queue_no_live_worker_serves_is_503_naming_the_served_queues(
                        ("/v1/completions", {"prompt": "hi", "model": UNSERVED}),
                        ("/v1/chat/completions", {"messages": chat, "model": UNSERVED})):
         response = http.post(path, json=body)
-        assert response.status_code == 503, response.text
+        assert response.status_code == 404, response.text  # a retry cannot help
+        assert response.headers["x-should-retry"] == "false"
         found = response.json()
         message = found["detail"] if path == "/v1/jobs" else found["error"]["message"]
         assert UNSERVED in message and "'default'" in message  # what is served instead
+        # Advice for whoever runs the fleet, not for an API caller.
+        assert "require_worker" not in message and "tokenfleet worker" not in message
         if path != "/v1/jobs":
-            assert found["error"]["code"] == "model_not_served"
+            assert found["error"]["code"] == "model_not_found"
+            assert found["error"]["param"] == "model"
     assert not list(r.scan_iter(match=f"{settings.namespace}:job:*"))
