@@ -34,7 +34,7 @@ from tokenfleet.openai_compat import (
 from tokenfleet.openai_compat import REFUSED as COMPLETION_REFUSED
 from tokenfleet.openai_errors import NO_CHAT_TEMPLATE, UNSUPPORTED
 from tokenfleet.served import served
-from tokenfleet.shared.schemas import GenerationRequest
+from tokenfleet.shared.schemas import GenerationRequest, IntNotBool
 
 NO_TOOLS = "this gateway has no tools: leave it unset"
 REFUSED: dict[str, tuple[tuple[Any, ...], str | None]] = {
@@ -118,8 +118,8 @@ class Message(BaseModel):
 
 class ChatRequest(Sampling):
     messages: list[Message]
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
+    max_tokens: IntNotBool | None = None
+    max_completion_tokens: IntNotBool | None = None
     metadata: dict[str, str] | None = None
     safety_identifier: str | None = None
     n: Any = None

@@ -38,7 +38,14 @@ from tokenfleet.openai_errors import (
     UNSUPPORTED,
 )
 from tokenfleet.shared.errors import TokenfleetError, invalid_field, invalid_input
-from tokenfleet.shared.schemas import FinishReason, GenerationRequest, JobState, JobStatus
+from tokenfleet.shared.schemas import (
+    FinishReason,
+    FloatNotBool,
+    GenerationRequest,
+    IntNotBool,
+    JobState,
+    JobStatus,
+)
 
 # OpenAI's names for the fields of a GenerationRequest, to name the right ``param``.
 PARAMS = {("sampling", "max_new_tokens"): "max_tokens", ("sampling", "temperature"): "temperature",
@@ -72,12 +79,12 @@ class Sampling(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     model: str = "default"
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    repetition_penalty: float | None = None
+    temperature: FloatNotBool | None = None
+    top_p: FloatNotBool | None = None
+    top_k: IntNotBool | None = None
+    repetition_penalty: FloatNotBool | None = None
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: IntNotBool | None = None
     stream: bool | None = False
     stream_options: dict[str, Any] | None = None
     user: str | None = None
@@ -109,7 +116,7 @@ class Sampling(BaseModel):
 
 class CompletionRequest(Sampling):
     prompt: str | list[Any]
-    max_tokens: int | None = 16
+    max_tokens: IntNotBool | None = 16
     n: Any = None
     best_of: Any = None
     echo: Any = None

@@ -252,6 +252,27 @@ def test_a_refusal_is_one_sentence_naming_the_field_without_echoing_its_value(
     assert not list(r.scan_iter(match=f"{settings.namespace}:job:*"))
 
 
+def test_true_is_not_a_number_of_tokens_at_any_endpoint(
+    gateway: Any, r: redis.Redis, settings: Any
+) -> None:
+    http = gateway(require_worker=False)  # would queue ahead: only validation refuses
+    hi = [{"role": "user", "content": "hi"}]
+    for path, body, param in (("/v1/completions", {"prompt": "hi", "max_tokens": True},
+                               "max_tokens"),
+                              ("/v1/chat/completions", {"messages": hi, "max_tokens": True},
+                               "max_tokens"),
+                              ("/v1/chat/completions", {"messages": hi, "temperature": False},
+                               "temperature")):
+        response = http.post(path, json=body)
+        assert response.status_code == 400, (path, response.text)
+        err = response.json()["error"]
+        assert err["param"] == param and "not" in err["message"], err
+    jobs = http.post("/v1/jobs", json={"prompt": "hi", "sampling": {"max_new_tokens": True}})
+    assert jobs.status_code == 422
+    assert jobs.json()["detail"][0]["loc"] == ["body", "sampling", "max_new_tokens"]
+    assert not list(r.scan_iter(match=f"{settings.namespace}:job:*"))
+
+
 def test_a_gateway_started_while_redis_is_down_answers_503_from_the_first_request(
     gateway: Any
 ) -> None:
