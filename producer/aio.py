@@ -8,6 +8,7 @@ import time
 from collections.abc import AsyncGenerator
 from typing import Any
 
+from tokenfleet.prompt_tokens import check_prompt_tokens, worth_counting
 from tokenfleet.protocol import (
     CANCEL_WAIT_S,
     EventCursor,
@@ -32,6 +33,7 @@ from tokenfleet.shared.liveness import live_since
 from tokenfleet.shared.redis_conn import connect_async
 from tokenfleet.shared.schemas import GenerationRequest, JobState, JobStatus, TokenEvent
 from tokenfleet.shared.settings import Settings, get_settings
+from tokenfleet.served import served
 from tokenfleet.subscriptions import Subscriptions
 
 
@@ -64,8 +66,14 @@ class AsyncFleetClient:
     async def submit(self, prompt: str | GenerationRequest | None = None, /, *,
                      require_worker: bool | None = None, **kwargs: Any) -> str:
         """See ``FleetClient.submit``: ``NoWorker`` unless a live worker serves the
-        queue or ``require_worker=False``; ``IdempotencyConflict``; ``QueueFull``."""
+        queue or ``require_worker=False``; ``IdempotencyConflict``; ``QueueFull``;
+        ``PromptTooLong``."""
         request = build_request(prompt, kwargs, self.settings)
+        if worth_counting(request, self.settings):
+            queue = await served(self, request.model)
+            if queue is not None:  # tokenizing a long prompt takes a while: off the loop
+                await asyncio.to_thread(check_prompt_tokens, request, queue.models,
+                                        self.settings)
         sub = submission(request, self.keys, self.settings,
                          require_worker_for(require_worker, self.settings))
         job_id = submitted_id(await sub.call.run_async(self.redis), request, self.settings)

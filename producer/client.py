@@ -8,6 +8,7 @@ from typing import Any
 
 from redis.exceptions import ConnectionError as RedisConnectionError
 
+from tokenfleet.prompt_tokens import check_prompt_tokens, worth_counting
 from tokenfleet.pubsub_pool import PubSubPool
 from tokenfleet.protocol import (
     CANCEL_WAIT_S,
@@ -76,14 +77,28 @@ class FleetClient:
         ``NoWorker`` when no live worker serves the queue. To queue ahead of the
         workers (they start later) pass ``require_worker=False`` or set
         ``TOKENFLEET_REQUIRE_WORKER=0``; give such jobs a ``deadline_s``.
+        ``PromptTooLong`` when the prompt has more tokens than the limit, counted
+        where the queue's model is on this machine (``tokenfleet.prompt_tokens``).
         """
         request = build_request(prompt, kwargs, self.settings)
+        self._check_prompt_tokens(request)
         sub = submission(request, self.keys, self.settings,
                          require_worker_for(require_worker, self.settings))
         job_id = submitted_id(sub.call.run(self.redis), request, self.settings)
         if job_id is None:
             raise NoWorker(request.model, self.served_queues())
         return job_id
+
+    def _check_prompt_tokens(self, request: GenerationRequest) -> None:
+        if not worth_counting(request, self.settings):
+            return
+        names = self.redis.zrangebyscore(self.keys.queue_workers(request.model), live_since(),
+                                         "+inf")
+        pipe = self.redis.pipeline(transaction=False)
+        for name in names:
+            pipe.hget(self.keys.worker(name.decode()), "model")
+        models = sorted({m.decode() for m in pipe.execute() if m}) if names else []
+        check_prompt_tokens(request, models, self.settings)
 
     def served_queues(self) -> list[str]:
         """The queues at least one live worker serves now."""

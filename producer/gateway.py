@@ -181,7 +181,9 @@ async def _fleet_error(request: Request, exc: Exception) -> Response:
         return await _model_not_found(request, getattr(exc, "queue", "?"),
                                       getattr(exc, "served", None))
     message = refusal.sentence if refusal.status >= 500 else str(exc)  # no URL to callers
-    param = "prompt" if name == "PromptTooLong" else None
+    param = None
+    if name == "PromptTooLong":
+        param = "messages" if request.url.path == "/v1/chat/completions" else "prompt"
     return _error(request, refusal, message, param=param)
 
 

@@ -256,7 +256,6 @@ def submit(prompt: str | None, prompt_file: Any, queue: str, priority: str, queu
     _apply_env(redis_url=redis_url)
     with FleetClient() as client:
         try:
-            _check_prompt_tokens(client, queue, text)
             job_id = client.submit(text, model=queue, priority=priority,
                                    require_worker=not queue_ahead, **sampling)
         except ValidationError as exc:
@@ -299,38 +298,6 @@ def _prompt_text(prompt: str | None, prompt_file: Any) -> str:
     if prompt is None:
         raise click.UsageError("give a PROMPT, '-' for standard input, or --file PATH")
     return prompt
-
-
-def _check_prompt_tokens(client: Any, queue: str, prompt: str) -> None:
-    """Where the model a live worker of ``queue`` serves is on this machine (the
-    built-in one, or a directory here), count the prompt's tokens now rather than
-    let the worker refuse it later."""
-    from tokenfleet.shared.models import local_tokenizer_file
-
-    if len(prompt) > client.settings.max_prompt_chars:
-        return  # validation refuses it, naming its own limit
-    limit = client.settings.max_prompt_tokens
-    for model in _served_models(client, queue):
-        path = local_tokenizer_file(model)
-        if path is None:
-            continue
-        try:
-            from tokenizers import Tokenizer
-        except ImportError:
-            return  # the bare client: the worker checks it
-        count = len(Tokenizer.from_file(str(path)).encode(prompt).ids)
-        if count > limit:
-            raise Refused(f"the prompt is {count:,} tokens of model {model}; the limit is "
-                          f"{limit:,} (TOKENFLEET_MAX_PROMPT_TOKENS)")
-        return
-
-
-def _served_models(client: Any, queue: str) -> list[str]:
-    from tokenfleet.shared.liveness import live_since
-
-    names = client.redis.zrangebyscore(client.keys.queue_workers(queue), live_since(), "+inf")
-    models = [client.redis.hget(client.keys.worker(n.decode()), "model") for n in names]
-    return sorted({m.decode() for m in models if m})
 
 
 def _state_json(state: Any) -> str:

@@ -197,8 +197,10 @@ class Intake:
         try:
             seq = self.admission.sequence(entry, entry_id, attempt)
         except (Rejected, ValidationError) as exc:
+            # The request's own fault (too long, over this worker's limits): its
+            # caller hears why; nothing for an operator in the dead letters.
             return end(attempt, JobStatus.FAILED, FinishReason.ERROR, _reason(exc),
-                       dead=_reason(exc), logged=logged)
+                       logged=logged)
         seq.entry_json = data.decode()  # as read: a hand-back queues it again unchanged
         seq.queue = queue  # the level's stream it came from: where it is acknowledged
         seq.restore(logged.token_ids)

@@ -13,7 +13,7 @@ import redis
 
 from tokenfleet import FleetClient
 from tokenfleet.shared import errors
-from tokenfleet.shared.keys import job_id_in
+from tokenfleet.shared.keys import Keys, job_id_in
 from tokenfleet.shared.schemas import JobStatus
 from tokenfleet.shared.settings import Settings
 
@@ -395,6 +395,71 @@ def test_the_openai_client_lists_models_completes_and_chats(
         oa.chat.completions.create(model="default", messages=messages, tools=[
             {"type": "function", "function": {"name": "f", "parameters": {}}}])
     assert refused.value.param == "tools" and "tools" in refused.value.message
+
+
+LONG = "x y " * 7_000  # within the character limit, far past the 2,048 tokens allowed
+
+
+def test_a_prompt_over_the_token_limit_is_400_context_length_exceeded_and_no_job(
+    gateway: Any, start_worker: Any, r: redis.Redis, settings: Any
+) -> None:
+    start_worker()
+    http = gateway()
+    chat = {"messages": [{"role": "user", "content": LONG}]}
+    for path, body, param in (("/v1/completions", {"prompt": LONG}, "prompt"),
+                              ("/v1/chat/completions", chat, "messages")):
+        response = http.post(path, json=body)
+        assert response.status_code == 400, (path, response.text)
+        err = response.json()["error"]
+        assert err["code"] == "context_length_exceeded" and err["param"] == param, err
+        assert err["type"] == "invalid_request_error" and "limit is 2,048" in err["message"]
+    jobs = http.post("/v1/jobs", json={"prompt": LONG})
+    assert jobs.status_code == 400 and "TOKENFLEET_MAX_PROMPT_TOKENS" in jobs.json()["detail"]
+    keys = Keys(settings.namespace)
+    assert not list(r.scan_iter(match=keys.job("*"))) and r.xlen(keys.dlq("default")) == 0
+
+
+def test_the_openai_client_retries_no_refusal_of_ours_but_a_full_queue(
+    gateway: Any, start_worker: Any, r: redis.Redis, settings: Any
+) -> None:
+    start_worker()
+    http = gateway(max_payload_bytes=60_000)
+    sent: list[str] = []
+    counting = httpx.Client(event_hooks={"request": [lambda req: sent.append(req.url.path)]})
+    oa = openai.OpenAI(base_url=f"http://127.0.0.1:{port_of(http)}/v1", api_key="unused",
+                       max_retries=2, http_client=counting)  # retries as it does by default
+    wait_until(lambda: oa.models.list().data, timeout=10, what="the worker's first heartbeat")
+    hi: Any = [{"role": "user", "content": "hi"}]
+    refusals = {
+        "context_length_exceeded": lambda: oa.completions.create(model="default", prompt=LONG),
+        "chat context_length_exceeded": lambda: oa.chat.completions.create(
+            model="default", messages=[{"role": "user", "content": LONG}]),
+        "unsupported_parameter": lambda: oa.chat.completions.create(
+            model="default", messages=hi, tools=[{"type": "function", "function": {"name": "f"}}]),
+        "invalid value": lambda: oa.completions.create(model="default", prompt="hi",
+                                                       temperature=-1),
+        "model_not_found": lambda: oa.completions.create(model=UNSERVED, prompt="hi"),
+        "model_not_found (chat)": lambda: oa.chat.completions.create(model=UNSERVED,
+                                                                     messages=hi),
+        "request_too_large": lambda: oa.completions.create(model="default", prompt="x" * 70_000),
+    }
+    for name, call in refusals.items():
+        before = len(sent)
+        with pytest.raises(openai.APIStatusError) as refused:
+            call()
+        assert 400 <= refused.value.status_code < 500, (name, refused.value)
+        assert len(sent) - before == 1, f"{name}: sent {len(sent) - before} times"
+    assert not list(r.scan_iter(match=Keys(settings.namespace).job("*")))  # no job, ever
+
+    # A full queue is what a retry can fix: the client waits Retry-After and tries again.
+    full = gateway(max_queue=1, require_worker=False)
+    assert full.post("/v1/jobs", json={"prompt": "waits", "model": UNSERVED}).status_code == 202
+    oa_full = openai.OpenAI(base_url=f"http://127.0.0.1:{port_of(full)}/v1", api_key="unused",
+                            max_retries=2, http_client=counting)
+    before = len(sent)
+    with pytest.raises(openai.RateLimitError):
+        oa_full.completions.create(model=UNSERVED, prompt="hi")
+    assert len(sent) - before == 3
 
 
 def test_chat_for_a_model_without_a_chat_template_is_400_at_the_gateway(
