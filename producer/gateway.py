@@ -48,6 +48,7 @@ from tokenfleet.served import served, served_queues
 from tokenfleet.shared.errors import JobNotFound, RedisAuthFailed, RedisUnavailable, TokenfleetError
 from tokenfleet.shared.schemas import GenerationRequest, JobState
 from tokenfleet.shared.settings import Settings, get_settings
+from tokenfleet.shared.compat.uvicorn_h11 import MAX_HEAD_BYTES
 from tokenfleet.timeouts import BodyDeadline, BodyTimeout, head_deadline_protocol
 
 # A health probe must answer fast: the client's own retries (riding out a Redis
@@ -134,14 +135,14 @@ def server_config(settings: Settings | None = None, *, host: str = "127.0.0.1",
                   port: int = 8000, **uvicorn_options: Any) -> uvicorn.Config:
     """uvicorn's configuration for the gateway, its time limits included.
 
-    The h11 protocol is set, not chosen: the limit on a request's head lives in
-    it (``tokenfleet.timeouts``). h11 also bounds the head's size (16 KiB), and
-    uvicorn closes a keep-alive connection idle for 5 s.
+    The h11 protocol is set, not chosen: the limits on a request's head live in
+    it (``tokenfleet.timeouts``): its time, and its size (``MAX_HEAD_BYTES``,
+    16 KiB: a 431 past it). uvicorn closes a keep-alive connection idle for 5 s.
     """
     settings = settings or get_settings()
     return uvicorn.Config(create_app(settings), host=host, port=port, lifespan="on",
                           http=head_deadline_protocol(settings.header_timeout_s),
-                          **uvicorn_options)
+                          h11_max_incomplete_event_size=MAX_HEAD_BYTES, **uvicorn_options)
 
 
 def serve(host: str = "127.0.0.1", port: int = 8000, *, settings: Settings | None = None,
