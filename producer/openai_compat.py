@@ -34,8 +34,10 @@ from tokenfleet.openai_errors import (
     INVALID_JSON,
     INVALID_VALUE,
     JOB_FAILED,
+    JOB_REFUSED,
     UNRECOGNIZED,
     UNSUPPORTED,
+    Refusal,
 )
 from tokenfleet.shared.errors import TokenfleetError, invalid_field, invalid_input
 from tokenfleet.shared.schemas import (
@@ -43,6 +45,7 @@ from tokenfleet.shared.schemas import (
     FloatNotBool,
     GenerationRequest,
     IntNotBool,
+    REFUSED_BY_WORKER,
     JobState,
     JobStatus,
 )
@@ -231,8 +234,9 @@ async def chunks(client: AsyncFleetClient, job_id: str, head: dict[str, Any], ch
         state = await client.status(job_id)
         ended.set()
         if state.status is not JobStatus.SUCCEEDED:
-            yield data({"error": {"message": failure(state), "type": "server_error",
-                                  "param": None, "code": None}})
+            why = failed(state)
+            yield data({"error": {"message": failure(state), "type": why.type,
+                                  "param": None, "code": why.code}})
         else:
             yield data({**head, "choices": [choice("", finish(state))]})
             if include_usage:
@@ -260,7 +264,7 @@ async def succeeded(client: AsyncFleetClient, job_id: str, request: Request
     if state is None:
         return Response(status_code=499)  # nobody is left to read it
     if state.status is not JobStatus.SUCCEEDED:
-        return JOB_FAILED.response(failure(state))
+        return failed(state).response(failure(state))
     return state
 
 
@@ -307,6 +311,12 @@ def usage(state: JobState) -> dict[str, int]:
     prompt, completion = state.num_prompt_tokens or 0, len(state.token_ids)
     return {"prompt_tokens": prompt, "completion_tokens": completion,
             "total_tokens": prompt + completion}
+
+
+def failed(state: JobState) -> Refusal:
+    """Why the job has no result: the request's fault (its worker refused it) or not."""
+    refused = (state.error or "").startswith(REFUSED_BY_WORKER)
+    return JOB_REFUSED if refused else JOB_FAILED
 
 
 def failure(state: JobState) -> str:

@@ -98,6 +98,11 @@ QUEUE_FULL = Refusal(
     429, "requests", "rate_limit_exceeded", True, "the model's queue is full",
     "queue '<model>' is full (<n> jobs waiting or running, limit <limit>); nothing was "
     "enqueued: retry later or raise TOKENFLEET_MAX_QUEUE")
+JOB_REFUSED = Refusal(
+    400, INVALID, None, False,
+    "the queue's worker refused the job (a limit only it knows, such as the prompt's tokens "
+    "with the chat template)",
+    "the job ended failed (refused by the worker: <its reason>); the completion has no result")
 JOB_FAILED = Refusal(
     500, SERVER, None, False, "the job failed on its worker, which retried it already",
     "the job ended <status> (<reason>); the completion has no result")
@@ -112,7 +117,7 @@ REDIS_DOWN = Refusal(
 # In the order the docs list them.
 REFUSALS = (INVALID_JSON, UNRECOGNIZED, INVALID_VALUE, UNSUPPORTED, CONTEXT_LENGTH,
             NO_CHAT_TEMPLATE, MODEL_NOT_FOUND, JOB_NOT_FOUND, BODY_TIMEOUT,
-            IDEMPOTENCY_CONFLICT, TOO_LARGE, QUEUE_FULL, JOB_FAILED, REDIS_REFUSED, REDIS_DOWN)
+            IDEMPOTENCY_CONFLICT, TOO_LARGE, QUEUE_FULL, JOB_REFUSED, JOB_FAILED, REDIS_REFUSED, REDIS_DOWN)
 
 # The fleet's own errors, by class name: an error class that a newer client adds
 # maps the same whether or not this module could import it.

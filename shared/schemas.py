@@ -239,6 +239,11 @@ class FinishReason(str, enum.Enum):
 # before either has written it.
 EXPIRED_ERROR = "deadline passed before the job started"
 
+# How the error of a job its worker refused begins (a prompt over the worker's
+# token limit, a value over its own limits): the request's fault, not the fleet's,
+# so the gateway answers it with a 400 that no client retries, not a 500.
+REFUSED_BY_WORKER = "refused by the worker: "
+
 
 # Hash fields of the job record that hold JSON rather than a plain string.
 JSON_FIELDS = ("token_ids", "metadata", "request")

@@ -419,6 +419,19 @@ def test_a_prompt_over_the_token_limit_is_400_context_length_exceeded_and_no_job
     assert not list(r.scan_iter(match=keys.job("*"))) and r.xlen(keys.dlq("default")) == 0
 
 
+def test_a_prompt_only_the_worker_refuses_is_a_400_not_retried(
+    gateway: Any, start_worker: Any, r: redis.Redis, settings: Any
+) -> None:
+    start_worker(max_prompt_tokens=3)  # stricter than the gateway: only the worker refuses
+    http = gateway()
+    response = http.post("/v1/completions", json={"prompt": "a prompt of many tokens"})
+    assert response.status_code == 400, response.text  # the request's fault, not the fleet's
+    assert response.headers["x-should-retry"] == "false"
+    err = response.json()["error"]
+    assert err["type"] == "invalid_request_error" and "refused by the worker" in err["message"]
+    assert r.xlen(Keys(settings.namespace).dlq("default")) == 0
+
+
 def test_the_openai_client_retries_no_refusal_of_ours_but_a_full_queue(
     gateway: Any, start_worker: Any, r: redis.Redis, settings: Any
 ) -> None:
