@@ -14,6 +14,8 @@ Event streams send a keep-alive comment every ``sse_keepalive_s`` while nothing
 else goes out; the server bounds the time a client takes to send a request's head
 (``header_timeout_s``) and body (``body_timeout_s``): see ``tokenfleet.timeouts``.
 One ``AsyncFleetClient`` per app, opened in the lifespan and closed at shutdown.
+Every refusal, with its status and whether a client should retry, is one of
+``tokenfleet.openai_errors`` (docs/errors.md lists them).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from tokenfleet import openai_chat, openai_compat, sse
+from tokenfleet.aio import AsyncFleetClient
 from tokenfleet.openai_errors import (
     BODY_TIMEOUT,
     FLEET_ERRORS,
@@ -43,12 +46,16 @@ from tokenfleet.openai_errors import (
     TOO_LARGE,
     Refusal,
 )
-from tokenfleet.aio import AsyncFleetClient
 from tokenfleet.served import served, served_queues
-from tokenfleet.shared.errors import JobNotFound, RedisAuthFailed, RedisUnavailable, TokenfleetError
+from tokenfleet.shared.compat.uvicorn_h11 import MAX_HEAD_BYTES
+from tokenfleet.shared.errors import (
+    JobNotFound,
+    RedisAuthFailed,
+    RedisUnavailable,
+    TokenfleetError,
+)
 from tokenfleet.shared.schemas import GenerationRequest, JobState
 from tokenfleet.shared.settings import Settings, get_settings
-from tokenfleet.shared.compat.uvicorn_h11 import MAX_HEAD_BYTES
 from tokenfleet.timeouts import BodyDeadline, BodyTimeout, head_deadline_protocol
 
 # A health probe must answer fast: the client's own retries (riding out a Redis

@@ -41,11 +41,11 @@ from tokenfleet.openai_errors import (
 )
 from tokenfleet.shared.errors import TokenfleetError, invalid_field, invalid_input
 from tokenfleet.shared.schemas import (
+    REFUSED_BY_WORKER,
     FinishReason,
     FloatNotBool,
     GenerationRequest,
     IntNotBool,
-    REFUSED_BY_WORKER,
     JobState,
     JobStatus,
 )
