@@ -8,6 +8,7 @@ import time
 from collections.abc import AsyncGenerator, Coroutine
 from typing import Any, Literal, overload
 
+from tokenfleet.prompt_tokens import count_prompt_tokens, worth_counting
 from tokenfleet.protocol import (
     CANCEL_WAIT_S,
     EventCursor,
@@ -34,6 +35,7 @@ from tokenfleet.shared.redis_conn import connect_async
 from tokenfleet.shared.schemas import EndEvent, GenerationRequest, JobState, JobStatus, TokenEvent
 from tokenfleet.shared.settings import Settings, get_settings
 from tokenfleet.generation import AsyncGeneration
+from tokenfleet.served import served
 from tokenfleet.subscriptions import Subscriptions
 
 
@@ -72,8 +74,15 @@ class AsyncFleetClient:
                      require_worker: bool | None = None,
                      prompt_tokens: int | None = None, **kwargs: Any) -> str:
         """See ``FleetClient.submit``: ``NoWorker`` unless a live worker serves the
-        queue or ``require_worker=False``; ``IdempotencyConflict``; ``QueueFull``."""
+        queue or ``require_worker=False``; ``IdempotencyConflict``; ``QueueFull``;
+        ``LimitExceeded`` (``PromptTooLong``: the prompt's tokens counted here
+        where the queue's model is on this machine)."""
         request = build_request(prompt, kwargs, self.settings)
+        if prompt_tokens is None and worth_counting(request, self.settings):
+            queue = await served(self, request.model)
+            if queue is not None:  # tokenizing a long prompt takes a while: off the loop
+                prompt_tokens = await asyncio.to_thread(count_prompt_tokens, request,
+                                                        queue.models)
         sub = submission(request, self.keys, self.settings,
                          require_worker_for(require_worker, self.settings),
                          await self.clock.aread(self.redis), prompt_tokens)

@@ -9,6 +9,7 @@ from typing import Any, Literal, overload
 from redis.exceptions import ConnectionError as RedisConnectionError
 
 from tokenfleet.generation import Generation
+from tokenfleet.prompt_tokens import count_prompt_tokens, worth_counting
 from tokenfleet.pubsub_pool import PubSubPool
 from tokenfleet.protocol import (
     CANCEL_WAIT_S,
@@ -85,12 +86,15 @@ class FleetClient:
         The queue's limits (prompt tokens, ``max_new_tokens``, payload, queue
         length) are the strictest of what its live workers publish and this
         client's own settings; with no live worker, this client's alone. A
-        request over one raises ``LimitExceeded``, naming the limit and what
-        sets it (``model length 1024``). Pass ``prompt_tokens`` (the prompt's
-        length in the model's tokens) where you have the tokenizer, to have an
-        over-long prompt refused here; else the worker refuses it (the job fails).
+        request over one raises ``LimitExceeded`` (``PromptTooLong`` for the
+        prompt), naming the limit and what sets it (``model length 1024``). The
+        prompt's tokens are counted here where the queue's model is on this
+        machine (``tokenfleet.prompt_tokens``), or given as ``prompt_tokens``;
+        else the worker counts them (and fails an over-long job).
         """
         request = build_request(prompt, kwargs, self.settings)
+        if prompt_tokens is None:
+            prompt_tokens = self._count_prompt_tokens(request)
         sub = submission(request, self.keys, self.settings,
                          require_worker_for(require_worker, self.settings),
                          self.clock.read(self.redis), prompt_tokens)
@@ -106,6 +110,17 @@ class FleetClient:
         block is left before it ended; ``gen.end`` is its ``EndEvent``."""
         return Generation(self, lambda: self.submit(prompt, require_worker=require_worker,
                                                      **kwargs))
+
+    def _count_prompt_tokens(self, request: GenerationRequest) -> int | None:
+        if not worth_counting(request, self.settings):
+            return None
+        names = self.redis.zrangebyscore(self.keys.queue_workers(request.model),
+                                         live_since(self.clock.read(self.redis)), "+inf")
+        pipe = self.redis.pipeline(transaction=False)
+        for name in names:
+            pipe.hget(self.keys.worker(name.decode()), "model")
+        models = sorted({m.decode() for m in pipe.execute() if m}) if names else []
+        return count_prompt_tokens(request, models)
 
     def served_queues(self) -> list[str]:
         """The queues at least one live worker serves now."""

@@ -13,7 +13,13 @@ from tokenfleet.shared.client_scripts import ExpireVerdict, expire, forget_queue
 from tokenfleet.shared.clock import redis_now
 from tokenfleet.shared.keys import GROUP, PRIORITIES, Keys, level_queue, model_of
 from tokenfleet.shared.liveness import live_since
-from tokenfleet.shared.schemas import EXPIRED_ERROR, FinishReason, JobStatus, QueueEntry
+from tokenfleet.shared.schemas import (
+    EXPIRED_ERROR,
+    FinishReason,
+    JobState,
+    JobStatus,
+    QueueEntry,
+)
 from tokenfleet.shared.serialization import end_event, loads
 
 
@@ -78,6 +84,29 @@ _NUMBERS: dict[str, type] = {"pid": int, "max_batch": int, "prefetch": int, "run
 def _models(r: Any, keys: Keys) -> list[str]:
     return sorted({model_of(keys.queue_of(raw.decode()))
                    for raw in r.scan_iter(match=keys.queues_pattern(), count=500)})
+
+
+@dataclass(frozen=True)
+class Progress:
+    """What a job's record does not say while it runs: the record gets the tokens
+    only when the job ends, and names a worker that may have died since."""
+
+    worker_live: bool | None  # None: the record names no worker
+    tokens_logged: int
+    text_logged: str
+
+
+def job_progress(client: Any, state: JobState) -> Progress:
+    """Whether the job's worker is live (its heartbeat still counts), and what the
+    job's token log holds. A read: nothing is written."""
+    r, keys = client.redis, client.keys
+    live = None
+    if state.worker is not None:
+        until = r.zscore(keys.queue_workers(state.model), state.worker)
+        live = until is not None and until >= live_since(redis_now(r))
+    events = [loads(fields[b"e"]) for _id, fields in r.xrange(keys.out(state.id))]
+    return Progress(live, sum(len(e["token_ids"]) for e in events),
+                    "".join(e["text"] for e in events))
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,8 @@ Event streams send a keep-alive comment every ``sse_keepalive_s`` while nothing
 else goes out; the server bounds the time a client takes to send a request's head
 (``header_timeout_s``) and body (``body_timeout_s``): see ``tokenfleet.timeouts``.
 One ``AsyncFleetClient`` per app, opened in the lifespan and closed at shutdown.
+Every refusal, with its status and whether a client should retry, is one of
+``tokenfleet.openai_errors`` (docs/errors.md lists them).
 """
 
 from __future__ import annotations
@@ -35,26 +37,30 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from tokenfleet import openai_chat, openai_compat, sse
 from tokenfleet.aio import AsyncFleetClient
+from tokenfleet.openai_errors import (
+    BODY_TIMEOUT,
+    FLEET_ERRORS,
+    INVALID_VALUE,
+    MODEL_NOT_FOUND,
+    REDIS_DOWN,
+    TOO_LARGE,
+    Refusal,
+)
 from tokenfleet.served import served, served_queues
-from tokenfleet.shared.errors import JobNotFound, TokenfleetError
+from tokenfleet.shared.compat.uvicorn_h11 import MAX_HEAD_BYTES
+from tokenfleet.shared.errors import (
+    JobNotFound,
+    RedisAuthFailed,
+    RedisUnavailable,
+    TokenfleetError,
+)
 from tokenfleet.shared.schemas import GenerationRequest, JobState
 from tokenfleet.shared.settings import Settings, get_settings
 from tokenfleet.timeouts import BodyDeadline, BodyTimeout, head_deadline_protocol
 
-# What a 429 asks a client to wait: queues drain at the fleet's pace, and a client
-# that retries at once only adds load.
-RETRY_AFTER_S = 1
 # A health probe must answer fast: the client's own retries (riding out a Redis
 # restart) would otherwise keep it waiting for many seconds.
 HEALTH_TIMEOUT_S = 2.0
-# The fleet's errors as HTTP statuses, by class name: an error class that a newer
-# client adds (IdempotencyConflict) maps the same whether or not this module
-# could import it. Any other fleet error is a 400.
-STATUS = {"QueueFull": 429, "NoWorker": 503, "IdempotencyConflict": 409, "JobNotFound": 404}
-OPENAI_CODES = {"QueueFull": ("requests", "rate_limit_exceeded"),
-                "NoWorker": ("server_error", "model_not_served"),
-                "IdempotencyConflict": ("invalid_request_error", "idempotency_conflict"),
-                "JobNotFound": ("invalid_request_error", "not_found")}
 
 router = APIRouter()
 
@@ -124,6 +130,10 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.add_exception_handler(RedisConnectionError, _redis_unreachable)
     app.add_exception_handler(RedisTimeoutError, _redis_unreachable)
     app.add_exception_handler(TokenfleetError, _fleet_error)
+    # Both are TokenfleetErrors too, but mean Redis, not the request (a gateway
+    # started while Redis is down meets RedisUnavailable on its first request).
+    app.add_exception_handler(RedisUnavailable, _redis_unreachable)
+    app.add_exception_handler(RedisAuthFailed, _fleet_error)
     app.add_exception_handler(BodyTimeout, _body_timeout)
     return app
 
@@ -132,14 +142,14 @@ def server_config(settings: Settings | None = None, *, host: str = "127.0.0.1",
                   port: int = 8000, **uvicorn_options: Any) -> uvicorn.Config:
     """uvicorn's configuration for the gateway, its time limits included.
 
-    The h11 protocol is set, not chosen: the limit on a request's head lives in
-    it (``tokenfleet.timeouts``). h11 also bounds the head's size (16 KiB), and
-    uvicorn closes a keep-alive connection idle for 5 s.
+    The h11 protocol is set, not chosen: the limits on a request's head live in
+    it (``tokenfleet.timeouts``): its time, and its size (``MAX_HEAD_BYTES``,
+    16 KiB: a 431 past it). uvicorn closes a keep-alive connection idle for 5 s.
     """
     settings = settings or get_settings()
     return uvicorn.Config(create_app(settings), host=host, port=port, lifespan="on",
                           http=head_deadline_protocol(settings.header_timeout_s),
-                          **uvicorn_options)
+                          h11_max_incomplete_event_size=MAX_HEAD_BYTES, **uvicorn_options)
 
 
 def serve(host: str = "127.0.0.1", port: int = 8000, *, settings: Settings | None = None,
@@ -159,38 +169,49 @@ def _openai_path(path: str) -> bool:
     return path in ("/v1/completions", "/v1/chat/completions") or path.startswith("/v1/models")
 
 
-def _error(request: Request, status: int, message: str, *, type_: str = "invalid_request_error",
-           code: str | None = None, param: str | None = None,
+def _error(request: Request, refusal: Refusal, message: str, *, param: str | None = None,
            headers: dict[str, str] | None = None) -> Response:
     """An error in the shape the endpoint's clients expect: OpenAI's or FastAPI's."""
     if _openai_path(request.url.path):
-        return openai_compat.error(status, message, type_=type_, code=code, param=param,
-                                   headers=headers)
-    return JSONResponse({"detail": message}, status_code=status, headers=headers)
+        return refusal.response(message, param=param, headers=headers)
+    return JSONResponse({"detail": message}, status_code=refusal.status,
+                        headers={**refusal.headers(), **(headers or {})})
 
 
 async def _redis_unreachable(request: Request, exc: Exception) -> Response:
-    return _error(request, 503, "the fleet's Redis cannot be reached right now; retry later",
-                  type_="server_error")
+    return _error(request, REDIS_DOWN, REDIS_DOWN.sentence)
 
 
 async def _fleet_error(request: Request, exc: Exception) -> Response:
     name = type(exc).__name__
-    message = str(exc)
-    headers = {"Retry-After": str(RETRY_AFTER_S)} if name == "QueueFull" else None
-    if name == "NoWorker" and not hasattr(exc, "served"):  # an older NoWorker: add the list
+    refusal = FLEET_ERRORS.get(name, INVALID_VALUE)
+    if refusal is MODEL_NOT_FOUND:
+        return await _model_not_found(request, getattr(exc, "queue", "?"),
+                                      getattr(exc, "served", None))
+    message = refusal.sentence if refusal.status >= 500 else str(exc)  # no URL to callers
+    param = None
+    if name == "PromptTooLong":
+        param = "messages" if request.url.path == "/v1/chat/completions" else "prompt"
+    return _error(request, refusal, message, param=param)
+
+
+async def _model_not_found(request: Request, model: str, served_now: list[str] | None
+                           ) -> Response:
+    """404: no live worker serves the model's queue. Said to an API caller, who
+    cannot start a worker or queue ahead of one: the models served now instead."""
+    if served_now is None:  # an older NoWorker: look them up
+        served_now = []
         with contextlib.suppress(RedisError, OSError):
-            names = [s.queue for s in await served_queues(fleet(request))]
-            message += f" (queues served now: {', '.join(map(repr, names)) or 'none'})"
-    type_, code = OPENAI_CODES.get(name, ("invalid_request_error", None))
-    return _error(request, STATUS.get(name, 400), message, type_=type_, code=code,
-                  param="model" if name == "NoWorker" else None, headers=headers)
+            served_now = [s.queue for s in await served_queues(fleet(request))]
+    names = ", ".join(repr(q) for q in served_now) or "none"
+    return _error(request, MODEL_NOT_FOUND,
+                  f"the model {model!r} does not exist or no live worker serves it (served "
+                  f"now: {names}): GET /v1/models lists those served", param="model")
 
 
 async def _body_timeout(request: Request, exc: Exception) -> Response:
     # The rest of the body may still be on its way: the connection cannot be reused.
-    return _error(request, 408, str(exc), code="request_timeout",
-                  headers={"Connection": "close"})
+    return _error(request, BODY_TIMEOUT, str(exc), headers={"Connection": "close"})
 
 
 @router.post("/v1/jobs", status_code=202)
@@ -273,7 +294,7 @@ async def completions(request: Request) -> Response:
     try:
         body = await read_body(request, client.settings.max_payload_bytes)
     except BodyTooLarge as exc:
-        return openai_compat.error(413, str(exc))
+        return TOO_LARGE.response(str(exc))
     return await openai_compat.complete(client, body, request, keepalive_s(request))
 
 
@@ -283,7 +304,7 @@ async def chat_completions(request: Request) -> Response:
     try:
         body = await read_body(request, client.settings.max_payload_bytes)
     except BodyTooLarge as exc:
-        return openai_compat.error(413, str(exc))
+        return TOO_LARGE.response(str(exc))
     return await openai_chat.chat(client, body, request, keepalive_s(request))
 
 
@@ -297,9 +318,7 @@ async def list_models(request: Request) -> dict[str, Any]:
 async def get_model(model: str, request: Request) -> Response:
     found = await served(fleet(request), model)
     if found is None:
-        return openai_compat.error(404, f"the model {model!r} does not exist or no live worker "
-                                   "serves it: GET /v1/models lists those served",
-                                   param="model", code="model_not_found")
+        return await _model_not_found(request, model, None)
     return JSONResponse(found.as_openai())
 
 

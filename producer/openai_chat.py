@@ -21,44 +21,47 @@ from pydantic import BaseModel, ConfigDict, ValidationError, field_validator, mo
 from tokenfleet import sse
 from tokenfleet.aio import AsyncFleetClient
 from tokenfleet.openai_compat import (
-    LEAVE_UNSET,
     ONE_CHOICE,
     PARAMS,
     Sampling,
     chunks,
-    error,
     finish,
     invalid,
     refusal,
     succeeded,
     usage,
 )
+from tokenfleet.openai_compat import REFUSED as COMPLETION_REFUSED
+from tokenfleet.openai_errors import NO_CHAT_TEMPLATE, UNSUPPORTED
 from tokenfleet.served import served
-from tokenfleet.shared.schemas import GenerationRequest
+from tokenfleet.shared.schemas import GenerationRequest, IntNotBool
 
-NO_TOOLS = "tools are not supported by this gateway: leave it unset"
-REFUSED: dict[str, tuple[tuple[Any, ...], str]] = {
-    "n": ((None, 1), ONE_CHOICE),
-    "logprobs": ((None, False), LEAVE_UNSET),
-    "top_logprobs": ((None,), LEAVE_UNSET),
-    "presence_penalty": ((None, 0), LEAVE_UNSET + " or 0"),
-    "frequency_penalty": ((None, 0), LEAVE_UNSET + " or 0"),
-    "logit_bias": ((None, {}), LEAVE_UNSET),
-    "tools": ((None, []), NO_TOOLS),
-    "tool_choice": ((None, "none"), NO_TOOLS),
-    "parallel_tool_calls": ((None,), NO_TOOLS),
-    "functions": ((None, []), NO_TOOLS),
-    "function_call": ((None, "none"), NO_TOOLS),
-    "response_format": ((None, {"type": "text"}), 'only {"type": "text"} is supported'),
-    "modalities": ((None, ["text"]), 'only ["text"] is supported'),
-    "audio": ((None,), LEAVE_UNSET),
-    "prediction": ((None,), LEAVE_UNSET),
-    "reasoning_effort": ((None,), LEAVE_UNSET),
-    "verbosity": ((None,), LEAVE_UNSET),
-    "web_search_options": ((None,), LEAVE_UNSET),
-    "prompt_cache_key": ((None,), LEAVE_UNSET),
-    "service_tier": ((None, "auto", "default"), "service tiers are not supported: leave it unset"),
-    "store": ((None, False), "stored completions are not supported: leave it unset"),
+NO_TOOLS = "this gateway has no tools: leave it unset"
+REFUSED: dict[str, tuple[tuple[Any, ...], str | None]] = {
+    "n": ((None, 1), "n other than 1 is not supported: " + ONE_CHOICE),
+    "logprobs": ((None, False), None),
+    "top_logprobs": ((None,), None),
+    "presence_penalty": COMPLETION_REFUSED["presence_penalty"],
+    "frequency_penalty": COMPLETION_REFUSED["frequency_penalty"],
+    "logit_bias": ((None, {}), None),
+    "tools": ((None, []), "tools are not supported by this gateway: leave it unset"),
+    "tool_choice": ((None, "none"), "tool_choice is not supported: " + NO_TOOLS + " or \"none\""),
+    "parallel_tool_calls": ((None,), "parallel_tool_calls is not supported: " + NO_TOOLS),
+    "functions": ((None, []), "functions are not supported by this gateway: leave it unset"),
+    "function_call": ((None, "none"), "function_call is not supported: " + NO_TOOLS
+                      + " or \"none\""),
+    "modalities": ((None, ["text"]), "modalities other than [\"text\"] are not supported: this "
+                   "gateway writes text only"),
+    "audio": ((None,), "audio is not supported by this gateway: it writes text only; leave it "
+              "unset"),
+    "prediction": ((None,), None),
+    "reasoning_effort": ((None,), None),
+    "verbosity": ((None,), None),
+    "web_search_options": ((None,), None),
+    "prompt_cache_key": ((None,), None),
+    "service_tier": ((None, "auto", "default"), None),
+    "store": ((None, False), "store is not supported: stored completions are not kept; leave "
+              "it unset or false"),
 }
 # Fields of a message that only tools, audio or refusals use.
 MESSAGE_REFUSED = ("name", "tool_calls", "tool_call_id", "function_call", "audio", "refusal")
@@ -82,7 +85,8 @@ class Message(BaseModel):
     @classmethod
     def _known_role(cls, value: str) -> str:
         if value in ("tool", "function"):
-            raise ValueError(f"{value!r} messages answer tool calls, and " + NO_TOOLS)
+            raise ValueError(f"{value!r} messages answer tool calls: tools are not supported "
+                             "by this gateway")
         if value not in ("system", "developer", "user", "assistant"):
             raise ValueError(f"{value!r} is not a role: system, developer, user or assistant")
         return value
@@ -114,8 +118,8 @@ class Message(BaseModel):
 
 class ChatRequest(Sampling):
     messages: list[Message]
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
+    max_tokens: IntNotBool | None = None
+    max_completion_tokens: IntNotBool | None = None
     metadata: dict[str, str] | None = None
     safety_identifier: str | None = None
     n: Any = None
@@ -156,6 +160,16 @@ class ChatRequest(Sampling):
         return {k: v for k, v in named.items() if v is not None}
 
 
+def response_format_refusal(value: Any) -> Response | None:
+    """A 400 naming the response format asked for, unless it is text (or unset)."""
+    if value is None or value == {"type": "text"}:
+        return None
+    kind = value.get("type") if isinstance(value, dict) else None
+    named = f"type {kind[:40]!r}" if isinstance(kind, str) else "without a type"
+    return UNSUPPORTED.response(f"response_format {named} is not supported; only 'text'",
+                                param="response_format")
+
+
 def chat_choice(text: str, finish_reason: str | None) -> dict[str, Any]:
     return {"index": 0, "delta": {"content": text} if text else {},
             "finish_reason": finish_reason, "logprobs": None}
@@ -171,7 +185,7 @@ async def chat(client: AsyncFleetClient, body: bytes, request: Request,
         ask = ChatRequest.model_validate_json(body)
     except ValidationError as exc:
         return invalid(exc)
-    refused = refusal(ask, REFUSED)
+    refused = refusal(ask, REFUSED) or response_format_refusal(ask.response_format)
     if refused is not None:
         return refused
     try:
@@ -182,10 +196,10 @@ async def chat(client: AsyncFleetClient, body: bytes, request: Request,
         return invalid(exc, params)
     queue = await served(client, job.model)
     if queue is not None and queue.chat is False:
-        return error(400, f"model {job.model!r} has no chat template (its tokenizer defines "
-                     "none), so it cannot take messages: send a prompt to /v1/completions "
-                     "instead, or serve a model with a chat template",
-                     param="model", code="chat_template_missing")
+        return NO_CHAT_TEMPLATE.response(
+            f"model {job.model!r} has no chat template (its tokenizer defines none), so it "
+            "cannot take messages: send a prompt to /v1/completions instead, or serve a model "
+            "with a chat template", param="model")
     job_id = await client.submit(job)  # the app maps the fleet's errors to statuses
     head = {"id": f"chatcmpl-{job_id}", "created": int(time.time()), "model": job.model}
     if ask.stream:

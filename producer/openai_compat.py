@@ -30,8 +30,25 @@ from redis.exceptions import RedisError
 
 from tokenfleet import sse
 from tokenfleet.aio import AsyncFleetClient
+from tokenfleet.openai_errors import (
+    INVALID_JSON,
+    INVALID_VALUE,
+    JOB_FAILED,
+    JOB_REFUSED,
+    UNRECOGNIZED,
+    UNSUPPORTED,
+    Refusal,
+)
 from tokenfleet.shared.errors import TokenfleetError, invalid_field, invalid_input
-from tokenfleet.shared.schemas import FinishReason, GenerationRequest, JobState, JobStatus
+from tokenfleet.shared.schemas import (
+    REFUSED_BY_WORKER,
+    FinishReason,
+    FloatNotBool,
+    GenerationRequest,
+    IntNotBool,
+    JobState,
+    JobStatus,
+)
 
 # OpenAI's names for the fields of a GenerationRequest, to name the right ``param``.
 PARAMS = {("sampling", "max_new_tokens"): "max_tokens", ("sampling", "temperature"): "temperature",
@@ -40,20 +57,22 @@ PARAMS = {("sampling", "max_new_tokens"): "max_tokens", ("sampling", "temperatur
           ("sampling", "repetition_penalty"): "repetition_penalty",
           ("prompt",): "prompt", ("model",): "model", ("metadata",): "user"}
 FINISH = {FinishReason.EOS: "stop", FinishReason.STOP: "stop", FinishReason.LENGTH: "length"}
-ONE_CHOICE = "only one choice per request is supported: send several requests instead"
-LEAVE_UNSET = "not supported by this gateway: leave it unset"
+ONE_CHOICE = "only one choice per request is supported: send one request per choice"
 
-# Fields this gateway cannot honour: the values that ask for nothing, and what
-# to do instead. Any other value is refused with a 400 naming the field.
-REFUSED: dict[str, tuple[tuple[Any, ...], str]] = {
-    "n": ((None, 1), ONE_CHOICE),
-    "best_of": ((None, 1), ONE_CHOICE),
-    "echo": ((None, False), LEAVE_UNSET),
-    "logprobs": ((None,), LEAVE_UNSET),
-    "presence_penalty": ((None, 0), LEAVE_UNSET + " or 0"),
-    "frequency_penalty": ((None, 0), LEAVE_UNSET + " or 0"),
-    "logit_bias": ((None, {}), LEAVE_UNSET),
-    "suffix": ((None, ""), LEAVE_UNSET),
+# Fields this gateway cannot honour, with the values that ask for nothing (any
+# other is refused with a 400 naming the field), and, where leaving the field
+# unset is not the whole advice, the sentence that says what to do instead.
+REFUSED: dict[str, tuple[tuple[Any, ...], str | None]] = {
+    "n": ((None, 1), "n other than 1 is not supported: " + ONE_CHOICE),
+    "best_of": ((None, 1), "best_of other than 1 is not supported: " + ONE_CHOICE),
+    "echo": ((None, False), None),
+    "logprobs": ((None,), None),
+    "presence_penalty": ((None, 0), "presence_penalty is not supported by this gateway: leave "
+                         "it unset or 0 (repetition_penalty is supported)"),
+    "frequency_penalty": ((None, 0), "frequency_penalty is not supported by this gateway: "
+                          "leave it unset or 0 (repetition_penalty is supported)"),
+    "logit_bias": ((None, {}), None),
+    "suffix": ((None, ""), None),
 }
 
 
@@ -63,12 +82,12 @@ class Sampling(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     model: str = "default"
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    repetition_penalty: float | None = None
+    temperature: FloatNotBool | None = None
+    top_p: FloatNotBool | None = None
+    top_k: IntNotBool | None = None
+    repetition_penalty: FloatNotBool | None = None
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: IntNotBool | None = None
     stream: bool | None = False
     stream_options: dict[str, Any] | None = None
     user: str | None = None
@@ -100,7 +119,7 @@ class Sampling(BaseModel):
 
 class CompletionRequest(Sampling):
     prompt: str | list[Any]
-    max_tokens: int | None = 16
+    max_tokens: IntNotBool | None = 16
     n: Any = None
     best_of: Any = None
     echo: Any = None
@@ -128,27 +147,33 @@ class CompletionRequest(Sampling):
         )
 
 
-def error(status_code: int, message: str, *, param: str | None = None, code: str | None = None,
-          type_: str = "invalid_request_error", headers: dict[str, str] | None = None) -> Response:
-    body = {"error": {"message": message, "type": type_, "param": param, "code": code}}
-    return JSONResponse(body, status_code=status_code, headers=headers)
-
-
 def invalid(exc: ValidationError, params: dict[tuple[str, ...], str] | None = None) -> Response:
     """A 400 for ``exc`` (:func:`invalid_input`); ``params`` names the fields of a
     GenerationRequest as the client knows them (else the error's location is the
     client's field)."""
-    return error(400, invalid_input(exc, params), param=invalid_field(exc, params))
+    kind = exc.errors(include_url=False)[0]["type"]
+    refusal = {"json_invalid": INVALID_JSON, "extra_forbidden": UNRECOGNIZED}.get(kind,
+                                                                                 INVALID_VALUE)
+    return refusal.response(invalid_input(exc, params), param=invalid_field(exc, params))
 
 
-def refusal(ask: BaseModel, refused: dict[str, tuple[tuple[Any, ...], str]]) -> Response | None:
-    """A 400 for the first field set to something this gateway cannot honour."""
+def refusal(ask: BaseModel, refused: dict[str, tuple[tuple[Any, ...], str | None]]
+            ) -> Response | None:
+    """A 400 for the first field set to something this gateway cannot honour. The
+    sentence names the field and never echoes its value (it can be a long array)."""
     for name, (nothing, instead) in refused.items():
         value = getattr(ask, name)
         if not any(_same(value, ok) for ok in nothing):
-            return error(400, f"'{name}' = {orjson.dumps(value).decode()} is {instead}",
-                         param=name)
+            return UNSUPPORTED.response(instead or unsupported(name, nothing), param=name)
     return None
+
+
+def unsupported(name: str, nothing: tuple[Any, ...]) -> str:
+    """``name`` is not supported: leave it unset (or send one of the values that ask
+    for nothing)."""
+    values = [orjson.dumps(ok).decode() for ok in nothing if ok is not None]
+    return (f"{name} is not supported by this gateway: leave it unset"
+            + "".join(f" or {v}" for v in values))
 
 
 def _same(value: Any, ok: Any) -> bool:
@@ -209,8 +234,9 @@ async def chunks(client: AsyncFleetClient, job_id: str, head: dict[str, Any], ch
         state = await client.status(job_id)
         ended.set()
         if state.status is not JobStatus.SUCCEEDED:
-            yield data({"error": {"message": failure(state), "type": "server_error",
-                                  "param": None, "code": None}})
+            why = failed(state)
+            yield data({"error": {"message": failure(state), "type": why.type,
+                                  "param": None, "code": why.code}})
         else:
             yield data({**head, "choices": [choice("", finish(state))]})
             if include_usage:
@@ -238,7 +264,7 @@ async def succeeded(client: AsyncFleetClient, job_id: str, request: Request
     if state is None:
         return Response(status_code=499)  # nobody is left to read it
     if state.status is not JobStatus.SUCCEEDED:
-        return error(500, failure(state), type_="server_error")
+        return failed(state).response(failure(state))
     return state
 
 
@@ -285,6 +311,12 @@ def usage(state: JobState) -> dict[str, int]:
     prompt, completion = state.num_prompt_tokens or 0, len(state.token_ids)
     return {"prompt_tokens": prompt, "completion_tokens": completion,
             "total_tokens": prompt + completion}
+
+
+def failed(state: JobState) -> Refusal:
+    """Why the job has no result: the request's fault (its worker refused it) or not."""
+    refused = (state.error or "").startswith(REFUSED_BY_WORKER)
+    return JOB_REFUSED if refused else JOB_FAILED
 
 
 def failure(state: JobState) -> str:

@@ -14,7 +14,7 @@ from pydantic import ValidationError
 from tokenfleet.shared import client_scripts
 from tokenfleet.shared.client_scripts import Admission, Asked, CancelVerdict, Submitted
 from tokenfleet.shared.errors import (IdempotencyConflict, InvalidRequest, JobNotFound,
-                                      LimitExceeded, QueueFull)
+                                      LimitExceeded, PromptTooLong, QueueFull)
 from tokenfleet.shared.keys import Keys, new_job_id
 from tokenfleet.shared.limits import client_limits
 from tokenfleet.shared.liveness import live_since
@@ -140,6 +140,9 @@ def submitted_id(result: Submitted, request: GenerationRequest,
         limit = result.limit or client_limits(settings).queue
         raise QueueFull(request.model, result.depth or 0, limit.value, limit.why)
     if result.admission is Admission.OVER_LIMIT and result.limit is not None:
+        if result.name == "prompt_tokens":
+            raise PromptTooLong(result.value or 0, result.limit.value, result.limit.by,
+                                result.limit.why)
         raise LimitExceeded(result.name or "", result.value or 0, result.limit.value,
                             result.limit.by, result.limit.why)
     if result.admission is Admission.CONFLICT:

@@ -98,6 +98,17 @@ class InvalidRequest(TokenfleetError, ValueError):
         return cls(invalid_input(exc), errors)
 
 
+class PromptTooLong(LimitExceeded):
+    """The prompt has more tokens of the queue's model than the strictest limit
+    (the model's length, the workers' or this client's setting); nothing was
+    enqueued. Counted where the model's tokenizer is on the submitting machine
+    (or given as ``submit(prompt_tokens=)``); else the worker refuses the job."""
+
+    def __init__(self, count: int, limit: int, by: str, why: str) -> None:
+        super().__init__("prompt_tokens", count, limit, by, why)
+        self.count = count
+
+
 class RedisUnavailable(TokenfleetError, ConnectionError):
     """The first connection to Redis failed: nothing to ride out, so not retried.
 

@@ -10,11 +10,12 @@ from __future__ import annotations
 import enum
 import hashlib
 import math
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import orjson
 from pydantic import (
     BaseModel,
+    BeforeValidator,
     ConfigDict,
     Field,
     ValidationInfo,
@@ -30,6 +31,20 @@ from tokenfleet.shared.settings import Settings, get_settings
 MAX_METADATA_DEPTH = 32
 
 
+def _not_bool(kind: str) -> BeforeValidator:
+    # JSON's true is not 1, yet pydantic takes it as 1 for an int or a float.
+    def check(value: Any) -> Any:
+        if isinstance(value, bool):
+            raise ValueError(f"must be {kind}, not {str(value).lower()}")
+        return value
+    return BeforeValidator(check)
+
+
+# The numbers a request gives: what pydantic takes for one, less true and false.
+IntNotBool = Annotated[int, _not_bool("an integer")]
+FloatNotBool = Annotated[float, _not_bool("a number")]
+
+
 def _limits(info: ValidationInfo) -> Settings:
     context = info.context if isinstance(info.context, dict) else {}
     settings = context.get("settings")
@@ -43,13 +58,13 @@ class _Wire(BaseModel):
 class SamplingParams(_Wire):
     """How one job samples; every job in a batch keeps its own."""
 
-    max_new_tokens: int = Field(default=64, ge=1)
-    temperature: float = Field(default=1.0, ge=0.0, le=100.0, description="0 is greedy")
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    top_k: int = Field(default=0, ge=0, description="0 keeps every token")
-    seed: int | None = Field(default=None, ge=0, lt=2**63)
+    max_new_tokens: IntNotBool = Field(default=64, ge=1)
+    temperature: FloatNotBool = Field(default=1.0, ge=0.0, le=100.0, description="0 is greedy")
+    top_p: FloatNotBool = Field(default=1.0, gt=0.0, le=1.0)
+    top_k: IntNotBool = Field(default=0, ge=0, description="0 keeps every token")
+    seed: IntNotBool | None = Field(default=None, ge=0, lt=2**63)
     stop: list[str] = Field(default_factory=list)
-    repetition_penalty: float = Field(default=1.0, gt=0.0, le=10.0)
+    repetition_penalty: FloatNotBool = Field(default=1.0, gt=0.0, le=10.0)
 
     @field_validator("max_new_tokens")
     @classmethod
@@ -90,7 +105,8 @@ class GenerationRequest(_Wire):
     sampling: SamplingParams = Field(default_factory=SamplingParams)
     model: str = "default"
     priority: Priority = "normal"
-    deadline_s: float | None = Field(default=None, gt=0.0, description="seconds from submit")
+    deadline_s: FloatNotBool | None = Field(default=None, gt=0.0,
+                                            description="seconds from submit")
     idempotency_key: str | None = Field(default=None, min_length=1, max_length=128)
     metadata: dict[str, Any] = Field(default_factory=dict)
 
@@ -222,6 +238,11 @@ class FinishReason(str, enum.Enum):
 # stores when it reads the job, what repair stores, and what a reader reports
 # before either has written it.
 EXPIRED_ERROR = "deadline passed before the job started"
+
+# How the error of a job its worker refused begins (a prompt over the worker's
+# token limit, a value over its own limits): the request's fault, not the fleet's,
+# so the gateway answers it with a 400 that no client retries, not a 500.
+REFUSED_BY_WORKER = "refused by the worker: "
 
 
 # Hash fields of the job record that hold JSON rather than a plain string.

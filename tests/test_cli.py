@@ -92,3 +92,28 @@ def test_the_demo_writes_readable_text() -> None:
     assert all(texts.values())
     assert readable_ratio(joined) >= 0.9, texts
     assert real_word_ratio(joined) > 0.5, texts
+
+
+@pytest.mark.timeout(120)
+def test_status_of_a_job_whose_worker_is_gone_says_so_and_shows_its_token_log(
+    settings: Any, client: Any
+) -> None:
+    # A job as a worker killed mid-run leaves it: the record says running, on a
+    # worker whose heartbeat no longer counts; its log holds the tokens made so far
+    # (the record gets them only when the job ends).
+    job_id = client.submit("a long story", require_worker=False)
+    r, keys = client.redis, client.keys
+    r.hset(keys.job(job_id), mapping={"status": "running", "worker": "gone@test",
+                                      "attempts": 1, "started_at": 1.0})
+    r.zadd(keys.queue_workers("default"), {"gone@test": 1.0})  # live until long ago
+    for index in range(0, 104, 8):
+        event = {"index": index, "token_ids": list(range(index, index + 8)), "text": "ab"}
+        r.xadd(keys.out(job_id), {"e": json.dumps(event)}, id=f"0-{index + 8}")
+    env = {"TOKENFLEET_REDIS_URL": settings.redis_url, "TOKENFLEET_NAMESPACE": settings.namespace}
+    shown = tokenfleet("status", job_id, env=env)
+    assert shown.returncode == 0, shown.stderr
+    assert "worker gone@test (gone: no live heartbeat" in shown.stdout
+    assert "generated tokens 104 (in its token log)" in shown.stdout
+    assert shown.stdout.rstrip().endswith("ab" * 13)
+    as_json = json.loads(tokenfleet("status", job_id, "--json", env=env).stdout)
+    assert as_json["worker_live"] is False and as_json["tokens_logged"] == 104

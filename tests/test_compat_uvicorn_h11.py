@@ -17,7 +17,9 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 from uvicorn.server import ServerState
 
 from tokenfleet.shared.compat.uvicorn_h11 import (
+    HEAD_TOO_LARGE,
     HOOKS,
+    MAX_HEAD_BYTES,
     REQUEST_TIMEOUT,
     HeadDeadlineProtocol,
     head_deadline_protocol,
@@ -94,3 +96,30 @@ async def test_the_next_heads_clock_starts_when_a_response_has_gone_out() -> Non
         # Answered, then closed by the head deadline re-armed after the response
         # (uvicorn's keep-alive would hold it for minutes).
         assert got.startswith(b"HTTP/1.1 200 ") and got.endswith(b"\r\n\r\nok")
+
+
+@pytest.mark.parametrize("pieces", [1, 40])
+async def test_a_head_over_16_kib_gets_a_431_whether_it_comes_whole_or_in_pieces(
+        pieces: int) -> None:
+    # h11 bounds only an incomplete head: one that arrived whole in one read
+    # was served at ~100 KB.
+    head = b"GET / HTTP/1.1\r\nhost: test\r\nx-big: " + b"a" * 100_000 + b"\r\n\r\n"
+    async with serving() as (port, _made):
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        try:
+            step = -(-len(head) // pieces)
+            for at in range(0, len(head), step):
+                writer.write(head[at:at + step])
+                await writer.drain()
+            got = await asyncio.wait_for(reader.read(), READ_BOUND_S)
+        finally:
+            writer.close()
+        assert got == HEAD_TOO_LARGE and str(MAX_HEAD_BYTES).encode() in got
+
+
+async def test_a_head_just_within_16_kib_is_served() -> None:
+    start = b"GET / HTTP/1.1\r\nhost: test\r\nx-big: "
+    filler = MAX_HEAD_BYTES - len(start) - 4
+    async with serving() as (port, _made):
+        got = await everything_until_closed(port, start + b"a" * filler + b"\r\n\r\n")
+        assert got.startswith(b"HTTP/1.1 200 ")

@@ -243,11 +243,10 @@ def submit(prompt: str | None, prompt_file: Any, queue: str, priority: str, queu
     job failed, was cancelled or expired, 3 refused (nothing enqueued), 4 Redis
     unreachable, 5 timed out waiting (the job goes on).
     """
-    from pydantic import ValidationError
     from redis.exceptions import RedisError
 
     from tokenfleet import FleetClient
-    from tokenfleet.shared.errors import TokenfleetError, invalid_input
+    from tokenfleet.shared.errors import InvalidRequest, TokenfleetError
 
     text = _prompt_text(prompt, prompt_file)
     sampling = {k: v for k, v in sampling.items() if v not in (None, ())}
@@ -258,9 +257,9 @@ def submit(prompt: str | None, prompt_file: Any, queue: str, priority: str, queu
         try:
             job_id = client.submit(text, model=queue, priority=priority,
                                    require_worker=not queue_ahead,
-                                   prompt_tokens=_prompt_tokens(client, queue, text), **sampling)
-        except ValidationError as exc:
-            raise Refused(f"invalid request: {invalid_input(exc)}") from None
+                                   **sampling)
+        except InvalidRequest as exc:
+            raise Refused(f"invalid request: {exc}") from None
         except RedisError:
             raise  # Redis itself failed (the group turns it into one line): not a refusal
         except TokenfleetError as exc:
@@ -301,60 +300,43 @@ def _prompt_text(prompt: str | None, prompt_file: Any) -> str:
     return prompt
 
 
-def _prompt_tokens(client: Any, queue: str, prompt: str) -> int | None:
-    """The prompt's tokens, where the model a live worker of ``queue`` serves is
-    on this machine (the built-in one, or a directory here), so that the submit
-    refuses a prompt over the queue's limit now rather than the worker later;
-    None where the tokenizer is not at hand (the worker counts them)."""
-    from tokenfleet.shared.models import local_tokenizer_file
-
-    if len(prompt) > client.settings.max_prompt_chars:
-        return None  # validation refuses it, naming its own limit
-    for model in _served_models(client, queue):
-        path = local_tokenizer_file(model)
-        if path is None:
-            continue
-        try:
-            from tokenizers import Tokenizer
-        except ImportError:
-            return None  # the bare client: the worker counts them
-        return len(Tokenizer.from_file(str(path)).encode(prompt).ids)
-    return None
-
-
-def _served_models(client: Any, queue: str) -> list[str]:
-    from tokenfleet.shared.liveness import live_since
-
-    names = client.redis.zrangebyscore(client.keys.queue_workers(queue),
-                                         live_since(client.clock.read(client.redis)), "+inf")
-    models = [client.redis.hget(client.keys.worker(n.decode()), "model") for n in names]
-    return sorted({m.decode() for m in models if m})
-
-
-def _state_json(state: Any) -> str:
-    """The state as JSON, one field a line (token ids stay on one line)."""
+def _state_json(state: Any, progress: Any = None) -> str:
+    """The state as JSON, one field a line (token ids stay on one line); a job not
+    ended yet adds whether its worker is live and how many tokens its log holds."""
     data = state.model_dump(mode="json")
+    if progress is not None:
+        data.update(worker_live=progress.worker_live, tokens_logged=progress.tokens_logged)
     return "{\n" + ",\n".join(f"  {json.dumps(k)}: {json.dumps(v)}" for k, v in data.items()) + "\n}"
 
 
-def _state_text(state: Any) -> str:
-    """One job's state for a person to read."""
+def _state_text(state: Any, progress: Any = None) -> str:
+    """One job's state for a person to read. A job not ended yet shows what its
+    token log holds (the record gets the tokens at the end) and whether its worker
+    is gone."""
     def when(t: float | None) -> str:
         return "-" if t is None else time.strftime("%H:%M:%S", time.localtime(t)) + f".{int(t % 1 * 1000):03d}"
 
+    worker = state.worker or "-"
+    if progress is not None and progress.worker_live is False:
+        worker += (" (gone: no live heartbeat; a live worker of the queue resumes the job "
+                   "from its token log)")
+    generated = len(state.token_ids)
+    text = state.text
+    if progress is not None:
+        generated, text = progress.tokens_logged, progress.text_logged
     lines = [f"job {state.id}: {state.status.value}"
              + (f" ({state.finish_reason.value})" if state.finish_reason else ""),
-             f"  queue {state.model}, attempts {state.attempts}, worker {state.worker or '-'}",
+             f"  queue {state.model}, attempts {state.attempts}, worker {worker}",
              f"  created {when(state.created_at)}, started {when(state.started_at)}, "
              f"first token {when(state.first_token_at)}, finished {when(state.finished_at)}",
              f"  prompt tokens {state.num_prompt_tokens if state.num_prompt_tokens is not None else '-'}"
-             f", generated tokens {len(state.token_ids)}"]
+             f", generated tokens {generated}" + (" (in its token log)" if progress else "")]
     if state.error:
         lines.append(f"  error: {state.error}")
     if state.metadata:
         lines.append(f"  metadata: {json.dumps(state.metadata)}")
     lines.append("")
-    lines.append(state.text)
+    lines.append(text)
     return "\n".join(lines)
 
 
@@ -366,7 +348,7 @@ def _state_text(state: Any) -> str:
 def status(job_id: str | None, as_json: bool, watch: bool, redis_url: str | None) -> None:
     """One job's state, or the fleet's queues and workers."""
     from tokenfleet import FleetClient, JobNotFound
-    from tokenfleet.fleet import fleet_status
+    from tokenfleet.fleet import fleet_status, job_progress
 
     _apply_env(redis_url=redis_url)
     with FleetClient() as client:
@@ -375,7 +357,8 @@ def status(job_id: str | None, as_json: bool, watch: bool, redis_url: str | None
                 state = client.status(job_id)
             except JobNotFound as exc:
                 raise JobFailed(str(exc)) from None
-            click.echo(_state_json(state) if as_json else _state_text(state))
+            progress = job_progress(client, state) if not state.status.is_terminal else None
+            click.echo(_state_json(state, progress) if as_json else _state_text(state, progress))
             return
         if watch:
             from tokenfleet.fleet import watch as watch_fleet

@@ -21,7 +21,13 @@ from redis.exceptions import ConnectionError, ResponseError, TimeoutError
 
 from tokenfleet.shared.errors import invalid_input
 from tokenfleet.shared.keys import GROUP, Keys, job_model, model_of
-from tokenfleet.shared.schemas import EXPIRED_ERROR, FinishReason, JobStatus, QueueEntry
+from tokenfleet.shared.schemas import (
+    EXPIRED_ERROR,
+    REFUSED_BY_WORKER,
+    FinishReason,
+    JobStatus,
+    QueueEntry,
+)
 from tokenfleet.shared.serialization import loads
 from tokenfleet.shared.settings import Settings
 from tokenfleet.shared.worker_scripts import (
@@ -197,8 +203,11 @@ class Intake:
             seq = self.admission.sequence(entry, entry_id, attempt)
             self.admission.resume(seq, logged.token_ids)
         except (Rejected, ValidationError) as exc:
-            return end(attempt, JobStatus.FAILED, FinishReason.ERROR, _reason(exc),
-                       dead=_reason(exc), logged=logged)
+            # The request's own fault (too long, over this worker's limits): its
+            # caller hears why; nothing for an operator in the dead letters.
+            return end(attempt, JobStatus.FAILED, FinishReason.ERROR,
+                       REFUSED_BY_WORKER + _reason(exc).removeprefix("Rejected: "),
+                       logged=logged)
         seq.entry_json = data.decode()  # as read: a hand-back queues it again unchanged
         seq.queue = queue  # the level's stream it came from: where it is acknowledged
         return seq

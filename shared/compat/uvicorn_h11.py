@@ -1,4 +1,5 @@
-"""uvicorn's h11 protocol with a deadline on each request's head, and a lingering close.
+"""uvicorn's h11 protocol with a deadline and a size bound on each request's head, and
+a lingering close.
 
 uvicorn has no public hook for either: an ASGI app sees a request only once its
 head is complete, and a closed connection is uvicorn's to close. So this module
@@ -8,6 +9,11 @@ protocol class as ``http=``) and relies on what :data:`HOOKS` and
 bytes to h11, ``on_response_complete`` when a response has gone out, and keeps
 the connection's ``h11.Connection`` in ``conn``, its event loop in ``loop`` and
 its transport in ``transport``. ``tests/test_compat_uvicorn_h11.py`` pins each.
+
+The head may take ``MAX_HEAD_BYTES``: h11 has that bound too, but checks it only
+while the head is incomplete, so a head that arrives whole in one read passed at
+any size (~100 KB heads were served). The shim measures the head as it comes,
+before h11 parses it, and answers one over the bound with a 431.
 
 The head's clock starts when the connection opens, or when the previous
 response on it ends, and no byte received resets it. A client still sending
@@ -38,6 +44,17 @@ ATTRIBUTES = ("conn", "loop", "transport")
 # The longest a connection whose client was still sending is read after its
 # response, before it is closed anyway.
 LINGER_S = 2.0
+
+# The most bytes a request's head (request line and header fields) may take:
+# h11's default bound on an incomplete event, which the gateway sets explicitly.
+MAX_HEAD_BYTES = 16 * 1024
+
+# Written to a connection whose head is larger than MAX_HEAD_BYTES.
+_TOO_LARGE_TEXT = f"request head is larger than {MAX_HEAD_BYTES} bytes\n".encode()
+HEAD_TOO_LARGE = (b"HTTP/1.1 431 Request Header Fields Too Large\r\n"
+                  b"content-type: text/plain; charset=utf-8\r\nconnection: close\r\n"
+                  b"content-length: " + str(len(_TOO_LARGE_TEXT)).encode() + b"\r\n\r\n"
+                  + _TOO_LARGE_TEXT)
 
 # Written to a connection whose head did not come in time, if part of it came.
 REQUEST_TIMEOUT = (b"HTTP/1.1 408 Request Timeout\r\ncontent-type: text/plain; charset=utf-8\r\n"
@@ -107,7 +124,20 @@ class HeadDeadlineProtocol(H11Protocol):
     def data_received(self, data: bytes) -> None:
         if self._lingering is not None and self._lingering.lingering:
             return  # the response is out; what the client still sends is dropped
+        if self.conn.their_state is h11.IDLE and self._head_too_large(data):
+            self._disarm()
+            self.conn.receive_data(data)  # buffered, never parsed: the close lingers
+            self.transport.write(HEAD_TOO_LARGE)
+            self.transport.close()
+            return
         super().data_received(data)
+
+    def _head_too_large(self, data: bytes) -> bool:
+        """Whether the head coming in (what h11 holds of it, and ``data``) passes
+        ``MAX_HEAD_BYTES``, whole or not yet whole."""
+        buffered = self.conn.trailing_data[0] + data
+        end = buffered.find(b"\r\n\r\n", 0, MAX_HEAD_BYTES + 4)
+        return (len(buffered) if end < 0 else end + 4) > MAX_HEAD_BYTES
 
     def handle_events(self) -> None:
         super().handle_events()

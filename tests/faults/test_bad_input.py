@@ -10,7 +10,7 @@ import pytest
 import redis
 from hypothesis import HealthCheck, given, settings as hsettings, strategies as st
 
-from tokenfleet import FleetClient, IdempotencyConflict, InvalidRequest
+from tokenfleet import FleetClient, IdempotencyConflict, InvalidRequest, PromptTooLong
 from tokenfleet.shared.keys import Keys
 from tokenfleet.shared.schemas import JobStatus
 from tokenfleet.shared.serialization import loads
@@ -139,3 +139,29 @@ def test_a_poison_job_fails_alone_and_its_31_batch_mates_succeed(
     dead = [loads(f[b"data"]) for _, f in r.xrange(Keys(settings.namespace).dlq("default"))]
     assert [d["job_id"] for d in dead] == [poison]
     report.update(batch=32, succeeded=len(states), failed=1, dead_lettered=len(dead))
+
+
+def test_a_prompt_over_the_token_limit_is_refused_before_it_is_enqueued(
+    client: FleetClient, start_worker: Any, r: redis.Redis, settings: Any
+) -> None:
+    start_worker()  # serves the built-in model, whose tokenizer is on this machine too
+    long = "x y " * 7_000  # within the character limit, far past 2,048 tokens
+    with pytest.raises(PromptTooLong, match=r"the model allows 1023 \(model length 1024\)"
+                       ) as info:
+        client.submit(long)
+    assert info.value.limit == 1023 < info.value.count
+    chat = [{"role": "user", "content": long}]
+    with pytest.raises(PromptTooLong):
+        client.submit(messages=chat)
+    keys = Keys(settings.namespace)
+    assert not list(r.scan_iter(match=keys.job("*"))) and r.xlen(keys.dlq("default")) == 0
+
+
+def test_a_prompt_only_the_worker_refuses_fails_the_job_and_is_no_dead_letter(
+    client: FleetClient, start_worker: Any, r: redis.Redis, settings: Any
+) -> None:
+    start_worker(max_prompt_tokens=3)  # stricter than the client: only the worker refuses
+    state = client.wait(client.submit("a prompt of many tokens"), timeout=60)
+    assert state.status is JobStatus.FAILED and "prompt is" in (state.error or "")
+    # The request's own fault: its caller hears why; the dead letters are for an operator.
+    assert r.xlen(Keys(settings.namespace).dlq("default")) == 0

@@ -46,6 +46,19 @@ def test_a_worker_queue_name_with_a_newline_is_refused() -> None:
         Settings(queue="default\n")
 
 
+@pytest.mark.parametrize("field", ["max_new_tokens", "top_k", "seed", "temperature", "top_p",
+                                   "repetition_penalty", "deadline_s"])
+@pytest.mark.parametrize("flag", [True, False])
+def test_true_or_false_is_not_a_number_and_nothing_is_written(
+    client: FleetClient, r: redis.Redis, settings: Any, field: str, flag: bool
+) -> None:
+    # pydantic takes true for 1: max_new_tokens=true ran a one-token job.
+    with pytest.raises(ValidationError, match=f"not {str(flag).lower()}") as info:
+        client.submit("hi", require_worker=False, **{field: flag})
+    assert info.value.errors()[0]["loc"][-1] == field
+    assert _keys_of(r, settings.namespace) == []
+
+
 @pytest.mark.parametrize(
     "metadata, where",
     [

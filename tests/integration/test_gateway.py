@@ -13,7 +13,7 @@ import redis
 
 from tokenfleet import FleetClient
 from tokenfleet.shared import errors
-from tokenfleet.shared.keys import job_id_in
+from tokenfleet.shared.keys import Keys, job_id_in
 from tokenfleet.shared.schemas import JobStatus
 from tokenfleet.shared.settings import Settings
 
@@ -231,6 +231,66 @@ def test_openai_fields_the_gateway_cannot_honour_are_400_naming_them(
     assert not list(r.scan_iter(match=f"{settings.namespace}:job:*"))  # nothing was enqueued
 
 
+def test_a_refusal_is_one_sentence_naming_the_field_without_echoing_its_value(
+    gateway: Any, r: redis.Redis, settings: Any
+) -> None:
+    http = gateway()
+    hi = [{"role": "user", "content": "hi"}]
+    tools = [{"type": "function", "function": {"name": f"tool_{i}", "parameters": {}}}
+             for i in range(50)]
+    cases = [({"tools": tools}, "tools are not supported by this gateway: leave it unset"),
+             ({"response_format": {"type": "json_object"}},
+              "response_format type 'json_object' is not supported; only 'text'"),
+             ({"logit_bias": {str(i): 1 for i in range(100)}},
+              "logit_bias is not supported by this gateway: leave it unset or {}")]
+    for extra, sentence in cases:
+        response = http.post("/v1/chat/completions", json={"messages": hi, **extra})
+        assert response.status_code == 400, response.text
+        assert response.headers["x-should-retry"] == "false"
+        err = response.json()["error"]
+        assert err["message"] == sentence and err["code"] == "unsupported_parameter", err
+    assert not list(r.scan_iter(match=f"{settings.namespace}:job:*"))
+
+
+def test_true_is_not_a_number_of_tokens_at_any_endpoint(
+    gateway: Any, r: redis.Redis, settings: Any
+) -> None:
+    http = gateway(require_worker=False)  # would queue ahead: only validation refuses
+    hi = [{"role": "user", "content": "hi"}]
+    for path, body, param in (("/v1/completions", {"prompt": "hi", "max_tokens": True},
+                               "max_tokens"),
+                              ("/v1/chat/completions", {"messages": hi, "max_tokens": True},
+                               "max_tokens"),
+                              ("/v1/chat/completions", {"messages": hi, "temperature": False},
+                               "temperature")):
+        response = http.post(path, json=body)
+        assert response.status_code == 400, (path, response.text)
+        err = response.json()["error"]
+        assert err["param"] == param and "not" in err["message"], err
+    jobs = http.post("/v1/jobs", json={"prompt": "hi", "sampling": {"max_new_tokens": True}})
+    assert jobs.status_code == 422
+    assert jobs.json()["detail"][0]["loc"] == ["body", "sampling", "max_new_tokens"]
+    assert not list(r.scan_iter(match=f"{settings.namespace}:job:*"))
+
+
+def test_a_gateway_started_while_redis_is_down_answers_503_from_the_first_request(
+    gateway: Any
+) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        dead = f"redis://:secret@127.0.0.1:{s.getsockname()[1]}/0"  # nothing listens there
+    http = gateway(redis_url=dead)
+    chat = {"messages": [{"role": "user", "content": "hi"}]}
+    for path, body in (("/v1/completions", {"prompt": "hi"}), ("/v1/chat/completions", chat),
+                       ("/v1/jobs", {"prompt": "hi"})):
+        response = http.post(path, json=body)
+        assert response.status_code == 503, (path, response.text)  # a retry can fix it
+        assert int(response.headers["retry-after"]) > 0
+        assert "secret" not in response.text  # the URL is the operator's, not the caller's
+        if path != "/v1/jobs":
+            assert response.json()["error"]["type"] == "server_error"
+
+
 def test_completion_errors_are_400_in_openai_shape_naming_the_param(gateway: Any) -> None:
     http = gateway()
     cases = [({"prompt": "hi", "n": 2}, "n"), ({"prompt": "hi", "max_tokens": 10**6}, "max_tokens"),
@@ -337,6 +397,84 @@ def test_the_openai_client_lists_models_completes_and_chats(
     assert refused.value.param == "tools" and "tools" in refused.value.message
 
 
+LONG = "x y " * 7_000  # within the character limit, far past the 2,048 tokens allowed
+
+
+def test_a_prompt_over_the_token_limit_is_400_context_length_exceeded_and_no_job(
+    gateway: Any, start_worker: Any, r: redis.Redis, settings: Any
+) -> None:
+    start_worker()
+    http = gateway()
+    chat = {"messages": [{"role": "user", "content": LONG}]}
+    for path, body, param in (("/v1/completions", {"prompt": LONG}, "prompt"),
+                              ("/v1/chat/completions", chat, "messages")):
+        response = http.post(path, json=body)
+        assert response.status_code == 400, (path, response.text)
+        err = response.json()["error"]
+        assert err["code"] == "context_length_exceeded" and err["param"] == param, err
+        assert err["type"] == "invalid_request_error" and "limit is 2,048" in err["message"]
+    jobs = http.post("/v1/jobs", json={"prompt": LONG})
+    assert jobs.status_code == 400 and "TOKENFLEET_MAX_PROMPT_TOKENS" in jobs.json()["detail"]
+    keys = Keys(settings.namespace)
+    assert not list(r.scan_iter(match=keys.job("*"))) and r.xlen(keys.dlq("default")) == 0
+
+
+def test_a_prompt_only_the_worker_refuses_is_a_400_not_retried(
+    gateway: Any, start_worker: Any, r: redis.Redis, settings: Any
+) -> None:
+    start_worker(max_prompt_tokens=3)  # stricter than the gateway: only the worker refuses
+    http = gateway()
+    response = http.post("/v1/completions", json={"prompt": "a prompt of many tokens"})
+    assert response.status_code == 400, response.text  # the request's fault, not the fleet's
+    assert response.headers["x-should-retry"] == "false"
+    err = response.json()["error"]
+    assert err["type"] == "invalid_request_error" and "refused by the worker" in err["message"]
+    assert r.xlen(Keys(settings.namespace).dlq("default")) == 0
+
+
+def test_the_openai_client_retries_no_refusal_of_ours_but_a_full_queue(
+    gateway: Any, start_worker: Any, r: redis.Redis, settings: Any
+) -> None:
+    start_worker()
+    http = gateway(max_payload_bytes=60_000)
+    sent: list[str] = []
+    counting = httpx.Client(event_hooks={"request": [lambda req: sent.append(req.url.path)]})
+    oa = openai.OpenAI(base_url=f"http://127.0.0.1:{port_of(http)}/v1", api_key="unused",
+                       max_retries=2, http_client=counting)  # retries as it does by default
+    wait_until(lambda: oa.models.list().data, timeout=10, what="the worker's first heartbeat")
+    hi: Any = [{"role": "user", "content": "hi"}]
+    refusals = {
+        "context_length_exceeded": lambda: oa.completions.create(model="default", prompt=LONG),
+        "chat context_length_exceeded": lambda: oa.chat.completions.create(
+            model="default", messages=[{"role": "user", "content": LONG}]),
+        "unsupported_parameter": lambda: oa.chat.completions.create(
+            model="default", messages=hi, tools=[{"type": "function", "function": {"name": "f"}}]),
+        "invalid value": lambda: oa.completions.create(model="default", prompt="hi",
+                                                       temperature=-1),
+        "model_not_found": lambda: oa.completions.create(model=UNSERVED, prompt="hi"),
+        "model_not_found (chat)": lambda: oa.chat.completions.create(model=UNSERVED,
+                                                                     messages=hi),
+        "request_too_large": lambda: oa.completions.create(model="default", prompt="x" * 70_000),
+    }
+    for name, call in refusals.items():
+        before = len(sent)
+        with pytest.raises(openai.APIStatusError) as refused:
+            call()
+        assert 400 <= refused.value.status_code < 500, (name, refused.value)
+        assert len(sent) - before == 1, f"{name}: sent {len(sent) - before} times"
+    assert not list(r.scan_iter(match=Keys(settings.namespace).job("*")))  # no job, ever
+
+    # A full queue is what a retry can fix: the client waits Retry-After and tries again.
+    full = gateway(max_queue=1, require_worker=False)
+    assert full.post("/v1/jobs", json={"prompt": "waits", "model": UNSERVED}).status_code == 202
+    oa_full = openai.OpenAI(base_url=f"http://127.0.0.1:{port_of(full)}/v1", api_key="unused",
+                            max_retries=2, http_client=counting)
+    before = len(sent)
+    with pytest.raises(openai.RateLimitError):
+        oa_full.completions.create(model=UNSERVED, prompt="hi")
+    assert len(sent) - before == 3
+
+
 def test_chat_for_a_model_without_a_chat_template_is_400_at_the_gateway(
     gateway: Any, settings: Any, loaded_tiny: Any, tiny_dir: Any, r: redis.Redis
 ) -> None:
@@ -389,7 +527,7 @@ def test_an_idempotency_key_reused_for_another_request_is_409(gateway: Any,
     assert other.status_code == 409 and "order-1" in other.json()["detail"]
 
 
-def test_a_queue_no_live_worker_serves_is_503_naming_the_served_queues(
+def test_a_model_no_live_worker_serves_is_404_model_not_found_naming_the_served_ones(
     gateway: Any, start_worker: Any, r: redis.Redis, settings: Any
 ) -> None:
     if "require_worker" not in Settings.model_fields:
@@ -403,10 +541,14 @@ def test_a_queue_no_live_worker_serves_is_503_naming_the_served_queues(
                        ("/v1/completions", {"prompt": "hi", "model": UNSERVED}),
                        ("/v1/chat/completions", {"messages": chat, "model": UNSERVED})):
         response = http.post(path, json=body)
-        assert response.status_code == 503, response.text
+        assert response.status_code == 404, response.text  # a retry cannot help
+        assert response.headers["x-should-retry"] == "false"
         found = response.json()
         message = found["detail"] if path == "/v1/jobs" else found["error"]["message"]
         assert UNSERVED in message and "'default'" in message  # what is served instead
+        # Advice for whoever runs the fleet, not for an API caller.
+        assert "require_worker" not in message and "tokenfleet worker" not in message
         if path != "/v1/jobs":
-            assert found["error"]["code"] == "model_not_served"
+            assert found["error"]["code"] == "model_not_found"
+            assert found["error"]["param"] == "model"
     assert not list(r.scan_iter(match=f"{settings.namespace}:job:*"))

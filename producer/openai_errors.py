@@ -1,0 +1,127 @@
+"""Every way the gateway refuses a request, as OpenAI's clients read it: the HTTP
+status, OpenAI's error ``type`` and ``code``, whether a retry can help, and the
+sentence (``<...>`` stands for what each request fills in).
+
+The status decides what a client does next: OpenAI's clients retry 408, 409, 429
+and every 5xx on their own, and honour an ``x-should-retry`` header over that.
+So a request that can never succeed is a 4xx that is not retried (an over-long
+prompt is 400, an unknown model 404), and only what a retry can fix asks for
+one (a full queue: 429 with ``Retry-After``; Redis out of reach: 503).
+
+``docs/errors.md`` shows :data:`REFUSALS` as a table; ``tests/test_refusals.py``
+reads both and checks that they agree.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from fastapi.responses import JSONResponse
+
+INVALID = "invalid_request_error"
+SERVER = "server_error"
+
+# What a 429 or 503 asks a client to wait: queues drain at the fleet's pace, and
+# a client that retries at once only adds load.
+RETRY_AFTER_S = 1
+
+
+@dataclass(frozen=True)
+class Refusal:
+    status: int
+    type: str
+    code: str | None
+    retry: bool  # whether a client should try the same request again
+    when: str  # what the request did or met, as the docs say it
+    sentence: str  # the message's pattern, as the docs show it
+
+    def response(self, message: str, *, param: str | None = None,
+                 headers: dict[str, str] | None = None) -> JSONResponse:
+        """The error in OpenAI's shape; ``message`` is :attr:`sentence` filled in."""
+        body = {"error": {"message": message, "type": self.type, "param": param,
+                          "code": self.code}}
+        return JSONResponse(body, status_code=self.status,
+                            headers={**self.headers(), **(headers or {})})
+
+    def headers(self) -> dict[str, str]:
+        """Tell clients whether to retry, whatever their default for the status is."""
+        out = {"x-should-retry": "true" if self.retry else "false"}
+        if self.retry and self.status in (429, 503):
+            out["Retry-After"] = str(RETRY_AFTER_S)
+        return out
+
+
+INVALID_JSON = Refusal(
+    400, INVALID, None, False, "the body is not JSON",
+    "not valid JSON (<what the parser found>)")
+UNRECOGNIZED = Refusal(
+    400, INVALID, None, False, "a field OpenAI's API does not have",
+    "unrecognized request argument '<field>'")
+INVALID_VALUE = Refusal(
+    400, INVALID, None, False, "a value of the wrong type (true for a number) or past a limit",
+    "invalid '<field>': <what is wrong with it, and the limit>")
+UNSUPPORTED = Refusal(
+    400, INVALID, "unsupported_parameter", False,
+    "a field this gateway cannot honour, set to more than nothing",
+    "<field> is not supported by this gateway: <what to send instead>")
+CONTEXT_LENGTH = Refusal(
+    400, INVALID, "context_length_exceeded", False,
+    "the prompt (a chat: its messages' text) has more tokens than the limit",
+    "the prompt is <n> tokens of model <model>; the limit is <limit> "
+    "(TOKENFLEET_MAX_PROMPT_TOKENS)")
+NO_CHAT_TEMPLATE = Refusal(
+    400, INVALID, "chat_template_missing", False,
+    "a chat for a model whose tokenizer has no chat template",
+    "model '<model>' has no chat template (its tokenizer defines none), so it cannot take "
+    "messages: send a prompt to /v1/completions instead, or serve a model with a chat template")
+MODEL_NOT_FOUND = Refusal(
+    404, INVALID, "model_not_found", False, "no live worker serves the model's queue",
+    "the model '<model>' does not exist or no live worker serves it (served now: <models>): "
+    "GET /v1/models lists those served")
+JOB_NOT_FOUND = Refusal(
+    404, INVALID, "not_found", False, "no such job (the jobs API)",
+    "no job '<id>': never submitted, or its record expired")
+BODY_TIMEOUT = Refusal(
+    408, INVALID, "request_timeout", True, "the body did not arrive in time",
+    "the request body did not arrive within this gateway's limit of <s> s "
+    "(TOKENFLEET_BODY_TIMEOUT_S): send it at once, or raise the limit")
+IDEMPOTENCY_CONFLICT = Refusal(
+    409, INVALID, "idempotency_conflict", False,
+    "an idempotency key reused for another request (the jobs API)",
+    "idempotency key '<key>' was already used for a different request (another model, prompt "
+    "or parameters); nothing was enqueued: use a new key for a new request")
+TOO_LARGE = Refusal(
+    413, INVALID, "request_too_large", False, "the body is over the payload limit",
+    "request body is larger than this gateway's limit of <n> bytes "
+    "(TOKENFLEET_MAX_PAYLOAD_BYTES): send a shorter prompt or raise the limit")
+QUEUE_FULL = Refusal(
+    429, "requests", "rate_limit_exceeded", True, "the model's queue is full",
+    "queue '<model>' is full (<n> jobs waiting or running, limit <limit>); nothing was "
+    "enqueued: retry later or raise TOKENFLEET_MAX_QUEUE")
+JOB_REFUSED = Refusal(
+    400, INVALID, None, False,
+    "the queue's worker refused the job (a limit only it knows, such as the prompt's tokens "
+    "with the chat template)",
+    "the job ended failed (refused by the worker: <its reason>); the completion has no result")
+JOB_FAILED = Refusal(
+    500, SERVER, None, False, "the job failed on its worker, which retried it already",
+    "the job ended <status> (<reason>); the completion has no result")
+REDIS_REFUSED = Refusal(
+    500, SERVER, None, False, "Redis refused the gateway's credentials",
+    "the fleet's Redis refused this gateway's credentials: the operator must fix "
+    "TOKENFLEET_REDIS_URL")
+REDIS_DOWN = Refusal(
+    503, SERVER, None, True, "Redis cannot be reached (from the gateway's first request on)",
+    "the fleet's Redis cannot be reached right now; retry later")
+
+# In the order the docs list them.
+REFUSALS = (INVALID_JSON, UNRECOGNIZED, INVALID_VALUE, UNSUPPORTED, CONTEXT_LENGTH,
+            NO_CHAT_TEMPLATE, MODEL_NOT_FOUND, JOB_NOT_FOUND, BODY_TIMEOUT,
+            IDEMPOTENCY_CONFLICT, TOO_LARGE, QUEUE_FULL, JOB_REFUSED, JOB_FAILED, REDIS_REFUSED, REDIS_DOWN)
+
+# The fleet's own errors, by class name: an error class that a newer client adds
+# maps the same whether or not this module could import it.
+FLEET_ERRORS = {"QueueFull": QUEUE_FULL, "NoWorker": MODEL_NOT_FOUND,
+                "IdempotencyConflict": IDEMPOTENCY_CONFLICT, "JobNotFound": JOB_NOT_FOUND,
+                "PromptTooLong": CONTEXT_LENGTH,
+                "RedisUnavailable": REDIS_DOWN, "RedisAuthFailed": REDIS_REFUSED}
