@@ -68,6 +68,11 @@ class BoundedPool(ConnectionPool):
         options = {**options, "max_connections": bound.connections}
         return cls.from_url(url, wait_s=bound.wait_s, idle_s=bound.idle_s, **options)
 
+    @property
+    def waiting(self) -> int:
+        """How many commands wait for a connection now."""
+        return len(self._waiting)
+
     async def get_connection(self, *args: Any, **kwargs: Any) -> Any:
         deadline = asyncio.get_running_loop().time() + self.wait_s
         my_turn = not self._waiting and not self._woken  # nobody was here first

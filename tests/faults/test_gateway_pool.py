@@ -130,3 +130,61 @@ def test_a_spike_of_requests_waits_for_the_bounded_pool_and_leaves_only_the_idle
                    "busy_503": SPIKE - accepted - read, "unreachable": 0,
                    "peak_connections": peak.peak, "spike_s": round(took, 1),
                    "back_to_idle_s": round(idle_after, 1)})
+
+
+STREAMS = 200  # event streams opened at once, each reading its job's record first
+
+
+async def open_stream(port: int, job_id: str) -> tuple[int, bytes, asyncio.StreamWriter]:
+    """An event stream, open: its status and head, and the writer that hangs it up."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(f"GET /v1/jobs/{job_id}/events HTTP/1.1\r\nHost: test\r\n\r\n".encode())
+    head = await reader.readuntil(b"\r\n\r\n")
+    status = int(head.split(b" ", 2)[1])
+    if status != 200:  # a refusal: its body is short, and the gateway closes after it
+        head += await reader.read(4096)
+    return status, head, writer
+
+
+def test_a_spike_of_event_streams_shares_the_bounded_pool_and_leaves_only_its_subscriber(
+    gateway: Any, own_redis: RedisServer, settings: Any, report: dict[str, Any]
+) -> None:
+    from tokenfleet import FleetClient
+
+    counter = redis.Redis.from_url(own_redis.url)
+    pin_live_worker(counter, settings.namespace, WAITING)
+    on_own = settings.model_copy(update={"redis_url": own_redis.url})
+    with FleetClient(settings=on_own) as client:  # closed before the count starts
+        jobs = [client.submit(f"queued {i}", model=WAITING) for i in range(STREAMS)]
+    http = gateway(redis_url=own_redis.url, gateway_redis_connections=CONNECTIONS // 2)
+    wait_until(lambda: gateway_connections(counter) <= 1, BACK_TO_IDLE_S,
+               "the startup connection to close once idle")
+
+    async def streams() -> tuple[list[tuple[int, bytes]], int]:
+        opened = await asyncio.gather(*(open_stream(port_of(http), j) for j in jobs))
+        live = sum(status == 200 for status, _, _ in opened)
+        # Every stream that opened is subscribed to its job's channel: only then
+        # has it read the job's record and log, the reads of the spike.
+        await asyncio.to_thread(
+            wait_until, lambda: len(counter.pubsub_channels(f"{settings.namespace}:*")) >= live,
+            60, "the open streams to subscribe")
+        for _, _, writer in opened:  # every client hangs up
+            writer.close()
+        return [(status, head) for status, head, _ in opened], live
+
+    with PeakCounter(counter) as peak:
+        answers, live = asyncio.run(streams())
+    hung_up = time.monotonic()
+
+    refused = [head for status, head in answers
+               if status != 200 and not busy(status, head, head)]
+    assert not refused, refused[:5]
+    assert peak.peak <= CONNECTIONS // 2, f"{peak.peak} connections at once, bound {CONNECTIONS // 2}"
+    # Left open: the one subscriber connection the gateway keeps for its streams.
+    wait_until(lambda: gateway_connections(counter) <= 1, BACK_TO_IDLE_S,
+               "the gateway's connections to close once its streams are gone")
+    idle_after = time.monotonic() - hung_up
+    counter.close()
+    report.update({"streams": STREAMS, "bound": CONNECTIONS // 2, "opened": live,
+                   "busy_503": STREAMS - live, "unreachable": 0, "peak_connections": peak.peak,
+                   "back_to_idle_s": round(idle_after, 1)})
