@@ -160,7 +160,7 @@ class Settings(BaseSettings):
     gateway_redis_connections: int = Field(default=100, ge=2, le=10_000, description=(
         "Gateway: the most Redis connections one gateway process holds, its event streams' "
         "pub/sub connection included (on a Redis Cluster, per node); idle ones close after 5 s."))
-    gateway_redis_wait_s: float = Field(default=5.0, gt=0, le=300, description=(
+    gateway_redis_wait_s: float = Field(default=10.0, gt=0, le=300, description=(
         "Gateway: seconds a request waits for a free Redis connection before a 503 that says "
         "the fleet is busy, with Retry-After."))
 
