@@ -59,7 +59,8 @@ def connect_async(url: str, bound: PoolBound | None = None) -> aioredis.Redis:
     """:func:`connect` for asyncio. With a ``bound``, its connections come from a
     ``BoundedPool``: at most ``bound.connections``, a command waiting for a free
     one, idle ones closed; on a cluster, at most that many per node (a command
-    that finds none free fails at once, as redis-py's cluster client does)."""
+    that finds none free gets redis-py's ``MaxConnectionsError``, which the
+    cluster client's retry backs off from as from a lost connection)."""
     if is_cluster(url):
         options = _options() if bound is None else {**_options(),
                                                     "max_connections": bound.connections}

@@ -188,3 +188,51 @@ def test_a_spike_of_event_streams_shares_the_bounded_pool_and_leaves_only_its_su
     report.update({"streams": STREAMS, "bound": CONNECTIONS // 2, "opened": live,
                    "busy_503": STREAMS - live, "unreachable": 0, "peak_connections": peak.peak,
                    "back_to_idle_s": round(idle_after, 1)})
+
+
+def test_a_request_that_finds_no_connection_free_in_time_is_a_503_busy_with_retry_after(
+    gateway: Any, own_redis: RedisServer, settings: Any
+) -> None:
+    counter = redis.Redis.from_url(own_redis.url)
+    pin_live_worker(counter, settings.namespace, WAITING)
+    http = gateway(redis_url=own_redis.url, gateway_redis_connections=2, gateway_redis_wait_s=0.5)
+    job = orjson.dumps({"prompt": "held", "model": WAITING})
+    completion = orjson.dumps({"prompt": "held", "model": WAITING, "max_tokens": 4})
+    sent = [("/v1/jobs", job), ("/v1/completions", completion)] * 3
+
+    async def requests() -> list[tuple[str, int, bytes, bytes]]:
+        tasks = {asyncio.ensure_future(http_request(port_of(http), "POST", path, body)): path
+                 for path, body in sent}
+        answers = []
+        # Submits write, so while writes are paused the first two hold both
+        # connections; the other four find none free, and are answered first.
+        for done in asyncio.as_completed(tasks):
+            answers.append(await done)
+            if len(answers) == 4:
+                break
+        for task in tasks:  # the two held ones are let go: their clients hang up
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        by_answer = {id(t.result()): path for t, path in tasks.items()
+                     if not t.cancelled() and t.exception() is None}
+        return [(by_answer.get(id(a), "?"), *a) for a in answers]
+
+    counter.execute_command("CLIENT", "PAUSE", 60_000, "WRITE")
+    try:
+        answers = asyncio.run(requests())
+    finally:
+        counter.execute_command("CLIENT", "UNPAUSE")
+    paths = set()
+    for path, status, head, body in answers:
+        assert busy(status, head, body), (status, head, body)
+        message = orjson.loads(body)
+        # Each route's own error shape: FastAPI's for the jobs API, OpenAI's for completions.
+        if "error" in message:
+            assert message["error"]["code"] == "busy" and message["error"]["type"] == "server_error"
+            assert "TOKENFLEET_GATEWAY_REDIS_CONNECTIONS" in message["error"]["message"]
+        else:
+            assert "TOKENFLEET_GATEWAY_REDIS_CONNECTIONS" in message["detail"]
+        paths.add(path)
+    assert paths == {"/v1/jobs", "/v1/completions"}  # at most two of six held: both kinds refused
+    assert http.get("/healthz").json() == {"ok": True}
+    counter.close()
