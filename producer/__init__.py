@@ -21,6 +21,7 @@ from tokenfleet.shared.errors import (
     PromptTooLong,
     QueueFull,
     RedisAuthFailed,
+    RedisBusy,
     RedisUnavailable,
     TokenfleetError,
 )
@@ -54,6 +55,7 @@ __all__ = [
     "PromptTooLong",
     "QueueFull",
     "RedisAuthFailed",
+    "RedisBusy",
     "RedisUnavailable",
     "SamplingParams",
     "TokenEvent",

@@ -32,6 +32,7 @@ from tokenfleet.shared.errors import JobNotFound, NoWorker
 from tokenfleet.shared.keys import Keys
 from tokenfleet.shared.liveness import live_since
 from tokenfleet.shared.redis_conn import connect_async
+from tokenfleet.shared.redis_pool import PoolBound
 from tokenfleet.shared.schemas import EndEvent, GenerationRequest, JobState, JobStatus, TokenEvent
 from tokenfleet.shared.settings import Settings, get_settings
 from tokenfleet.generation import AsyncGeneration
@@ -48,10 +49,14 @@ class AsyncFleetClient:
         *,
         namespace: str | None = None,
         settings: Settings | None = None,
+        bound: PoolBound | None = None,
     ) -> None:
+        """``bound``: at most that many Redis connections, event streams' included,
+        a command waiting for a free one (``RedisBusy`` past the wait), idle ones
+        closed; None: redis-py's pool, which keeps every connection it opened."""
         self.settings = settings or get_settings()
         # redis-py types replies as bytes | str; with decode_responses off they are bytes.
-        self.redis: Any = connect_async(url or self.settings.redis_url)
+        self.redis: Any = connect_async(url or self.settings.redis_url, bound)
         self.keys = Keys(namespace or self.settings.namespace)
         self._subscriptions = Subscriptions(self.redis)
         self._background: set[asyncio.Task[Any]] = set()  # strong references, awaited by close()

@@ -32,6 +32,7 @@ from fastapi import APIRouter, FastAPI, Header, HTTPException, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import MaxConnectionsError
 from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
@@ -42,6 +43,7 @@ from tokenfleet.openai_errors import (
     FLEET_ERRORS,
     INVALID_VALUE,
     MODEL_NOT_FOUND,
+    REDIS_BUSY,
     REDIS_DOWN,
     TOO_LARGE,
     Refusal,
@@ -51,9 +53,11 @@ from tokenfleet.shared.compat.uvicorn_h11 import MAX_HEAD_BYTES
 from tokenfleet.shared.errors import (
     JobNotFound,
     RedisAuthFailed,
+    RedisBusy,
     RedisUnavailable,
     TokenfleetError,
 )
+from tokenfleet.shared.redis_pool import PoolBound
 from tokenfleet.shared.schemas import GenerationRequest, JobState
 from tokenfleet.shared.settings import Settings, get_settings
 from tokenfleet.timeouts import BodyDeadline, BodyTimeout, head_deadline_protocol
@@ -118,7 +122,17 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        app.state.fleet = AsyncFleetClient(settings=settings)
+        # One pool for every route: submits, reads and the event streams' pub/sub.
+        bound = PoolBound(settings.gateway_redis_connections, settings.gateway_redis_wait_s)
+        app.state.fleet = AsyncFleetClient(settings=settings, bound=bound)
+        # Reach Redis once before serving: a client that has never connected
+        # takes a failed connect for a wrong URL and does not retry it, and the
+        # first connects of a spike that meets a cold gateway can time out
+        # while its event loop parses the spike's requests. Redis down now is
+        # no reason not to serve: the first request that reaches it counts.
+        with contextlib.suppress(RedisError, OSError, TimeoutError):
+            async with asyncio.timeout(HEALTH_TIMEOUT_S):
+                await app.state.fleet.redis.ping()
         try:
             yield
         finally:
@@ -128,6 +142,10 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.include_router(router)
     app.add_middleware(BodyDeadline, timeout_s=settings.body_timeout_s)
     app.add_exception_handler(RedisConnectionError, _redis_unreachable)
+    # Redis is up, the pool is full: these classes are more specific than the
+    # ConnectionError above, so their handler is the one used.
+    app.add_exception_handler(RedisBusy, _redis_busy)
+    app.add_exception_handler(MaxConnectionsError, _redis_busy)
     app.add_exception_handler(RedisTimeoutError, _redis_unreachable)
     app.add_exception_handler(TokenfleetError, _fleet_error)
     # Both are TokenfleetErrors too, but mean Redis, not the request (a gateway
@@ -180,6 +198,13 @@ def _error(request: Request, refusal: Refusal, message: str, *, param: str | Non
 
 async def _redis_unreachable(request: Request, exc: Exception) -> Response:
     return _error(request, REDIS_DOWN, REDIS_DOWN.sentence)
+
+
+async def _redis_busy(request: Request, exc: Exception) -> Response:
+    message = str(exc) if isinstance(exc, RedisBusy) else (
+        "the fleet is busy: every Redis connection of this gateway is in use; retry later, "
+        "or raise TOKENFLEET_GATEWAY_REDIS_CONNECTIONS")
+    return _error(request, REDIS_BUSY, message)
 
 
 async def _fleet_error(request: Request, exc: Exception) -> Response:
@@ -327,6 +352,8 @@ async def healthz(request: Request) -> Response:
     try:
         async with asyncio.timeout(HEALTH_TIMEOUT_S):
             await fleet(request).redis.ping()
+    except RedisBusy as exc:
+        return JSONResponse({"ok": False, "error": str(exc)}, status_code=503)
     except (RedisError, OSError, TimeoutError):
         return JSONResponse({"ok": False, "error": "Redis does not answer PING"}, status_code=503)
     return JSONResponse({"ok": True})

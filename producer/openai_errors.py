@@ -66,9 +66,14 @@ UNSUPPORTED = Refusal(
     "<field> is not supported by this gateway: <what to send instead>")
 CONTEXT_LENGTH = Refusal(
     400, INVALID, "context_length_exceeded", False,
-    "the prompt (a chat: its messages' text) has more tokens than the limit",
-    "the prompt is <n> tokens of model <model>; the limit is <limit> "
-    "(TOKENFLEET_MAX_PROMPT_TOKENS)")
+    "the prompt (a chat: its messages' text) has more tokens than the queue allows",
+    "prompt has <n> tokens; <the model, the queue's workers or this gateway> allows <limit> "
+    "(<what sets it: model length <n>, or the setting>)")
+OVER_LIMIT = Refusal(
+    400, INVALID, None, False,
+    "a request over a limit the queue's workers publish (max_new_tokens, size)",
+    "<what the request asks> is <n>; <the queue's workers or this gateway> allows <limit> "
+    "(<the setting>)")
 NO_CHAT_TEMPLATE = Refusal(
     400, INVALID, "chat_template_missing", False,
     "a chat for a model whose tokenizer has no chat template",
@@ -113,15 +118,22 @@ REDIS_REFUSED = Refusal(
 REDIS_DOWN = Refusal(
     503, SERVER, None, True, "Redis cannot be reached (from the gateway's first request on)",
     "the fleet's Redis cannot be reached right now; retry later")
+REDIS_BUSY = Refusal(
+    503, SERVER, "busy", True,
+    "every Redis connection of the gateway stayed in use for the whole wait",
+    "the fleet is busy: all <n> Redis connections of this gateway stayed in use for <s> s; "
+    "retry later, or raise TOKENFLEET_GATEWAY_REDIS_CONNECTIONS")
 
 # In the order the docs list them.
-REFUSALS = (INVALID_JSON, UNRECOGNIZED, INVALID_VALUE, UNSUPPORTED, CONTEXT_LENGTH,
+REFUSALS = (INVALID_JSON, UNRECOGNIZED, INVALID_VALUE, UNSUPPORTED, CONTEXT_LENGTH, OVER_LIMIT,
             NO_CHAT_TEMPLATE, MODEL_NOT_FOUND, JOB_NOT_FOUND, BODY_TIMEOUT,
-            IDEMPOTENCY_CONFLICT, TOO_LARGE, QUEUE_FULL, JOB_REFUSED, JOB_FAILED, REDIS_REFUSED, REDIS_DOWN)
+            IDEMPOTENCY_CONFLICT, TOO_LARGE, QUEUE_FULL, JOB_REFUSED, JOB_FAILED, REDIS_REFUSED,
+            REDIS_DOWN, REDIS_BUSY)
 
 # The fleet's own errors, by class name: an error class that a newer client adds
 # maps the same whether or not this module could import it.
 FLEET_ERRORS = {"QueueFull": QUEUE_FULL, "NoWorker": MODEL_NOT_FOUND,
                 "IdempotencyConflict": IDEMPOTENCY_CONFLICT, "JobNotFound": JOB_NOT_FOUND,
-                "PromptTooLong": CONTEXT_LENGTH,
+                "PromptTooLong": CONTEXT_LENGTH, "LimitExceeded": OVER_LIMIT,
+                "InvalidRequest": INVALID_VALUE, "RedisBusy": REDIS_BUSY,
                 "RedisUnavailable": REDIS_DOWN, "RedisAuthFailed": REDIS_REFUSED}

@@ -121,6 +121,22 @@ class RedisUnavailable(TokenfleetError, ConnectionError):
         self.url = url
 
 
+class RedisBusy(TokenfleetError, ConnectionError):
+    """Every Redis connection this client may hold stayed in use for the whole
+    wait: Redis is up, the fleet is busy. Retry later.
+
+    A ``redis.exceptions.ConnectionError`` too, so code that backs off and tries
+    again on those (a subscription's keeper) does so here.
+    """
+
+    def __init__(self, connections: int, wait_s: float) -> None:
+        super().__init__(
+            f"the fleet is busy: all {connections} Redis connections of this gateway stayed in "
+            f"use for {wait_s:g} s; retry later, or raise TOKENFLEET_GATEWAY_REDIS_CONNECTIONS"
+        )
+        self.connections, self.wait_s = connections, wait_s
+
+
 class RedisAuthFailed(TokenfleetError, AuthenticationError):
     """Redis refused the credentials of the URL; never retried (they will not change)."""
 

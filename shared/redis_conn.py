@@ -19,6 +19,7 @@ from redis.exceptions import ConnectionError, TimeoutError
 
 from tokenfleet.shared.redis_cluster import (AsyncCluster, connect_cluster, left_node,
                                              resubscribe_after)
+from tokenfleet.shared.redis_pool import BoundedPool, PoolBound
 from tokenfleet.shared.redis_retry import AsyncFailFastRetry, FailFast, FailFastRetry
 from tokenfleet.shared.redis_url import is_cluster, node_url, redacted
 
@@ -54,12 +55,21 @@ def connect(url: str) -> redis.Redis:
     return redis.Redis.from_url(url, retry=FailFastRetry(FailFast(url)), **_options())
 
 
-def connect_async(url: str) -> aioredis.Redis:
-    """:func:`connect` for asyncio."""
+def connect_async(url: str, bound: PoolBound | None = None) -> aioredis.Redis:
+    """:func:`connect` for asyncio. With a ``bound``, its connections come from a
+    ``BoundedPool``: at most ``bound.connections``, a command waiting for a free
+    one, idle ones closed; on a cluster, at most that many per node (a command
+    that finds none free gets redis-py's ``MaxConnectionsError``, which the
+    cluster client's retry backs off from as from a lost connection)."""
     if is_cluster(url):
+        options = _options() if bound is None else {**_options(),
+                                                    "max_connections": bound.connections}
         # Typed as a plain client, as in ``connect``.
-        return AsyncCluster.for_url(url, _options(), connect_async)  # type: ignore[return-value]
-    return aioredis.Redis.from_url(url, retry=AsyncFailFastRetry(FailFast(url)), **_options())
+        return AsyncCluster.for_url(url, options, connect_async)  # type: ignore[return-value]
+    retry = AsyncFailFastRetry(FailFast(url))
+    if bound is None:
+        return aioredis.Redis.from_url(url, retry=retry, **_options())
+    return aioredis.Redis.from_pool(BoundedPool.for_url(url, bound, {**_options(), "retry": retry}))
 
 
 def node_client(client: Any, key: str) -> Any:

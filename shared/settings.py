@@ -159,6 +159,15 @@ class Settings(BaseSettings):
         "Gateway: seconds a client may take to send a request's body (408 past it)."))
     sse_keepalive_s: float = Field(default=15.0, gt=0, description=(
         "Gateway: seconds between keep-alive comments on an idle event stream."))
+    # The gateway's Redis connections, one pool for every route (event streams'
+    # one pub/sub connection included): a spike waits for them instead of
+    # opening one per request; idle ones are closed after a few seconds.
+    gateway_redis_connections: int = Field(default=100, ge=2, le=10_000, description=(
+        "Gateway: the most Redis connections one gateway process holds, its event streams' "
+        "pub/sub connection included (on a Redis Cluster, per node); idle ones close after 5 s."))
+    gateway_redis_wait_s: float = Field(default=10.0, gt=0, le=300, description=(
+        "Gateway: seconds a request waits for a free Redis connection before a 503 that says "
+        "the fleet is busy, with Retry-After."))
 
     # Reliability.
     max_attempts: int = Field(default=3, ge=1, description=(
