@@ -92,3 +92,25 @@ def test_the_demo_writes_readable_text() -> None:
     assert all(texts.values())
     assert readable_ratio(joined) >= 0.9, texts
     assert real_word_ratio(joined) > 0.5, texts
+
+
+def test_a_bad_setting_is_one_line_naming_the_variable_and_what_it_takes() -> None:
+    cases = [(["worker", "--gpus", "none"], {"TOKENFLEET_MAX_BATCH": "abc"},
+              ["TOKENFLEET_MAX_BATCH='abc'", '"auto"', "4096"]),
+             (["submit", "Hi"], {"TOKENFLEET_MAX_QUEUE": "0"}, ["TOKENFLEET_MAX_QUEUE='0'", "≥ 1"]),
+             (["status"], {"TOKENFLEET_QUEUE": "a b"}, ["TOKENFLEET_QUEUE='a b'", "letters"])]
+    for args, env, words in cases:
+        out = tokenfleet(*args, env={**env, "TOKENFLEET_REDIS_URL": "redis://127.0.0.1:1/0"},
+                         timeout=60)
+        lines = out.stderr.strip().splitlines()
+        assert out.returncode == 2 and len(lines) == 1, (args, out.stderr)
+        assert all(w in lines[0] for w in words), (args, lines)
+
+
+def test_a_misspelt_setting_is_warned_about_with_the_closest_name(tmp_path: Path) -> None:
+    out = tokenfleet("export-model", "tiny", str(tmp_path / "m"),
+                     env={"TOKENFLEET_MAX_NEW_TOKENS": "5", "TOKENFLEET_REDIS_UR": "redis://x"})
+    assert out.returncode == 0, out.stderr
+    assert ("TOKENFLEET_MAX_NEW_TOKENS is not a setting (did you mean "
+            "TOKENFLEET_MAX_NEW_TOKENS_LIMIT?)") in out.stderr
+    assert "TOKENFLEET_REDIS_UR is not a setting (did you mean TOKENFLEET_REDIS_URL?)" in out.stderr

@@ -51,10 +51,17 @@ class TimedOut(Failure):
 
 class Group(click.Group):
     def invoke(self, ctx: click.Context) -> Any:
+        from pydantic import ValidationError
         from redis.exceptions import AuthenticationError, RedisError
 
         try:
             return super().invoke(ctx)
+        except ValidationError as exc:
+            if exc.title != "Settings":
+                raise
+            from tokenfleet.shared.settings_check import describe
+
+            raise BadSetup(describe(exc)) from None
         except AuthenticationError as exc:
             raise RedisUnavailable(f"Redis at {_shown_url()} refused the credentials: "
                                    f"{exc}") from None
@@ -90,6 +97,10 @@ redis_option = click.option("--redis-url", default=None,
 @click.group(cls=Group)
 def main() -> None:
     """tokenfleet: an LLM inference fleet behind Redis Streams."""
+    from tokenfleet.shared.settings_check import unknown_variables
+
+    for line in unknown_variables(os.environ):
+        click.echo(f"tokenfleet: warning: {line}", err=True)
 
 
 @main.command()
