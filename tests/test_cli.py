@@ -114,3 +114,15 @@ def test_a_misspelt_setting_is_warned_about_with_the_closest_name(tmp_path: Path
     assert ("TOKENFLEET_MAX_NEW_TOKENS is not a setting (did you mean "
             "TOKENFLEET_MAX_NEW_TOKENS_LIMIT?)") in out.stderr
     assert "TOKENFLEET_REDIS_UR is not a setting (did you mean TOKENFLEET_REDIS_URL?)" in out.stderr
+
+
+@pytest.mark.timeout(120)
+def test_status_piped_prints_whole_values(settings: Any, client: Any) -> None:
+    # A queue name as long as names go: a terminal's 80 columns would cut it.
+    queue = "summaries-for-the-customer-support-backend-in-europe-west-4-v2"
+    client.submit("Hello", model=queue, require_worker=False)
+    env = {"TOKENFLEET_REDIS_URL": settings.redis_url, "TOKENFLEET_NAMESPACE": settings.namespace}
+    out = tokenfleet("status", env=env)  # stdout is a pipe
+    assert out.returncode == 0, out.stderr
+    (row,) = [line for line in out.stdout.splitlines() if line.startswith(queue)]
+    assert row.split()[1:3] == ["1", "(0/1/0)"] and row.split()[-1] == "none", row
