@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import sysconfig
@@ -198,10 +199,12 @@ def test_the_launcher_restarts_a_dead_worker_and_gives_up_on_one_that_keeps_dyin
     wait_until(lambda: int(r.hget(first[0], "pid") or pid) != pid, timeout=120,
                what="a restarted worker process under the same name")
     assert proc.poll() is None
-    # A model directory that cannot load: the child dies at each start.
+    # A model directory with every file loading needs, none of them loadable: the
+    # child dies at each start (a corrupt download, say), for all the parent knows.
     broken = tmp_path / "broken-model"
     broken.mkdir()
-    (broken / "config.json").write_text("{}")
+    for name in ("config.json", "tokenizer.json", "model.safetensors"):
+        (broken / name).write_text("{}")
     out = run([str(BIN / "tokenfleet"), "worker", "--gpus", "none", "--model", str(broken),
                "--queue", "broken", "--max-restarts", "2"], env=env, timeout=240)
     assert out.returncode != 0
@@ -230,6 +233,32 @@ def test_everyday_failures_are_one_line_with_an_exit_code(tmp_path: Path, settin
         lines = out.stderr.strip().splitlines()
         assert len(lines) == 1 and words in lines[0], (cmd, out.stderr)
         assert "Traceback" not in out.stderr
+
+
+@pytest.mark.timeout(180)
+def test_worker_mistakes_a_restart_cannot_fix_are_one_line_and_exit_2(
+        tmp_path: Path, settings: Any) -> None:
+    """Refused before any worker process starts: no traceback, no restart loop."""
+    empty = tmp_path / "empty-model"
+    empty.mkdir()
+    with socket.socket() as taken:  # another process's metrics port
+        taken.bind(("0.0.0.0", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        offline = {"HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")}
+        cases = [
+            # (worker arguments, extra env, words in the line)
+            (["--model", "gpt2"], {}, "a Hugging Face Hub id is given as hf:gpt2"),
+            (["--model", str(empty)], {}, "lacks config.json, tokenizer files"),
+            (["--model", "hf:openai-community/gpt2"], offline, "the Hugging Face Hub did not give"),
+            (["--metrics-port", str(port)], {}, f"port {port} on 0.0.0.0 is in use"),
+        ]
+        for args, extra, words in cases:
+            out = run([str(BIN / "tokenfleet"), "worker", "--gpus", "none", *args],
+                      {**user_env(settings), **extra}, timeout=120)
+            lines = out.stderr.strip().splitlines()
+            assert out.returncode == 2 and len(lines) == 1, (args, out.stderr[-2000:])
+            assert words in lines[0], (args, lines)
 
 
 @pytest.mark.timeout(180)

@@ -6,6 +6,9 @@ capacity for good. A child that keeps dying (``max_restarts`` within
 ``window_s``: a model that does not load, a broken device) is given up on: the
 others are stopped too and the parent exits non-zero with a line saying why, so
 systemd, Kubernetes or supervisor see the failure instead of a half-fleet.
+A child that exits with ``CONFIG_EXIT_CODE`` failed for a reason a restart
+cannot fix (a model that is not there): it is given up on at once, and the
+parent exits with 2, as for any other setup mistake.
 SIGTERM / SIGINT are passed on to every child (Celery's warm shutdown drains).
 """
 
@@ -20,6 +23,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 POLL_S = 0.2  # how often the parent looks at its children
+CONFIG_EXIT_CODE = 78  # sysexits' EX_CONFIG: a child's configuration is wrong
+SETUP_EXIT_CODE = 2  # the parent's code then, as the command line's other setup mistakes
 
 
 @dataclass
@@ -86,6 +91,12 @@ class Supervisor:
         child.proc = None
         if self.stopping or code == 0:
             child.done, child.code = True, code
+            return
+        if code == CONFIG_EXIT_CODE:
+            self.say(f"{child.node} cannot start with this configuration (its log above says "
+                     "why); a restart would not help: stopping the other workers")
+            child.done, child.code = True, SETUP_EXIT_CODE
+            self._stop_all()
             return
         child.failures.append(now)
         while child.failures and child.failures[0] < now - self.window_s:
