@@ -101,7 +101,8 @@ def test_a_wheel_installs_one_top_level_package_with_its_data(wheel: Path) -> No
     assert not any("train_tiny" in n or "readability" in n for n in names)
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.slow
+@pytest.mark.timeout(600)
 def test_the_bare_install_submits_without_torch(wheel: Path, tmp_path: Path, settings: Any,
                                                 start_worker: Any) -> None:
     """A web backend's install: the client and its needs, no torch, no Celery."""
@@ -134,6 +135,32 @@ def test_the_bare_install_submits_without_torch(wheel: Path, tmp_path: Path, set
                   env=user_env(settings), cwd=tmp_path)
     assert refused.returncode == 3 and len(refused.stderr.strip().splitlines()) == 1, refused.stderr
     assert "nope" in refused.stderr and "default" in refused.stderr
+    # Every other command works, or says in one line which extra to install.
+    tf = str(venv / "bin/tokenfleet")
+    status = run([tf, "status"], env=user_env(settings), cwd=tmp_path)
+    assert status.returncode == 0 and "default" in status.stdout, status.stderr
+    exported = run([tf, "export-model", "tiny", str(tmp_path / "tiny")], env=user_env(settings),
+                   cwd=tmp_path)
+    assert exported.returncode == 0, exported.stderr
+    for args, extra in [(["worker", "--gpus", "none"], "worker"), (["demo"], "demo"),
+                        (["gateway"], "gateway"), (["bench"], "bench"),
+                        (["export-model", "llama-86m", str(tmp_path / "x")], "worker")]:
+        out = run([tf, *args], env=user_env(settings), cwd=tmp_path)
+        lines = out.stderr.strip().splitlines()
+        assert out.returncode == 2 and len(lines) == 1, (args, out.stderr[-2000:])
+        assert f'pip install "tokenfleet[{extra}]"' in lines[0], (args, lines)
+    # The gateway flavour: its command gets past the install check (to the port
+    # check here), the worker's still names its extra.
+    subprocess.run([str(venv / "bin/python"), "-m", "pip", "install", "-q", "fastapi", "uvicorn"],
+                   check=True, timeout=240, capture_output=True)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = str(taken.getsockname()[1])
+        gateway = run([tf, "gateway", "--port", port], env=user_env(settings), cwd=tmp_path)
+    assert gateway.returncode == 2 and f"port {port} on 127.0.0.1 is in use" in gateway.stderr
+    worker = run([tf, "worker"], env=user_env(settings), cwd=tmp_path)
+    assert worker.returncode == 2 and "needs the worker extra" in worker.stderr, worker.stderr
 
 
 @pytest.mark.timeout(300)
