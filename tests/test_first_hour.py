@@ -262,7 +262,7 @@ def test_everyday_failures_are_one_line_with_an_exit_code(tmp_path: Path, settin
         assert "Traceback" not in out.stderr
 
 
-@pytest.mark.timeout(180)
+@pytest.mark.timeout(300)
 def test_worker_mistakes_a_restart_cannot_fix_are_one_line_and_exit_2(
         tmp_path: Path, settings: Any) -> None:
     """Refused before any worker process starts: no traceback, no restart loop."""
