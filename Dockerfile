@@ -12,4 +12,8 @@ COPY shared ./shared
 COPY producer ./producer
 COPY workers ./workers
 RUN pip install --no-cache-dir ".[worker,gateway]" flower
+# Not root: Celery warns at every start of a worker run with superuser privileges,
+# and a worker needs none (it writes only its home's cache: built-in models).
+RUN useradd --create-home tokenfleet
+USER tokenfleet
 CMD ["tokenfleet", "worker", "--gpus", "none"]

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import importlib.util
+import sys
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TextIO
 
 from pydantic import ValidationError
 from redis.exceptions import ResponseError
@@ -192,49 +194,88 @@ def _queue(r: Any, keys: Any, model: str, now: float) -> dict[str, Any]:
     return info
 
 
-def render(report: dict[str, Any]) -> None:
-    from rich.console import Console
+Table = tuple[str, list[str], list[list[str]]]  # title, columns, rows
 
-    Console().print(view(report))
+
+def render(report: dict[str, Any], out: TextIO | None = None) -> None:
+    """The fleet view: rich's tables on a terminal, and where rich is not
+    installed (the bare client) or the output is a pipe, plain columns that
+    keep every value whole (rich cuts cells to the terminal's width, 80 in a pipe)."""
+    out = out or sys.stdout
+    if out.isatty() and importlib.util.find_spec("rich") is not None:
+        from rich.console import Console
+
+        Console(file=out).print(view(report))
+    else:
+        out.write(plain(report))
 
 
 def watch(client: Any, interval_s: float = 1.0) -> None:
     """Redraw the fleet view until Ctrl-C."""
-    from rich.live import Live
+    try:
+        if importlib.util.find_spec("rich") is None:
+            while True:
+                sys.stdout.write("\033[H\033[J" + plain(fleet_status(client)))
+                sys.stdout.flush()
+                time.sleep(interval_s)
+        from rich.live import Live
 
-    with Live(view(fleet_status(client)), refresh_per_second=4) as live:
-        try:
+        with Live(view(fleet_status(client)), refresh_per_second=4) as live:
             while True:
                 time.sleep(interval_s)  # the refresh period of the view
                 live.update(view(fleet_status(client)))
-        except KeyboardInterrupt:
-            pass
+    except KeyboardInterrupt:
+        pass
+
+
+def tables(report: dict[str, Any]) -> list[Table]:
+    """The fleet's queues and workers as rows of text, for either renderer."""
+    queues = []
+    for q in report["queues"]:
+        wait = "-" if q["oldest_wait_s"] is None else f"{q['oldest_wait_s']:.1f}s"
+        levels = "/".join(str(q["levels"][p]) for p in PRIORITIES)
+        queues.append([q["queue"], f"{q['depth']} ({levels})", str(q["lag"]), str(q["pending"]),
+                       wait, str(q["backlog_tokens"]), str(q["dead_letters"]),
+                       str(q["workers"]) if q["workers"] else "none"])
+    workers = []
+    for w in report["workers"]:
+        stats = w["stats"]
+        jobs = ", ".join(f"{k} {v}" for k, v in sorted(stats.get("jobs", {}).items())) or "-"
+        workers.append([w.get("name", "?"), w.get("device", "?"), w.get("model", "?"),
+                        w.get("queue", "?"), f"{w.get('running', 0)}/{w.get('max_batch', '?')}",
+                        str(stats.get("peak_batch", 0)), f"{stats.get('tokens_per_s', 0):.1f}",
+                        jobs, f"{w['age_s']:.1f}s ago"])
+    return [("queues", ["queue", "depth (high/normal/low)", "lag", "pending", "oldest wait",
+                        "backlog tokens", "dead letters", "workers"], queues),
+            ("workers", ["node", "device", "model", "queue", "batch", "peak", "tokens/s", "jobs",
+                         "heartbeat"], workers)]
+
+
+def plain(report: dict[str, Any]) -> str:
+    """The fleet view as plain text: columns as wide as their widest value."""
+    lines = []
+    for title, columns, rows in tables(report):
+        widths = [max([len(c), *(len(r[i]) for r in rows)]) for i, c in enumerate(columns)]
+        lines.append(title)
+        for row in [columns, *rows]:
+            lines.append("  ".join(v.ljust(w) for v, w in zip(row, widths)).rstrip())
+        lines.append("")
+    lines.append(f"fleet throughput: {report['tokens_per_s']:.1f} tokens/s")
+    return "\n".join(lines) + "\n"
 
 
 def view(report: dict[str, Any]) -> Any:
     from rich.console import Group
-    from rich.table import Table
+    from rich.table import Table as RichTable
     from rich.text import Text
 
-    queues = Table(title="queues")
-    for col in ("queue", "depth (high/normal/low)", "lag", "pending", "oldest wait",
-                "backlog tokens", "dead letters", "workers"):
-        queues.add_column(col)
-    for q in report["queues"]:
-        wait = "-" if q["oldest_wait_s"] is None else f"{q['oldest_wait_s']:.1f}s"
-        served = str(q["workers"]) if q["workers"] else "[red]none[/red]"
-        levels = "/".join(str(q["levels"][p]) for p in PRIORITIES)
-        queues.add_row(q["queue"], f"{q['depth']} ({levels})", str(q["lag"]), str(q["pending"]),
-                       wait, str(q["backlog_tokens"]), str(q["dead_letters"]), served)
-    workers = Table(title="workers")
-    for col in ("node", "device", "model", "queue", "batch", "peak", "tokens/s", "jobs",
-                "heartbeat"):
-        workers.add_column(col)
-    for w in report["workers"]:
-        stats = w["stats"]
-        jobs = ", ".join(f"{k} {v}" for k, v in sorted(stats.get("jobs", {}).items())) or "-"
-        workers.add_row(w.get("name", "?"), w.get("device", "?"), w.get("model", "?"),
-                        w.get("queue", "?"), f"{w.get('running', 0)}/{w.get('max_batch', '?')}",
-                        str(stats.get("peak_batch", 0)), f"{stats.get('tokens_per_s', 0):.1f}",
-                        jobs, f"{w['age_s']:.1f}s ago")
-    return Group(queues, workers, Text(f"fleet throughput: {report['tokens_per_s']:.1f} tokens/s"))
+    shown = []
+    for title, columns, rows in tables(report):
+        table = RichTable(title=title)
+        for column in columns:
+            table.add_column(column)
+        for row in rows:
+            table.add_row(*("[red]none[/red]" if column == "workers" and value == "none"
+                            else value for column, value in zip(columns, row)))
+        shown.append(table)
+    return Group(*shown, Text(f"fleet throughput: {report['tokens_per_s']:.1f} tokens/s"))

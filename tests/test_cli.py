@@ -117,3 +117,37 @@ def test_status_of_a_job_whose_worker_is_gone_says_so_and_shows_its_token_log(
     assert shown.stdout.rstrip().endswith("ab" * 13)
     as_json = json.loads(tokenfleet("status", job_id, "--json", env=env).stdout)
     assert as_json["worker_live"] is False and as_json["tokens_logged"] == 104
+
+
+def test_a_bad_setting_is_one_line_naming_the_variable_and_what_it_takes() -> None:
+    cases = [(["worker", "--gpus", "none"], {"TOKENFLEET_MAX_BATCH": "abc"},
+              ["TOKENFLEET_MAX_BATCH='abc'", '"auto"', "4096"]),
+             (["submit", "Hi"], {"TOKENFLEET_MAX_QUEUE": "0"}, ["TOKENFLEET_MAX_QUEUE='0'", "≥ 1"]),
+             (["status"], {"TOKENFLEET_QUEUE": "a b"}, ["TOKENFLEET_QUEUE='a b'", "letters"])]
+    for args, env, words in cases:
+        out = tokenfleet(*args, env={**env, "TOKENFLEET_REDIS_URL": "redis://127.0.0.1:1/0"},
+                         timeout=60)
+        lines = out.stderr.strip().splitlines()
+        assert out.returncode == 2 and len(lines) == 1, (args, out.stderr)
+        assert all(w in lines[0] for w in words), (args, lines)
+
+
+def test_a_misspelt_setting_is_warned_about_with_the_closest_name(tmp_path: Path) -> None:
+    out = tokenfleet("export-model", "tiny", str(tmp_path / "m"),
+                     env={"TOKENFLEET_MAX_NEW_TOKENS": "5", "TOKENFLEET_REDIS_UR": "redis://x"})
+    assert out.returncode == 0, out.stderr
+    assert ("TOKENFLEET_MAX_NEW_TOKENS is not a setting (did you mean "
+            "TOKENFLEET_MAX_NEW_TOKENS_LIMIT?)") in out.stderr
+    assert "TOKENFLEET_REDIS_UR is not a setting (did you mean TOKENFLEET_REDIS_URL?)" in out.stderr
+
+
+@pytest.mark.timeout(120)
+def test_status_piped_prints_whole_values(settings: Any, client: Any) -> None:
+    # A queue name as long as names go: a terminal's 80 columns would cut it.
+    queue = "summaries-for-the-customer-support-backend-in-europe-west-4-v2"
+    client.submit("Hello", model=queue, require_worker=False)
+    env = {"TOKENFLEET_REDIS_URL": settings.redis_url, "TOKENFLEET_NAMESPACE": settings.namespace}
+    out = tokenfleet("status", env=env)  # stdout is a pipe
+    assert out.returncode == 0, out.stderr
+    (row,) = [line for line in out.stdout.splitlines() if line.startswith(queue)]
+    assert row.split()[1:3] == ["1", "(0/1/0)"] and row.split()[-1] == "none", row

@@ -45,6 +45,15 @@ def test_the_settings_page_lists_every_setting() -> None:
     assert "docs/hooks/settings.py" in (ROOT / "mkdocs.yml").read_text()
 
 
+def test_the_settings_page_says_which_process_reads_each_setting() -> None:
+    table = load_hook("settings").render_table()
+    assert "| `TOKENFLEET_MODEL` | worker |" in table
+    assert "| `TOKENFLEET_HEADER_TIMEOUT_S` | gateway |" in table
+    assert "| `TOKENFLEET_REQUIRE_WORKER` | client, gateway |" in table
+    for limit in ("MAX_QUEUE", "MAX_PROMPT_TOKENS", "MAX_NEW_TOKENS_LIMIT", "MAX_PAYLOAD_BYTES"):
+        assert f"| `TOKENFLEET_{limit}` | worker (published to clients) |" in table
+
+
 def test_readme_is_a_front_page() -> None:
     assert len(README.read_text().splitlines()) < 250
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import sysconfig
@@ -100,7 +101,8 @@ def test_a_wheel_installs_one_top_level_package_with_its_data(wheel: Path) -> No
     assert not any("train_tiny" in n or "readability" in n for n in names)
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.slow
+@pytest.mark.timeout(600)
 def test_the_bare_install_submits_without_torch(wheel: Path, tmp_path: Path, settings: Any,
                                                 start_worker: Any) -> None:
     """A web backend's install: the client and its needs, no torch, no Celery."""
@@ -133,6 +135,32 @@ def test_the_bare_install_submits_without_torch(wheel: Path, tmp_path: Path, set
                   env=user_env(settings), cwd=tmp_path)
     assert refused.returncode == 3 and len(refused.stderr.strip().splitlines()) == 1, refused.stderr
     assert "nope" in refused.stderr and "default" in refused.stderr
+    # Every other command works, or says in one line which extra to install.
+    tf = str(venv / "bin/tokenfleet")
+    status = run([tf, "status"], env=user_env(settings), cwd=tmp_path)
+    assert status.returncode == 0 and "default" in status.stdout, status.stderr
+    exported = run([tf, "export-model", "tiny", str(tmp_path / "tiny")], env=user_env(settings),
+                   cwd=tmp_path)
+    assert exported.returncode == 0, exported.stderr
+    for args, extra in [(["worker", "--gpus", "none"], "worker"), (["demo"], "demo"),
+                        (["gateway"], "gateway"), (["bench"], "bench"),
+                        (["export-model", "llama-86m", str(tmp_path / "x")], "worker")]:
+        out = run([tf, *args], env=user_env(settings), cwd=tmp_path)
+        lines = out.stderr.strip().splitlines()
+        assert out.returncode == 2 and len(lines) == 1, (args, out.stderr[-2000:])
+        assert f'pip install "tokenfleet[{extra}]"' in lines[0], (args, lines)
+    # The gateway flavour: its command gets past the install check (to the port
+    # check here), the worker's still names its extra.
+    subprocess.run([str(venv / "bin/python"), "-m", "pip", "install", "-q", "fastapi", "uvicorn"],
+                   check=True, timeout=240, capture_output=True)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = str(taken.getsockname()[1])
+        gateway = run([tf, "gateway", "--port", port], env=user_env(settings), cwd=tmp_path)
+    assert gateway.returncode == 2 and f"port {port} on 127.0.0.1 is in use" in gateway.stderr
+    worker = run([tf, "worker"], env=user_env(settings), cwd=tmp_path)
+    assert worker.returncode == 2 and "needs the worker extra" in worker.stderr, worker.stderr
 
 
 @pytest.mark.timeout(300)
@@ -198,10 +226,12 @@ def test_the_launcher_restarts_a_dead_worker_and_gives_up_on_one_that_keeps_dyin
     wait_until(lambda: int(r.hget(first[0], "pid") or pid) != pid, timeout=120,
                what="a restarted worker process under the same name")
     assert proc.poll() is None
-    # A model directory that cannot load: the child dies at each start.
+    # A model directory with every file loading needs, none of them loadable: the
+    # child dies at each start (a corrupt download, say), for all the parent knows.
     broken = tmp_path / "broken-model"
     broken.mkdir()
-    (broken / "config.json").write_text("{}")
+    for name in ("config.json", "tokenizer.json", "model.safetensors"):
+        (broken / name).write_text("{}")
     out = run([str(BIN / "tokenfleet"), "worker", "--gpus", "none", "--model", str(broken),
                "--queue", "broken", "--max-restarts", "2"], env=env, timeout=240)
     assert out.returncode != 0
@@ -230,6 +260,32 @@ def test_everyday_failures_are_one_line_with_an_exit_code(tmp_path: Path, settin
         lines = out.stderr.strip().splitlines()
         assert len(lines) == 1 and words in lines[0], (cmd, out.stderr)
         assert "Traceback" not in out.stderr
+
+
+@pytest.mark.timeout(300)
+def test_worker_mistakes_a_restart_cannot_fix_are_one_line_and_exit_2(
+        tmp_path: Path, settings: Any) -> None:
+    """Refused before any worker process starts: no traceback, no restart loop."""
+    empty = tmp_path / "empty-model"
+    empty.mkdir()
+    with socket.socket() as taken:  # another process's metrics port
+        taken.bind(("0.0.0.0", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        offline = {"HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")}
+        cases = [
+            # (worker arguments, extra env, words in the line)
+            (["--model", "gpt2"], {}, "a Hugging Face Hub id is given as hf:gpt2"),
+            (["--model", str(empty)], {}, "lacks config.json, tokenizer files"),
+            (["--model", "hf:openai-community/gpt2"], offline, "the Hugging Face Hub did not give"),
+            (["--metrics-port", str(port)], {}, f"port {port} on 0.0.0.0 is in use"),
+        ]
+        for args, extra, words in cases:
+            out = run([str(BIN / "tokenfleet"), "worker", "--gpus", "none", *args],
+                      {**user_env(settings), **extra}, timeout=120)
+            lines = out.stderr.strip().splitlines()
+            assert out.returncode == 2 and len(lines) == 1, (args, out.stderr[-2000:])
+            assert words in lines[0], (args, lines)
 
 
 @pytest.mark.timeout(180)

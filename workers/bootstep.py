@@ -29,6 +29,24 @@ def engine_of(hostname: str) -> Worker | None:
     return _engines.get(hostname)
 
 
+def _check_model(name: str) -> None:
+    """A model that names nothing loadable ends the process with the code that
+    tells ``tokenfleet worker`` not to restart it (``tokenfleet worker`` checks
+    first; this covers a directory gone since, or ``celery -A`` run by hand)."""
+    from tokenfleet.shared import models
+    from tokenfleet.workers.null_runner import NULL_MODEL
+    from tokenfleet.workers.supervisor import CONFIG_EXIT_CODE
+
+    if name == NULL_MODEL:
+        return
+    try:
+        models.check(name)
+        models.resolve(name)  # a hf: model must be in the cache by now
+    except Exception as exc:  # ModelError, or the Hugging Face cache's own errors
+        log.error("cannot serve model %r: %s", name, exc)
+        raise WorkerShutdown(CONFIG_EXIT_CODE) from None
+
+
 class EngineStep(bootsteps.StartStopStep):
     """Loads the model at worker start, drains on warm shutdown, and shuts the
     worker down (warm, exiting with the engine's code) when its device fails.
@@ -68,6 +86,7 @@ class EngineStep(bootsteps.StartStopStep):
             check_name(redis, Keys(settings.namespace), parent.hostname)
         finally:
             redis.close()
+        _check_model(settings.model)
         worker = build_worker(settings, name=parent.hostname)
         worker.on_fatal = self._on_fatal
         self.worker = worker

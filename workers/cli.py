@@ -51,10 +51,21 @@ class TimedOut(Failure):
 
 class Group(click.Group):
     def invoke(self, ctx: click.Context) -> Any:
+        from pydantic import ValidationError
         from redis.exceptions import AuthenticationError, RedisError
+
+        from tokenfleet.workers.preflight import Unfit
 
         try:
             return super().invoke(ctx)
+        except Unfit as exc:
+            raise BadSetup(str(exc)) from None
+        except ValidationError as exc:
+            if exc.title != "Settings":
+                raise
+            from tokenfleet.shared.settings_check import describe
+
+            raise BadSetup(describe(exc)) from None
         except AuthenticationError as exc:
             raise RedisUnavailable(f"Redis at {_shown_url()} refused the credentials: "
                                    f"{exc}") from None
@@ -90,6 +101,10 @@ redis_option = click.option("--redis-url", default=None,
 @click.group(cls=Group)
 def main() -> None:
     """tokenfleet: an LLM inference fleet behind Redis Streams."""
+    from tokenfleet.shared.settings_check import unknown_variables
+
+    for line in unknown_variables(os.environ):
+        click.echo(f"tokenfleet: warning: {line}", err=True)
 
 
 @main.command()
@@ -101,6 +116,9 @@ def main() -> None:
 def demo(redis_url: str | None, max_new_tokens: int, temperature: float,
          prompts: tuple[str, ...]) -> None:
     """Run a worker and stream a few prompts, all in this process."""
+    from tokenfleet.workers.preflight import need_extra
+
+    need_extra("demo", "demo")
     from tokenfleet.workers.demo import PROMPTS, run_demo
 
     run_demo(redis_url, list(prompts) or PROMPTS, max_new_tokens, temperature)
@@ -120,8 +138,8 @@ def _batch_size(ctx: click.Context, param: click.Parameter, value: str | None) -
 @click.option("--gpus", default=None,
               help="GPU ids '0,1', 'all' or 'none' (default: all if any GPU is seen)")
 @click.option("--model", default=None,
-              help="a built-in model ('tiny', 'llama-86m', ...: README, \"Built-in models\") or a "
-                   "Hugging Face model directory")
+              help="a built-in model ('tiny', 'llama-86m', ...: README, \"Built-in models\"), a "
+                   "Hugging Face model directory, or hf:<org>/<name> from the Hugging Face Hub")
 @click.option("--queue", default=None,
               help="the queue this worker serves: what clients pass as model= (default: "
                    "$TOKENFLEET_QUEUE or 'default')")
@@ -150,8 +168,11 @@ def worker(gpus: str | None, name: str | None, loglevel: str, metrics_port: int 
     import socket
 
     from tokenfleet.shared.settings import get_settings
-    from tokenfleet.workers.pinning import GpuSpecError, celery_command, parse_gpus, plan, visible_gpus
+    from tokenfleet.workers.preflight import need_extra, need_free_port
     from tokenfleet.workers.supervisor import Child, Supervisor
+
+    need_extra("worker", "worker")
+    from tokenfleet.workers.pinning import GpuSpecError, celery_command, parse_gpus, plan, visible_gpus
 
     _apply_env(**options)
     settings = get_settings()
@@ -164,6 +185,12 @@ def worker(gpus: str | None, name: str | None, loglevel: str, metrics_port: int 
         raise click.UsageError(str(exc)) from exc
     if gpus_per_worker > 1 and settings.engine != "vllm":
         raise click.UsageError("--gpus-per-worker needs --engine vllm (tensor parallelism)")
+    # The i-th process serves its metrics on PORT+i (the flag's, or the setting's).
+    metrics_port = metrics_port if metrics_port is not None else settings.metrics_port
+    if metrics_port is not None:
+        for index in range(len(procs)):
+            need_free_port("0.0.0.0", metrics_port + index,
+                           f"--metrics-port {metrics_port} (worker {index})")
     _check_names([p.node for p in procs])
     children = []
     # The processes that share this host's cores and RAM (workers/build.py's
@@ -183,16 +210,13 @@ def worker(gpus: str | None, name: str | None, loglevel: str, metrics_port: int 
 
 
 def _check_model(model: str) -> None:
-    """A model path that does not exist fails here, in one line, not in each child."""
-    from tokenfleet.shared.models import BUILTIN
+    """A model that is not there fails here, in one line, not in each child; a
+    ``hf:`` model is downloaded here, once for the host's processes."""
+    from tokenfleet.workers.null_runner import NULL_MODEL
+    from tokenfleet.workers.preflight import need_model
 
-    if model in BUILTIN or Path(model).expanduser().is_dir():
-        return
-    if model.startswith(("/", ".", "~")) or os.sep in model.strip("/").replace("/", os.sep, 1):
-        raise BadSetup(f"model {model!r}: no such directory; give a built-in model "
-                       f"({', '.join(BUILTIN)}) or the directory of a Hugging Face model")
-    if Path(model).exists():
-        raise BadSetup(f"model {model!r} is a file; give a model directory")
+    if model != NULL_MODEL:
+        need_model(model)
 
 
 def _check_names(nodes: list[str]) -> None:
@@ -405,13 +429,13 @@ def repair(redis_url: str | None) -> None:
 def gateway(host: str, port: int, header_timeout: float | None, body_timeout: float | None,
             sse_keepalive: float | None, redis_url: str | None) -> None:
     """Serve the HTTP gateway: jobs, token streams (SSE), OpenAI-style completions and chat."""
-    try:
-        from tokenfleet.gateway import serve
-    except ImportError as exc:
-        raise BadSetup(f"the gateway needs FastAPI and uvicorn ({exc}): "
-                       "pip install 'tokenfleet[gateway]'") from None
+    from tokenfleet.workers.preflight import need_extra, need_free_port
+
+    need_extra("gateway", "gateway")
+    from tokenfleet.gateway import serve
 
     _apply_env(redis_url=redis_url)
+    need_free_port(host, port, f"--port {port}")
     serve(host, port, header_timeout_s=header_timeout, body_timeout_s=body_timeout,
           sse_keepalive_s=sse_keepalive)
 
@@ -433,8 +457,8 @@ NOT_VS_VLLM = ("jobs", "workload", "rate", "modes", "redis_url", "plot_path", "s
 
 @main.command()
 @click.option("--model", default="tiny", show_default=True,
-              help="a built-in model ('tiny', 'tiny-wide', 'llama-86m', ...) or a Hugging Face "
-                   "model directory")
+              help="a built-in model ('tiny', 'tiny-wide', 'llama-86m', ...), a Hugging Face "
+                   "model directory, or hf:<org>/<name> from the Hugging Face Hub")
 @click.option("--vs-vllm", is_flag=True,
               help="instead: vLLM's own OpenAI server against the gateway and one worker of "
                    "each --engines, the same openai-client load on each (needs vLLM)")
@@ -490,6 +514,10 @@ def bench(ctx: click.Context, model: str, vs_vllm: bool, engines: str, jobs: int
           repeat: int, absorb_workers: list[int], absorb_tokens: int, step_ms: float) -> None:
     """Benchmark the fleet against the model in-process and naive Celery, or (--vs-vllm)
     against vLLM's OpenAI server."""
+    from tokenfleet.workers.preflight import need_extra
+
+    need_extra("bench", "bench")
+    _check_model(model)
     from rich.console import Console
 
     from tokenfleet.workers.bench.procs import BenchError
@@ -552,7 +580,11 @@ def _option_names(ctx: click.Context, names: list[str]) -> str:
 @click.argument("directory", type=click.Path(file_okay=False, path_type=Path))
 def export_model(name: str, directory: Path) -> None:
     """Write a built-in model (e.g. 'tiny') as a Hugging Face directory."""
-    from tokenfleet.shared.models import export
+    from tokenfleet.shared.models import BUILTIN, export
+    from tokenfleet.workers.preflight import need_extra
+
+    if name != "tiny" and name in BUILTIN:  # the others are written with torch and transformers
+        need_extra("export-model", "worker")
 
     try:
         out = export(name, directory)

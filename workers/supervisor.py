@@ -9,7 +9,9 @@ systemd, Kubernetes or supervisor see the failure instead of a half-fleet. A
 child that exits with ``JOB_FAULT_EXIT_CODE`` (its engine stopped on a step
 that one of its jobs most likely broke, on a device that works) is restarted
 after the first backoff and not counted: a few poison jobs in a row must not
-cost the host its workers.
+cost the host its workers. A child that exits with ``CONFIG_EXIT_CODE`` failed
+for a reason a restart cannot fix (a model that is not there): it is given up
+on at once, and the parent exits with 2, as for any other setup mistake.
 SIGTERM / SIGINT are passed on to every child (Celery's warm shutdown drains).
 """
 
@@ -26,6 +28,8 @@ from typing import Any
 from tokenfleet.workers.service import JOB_FAULT_EXIT_CODE
 
 POLL_S = 0.2  # how often the parent looks at its children
+CONFIG_EXIT_CODE = 78  # sysexits' EX_CONFIG: a child's configuration is wrong
+SETUP_EXIT_CODE = 2  # the parent's code then, as the command line's other setup mistakes
 
 
 @dataclass
@@ -97,6 +101,12 @@ class Supervisor:
             self.say(f"{child.node} stopped on a job its engine could not run (exit code "
                      f"{code}; its log above says which); restarting in 1s")
             child.restart_at = now + 1.0
+            return
+        if code == CONFIG_EXIT_CODE:
+            self.say(f"{child.node} cannot start with this configuration (its log above says "
+                     "why); a restart would not help: stopping the other workers")
+            child.done, child.code = True, SETUP_EXIT_CODE
+            self._stop_all()
             return
         child.failures.append(now)
         while child.failures and child.failures[0] < now - self.window_s:

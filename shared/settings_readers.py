@@ -1,0 +1,63 @@
+"""Which process reads each setting, for the settings reference (docs/hooks/settings.py).
+
+A setting changes nothing in a process that does not read it: a worker's
+``TOKENFLEET_MODEL`` is not a client's business, and a gateway's timeouts mean
+nothing to a worker. "client" is whatever submits through ``FleetClient``
+(a backend, ``tokenfleet submit``, ``status``, the gateway's own client).
+Limits are the worker's, which publishes them with its heartbeat; a client's
+own value can only be stricter.
+"""
+
+from __future__ import annotations
+
+ALL = "client, gateway, worker"
+CLIENT = "client, gateway"
+GATEWAY = "gateway"
+WORKER = "worker"
+LIMIT = "worker (published to clients)"
+
+READ_BY: dict[str, str] = {
+    "redis_url": ALL,
+    "namespace": ALL,
+    "model": WORKER,
+    "queue": WORKER,
+    "device": WORKER,
+    "dtype": WORKER,
+    "torch_threads": WORKER,
+    "host_workers": WORKER,
+    "engine": WORKER,
+    "gpus_per_worker": WORKER,
+    "vllm_cpu_kv_cache_bytes": WORKER,
+    "gpu_sim_step_ms": WORKER,
+    "kv_cache": WORKER,
+    "max_step_tokens": WORKER,
+    "cpu_packed_linear": WORKER,
+    "max_batch": WORKER,
+    "prefetch": WORKER,
+    "block_ms": WORKER,
+    "require_worker": CLIENT,
+    "max_queue": LIMIT,
+    "max_prompt_chars": LIMIT,
+    "max_prompt_tokens": LIMIT,
+    "max_new_tokens_limit": LIMIT,
+    "max_payload_bytes": LIMIT,
+    "max_stop_strings": LIMIT,
+    "max_metadata_bytes": LIMIT,
+    "max_batch_tokens": WORKER,
+    "gpu_memory_utilization": WORKER,
+    "cpu_memory_fraction": WORKER,
+    "cpu_kv_cache_gib": WORKER,
+    "metrics_port": WORKER,
+    "header_timeout_s": GATEWAY,
+    "body_timeout_s": GATEWAY,
+    "sse_keepalive_s": GATEWAY,
+    "max_attempts": WORKER,
+    "claim_idle_s": WORKER,
+    "heartbeat_s": WORKER,
+    "drain_grace_s": WORKER,
+    "max_failed_steps": WORKER,
+    "coalesce_ms": WORKER,
+    "coalesce_tokens": WORKER,
+    "result_ttl_s": "client, gateway, worker",
+    "idempotency_ttl_s": CLIENT,
+}
