@@ -15,6 +15,8 @@ CLIENT = "client, gateway"
 GATEWAY = "gateway"
 WORKER = "worker"
 LIMIT = "worker (published to clients)"
+# Checked by each process against its own value: a worker re-checks what a client sent.
+EACH = "client, gateway, worker (each checks its own)"
 
 READ_BY: dict[str, str] = {
     "redis_url": ALL,
@@ -37,12 +39,12 @@ READ_BY: dict[str, str] = {
     "block_ms": WORKER,
     "require_worker": CLIENT,
     "max_queue": LIMIT,
-    "max_prompt_chars": LIMIT,
+    "max_prompt_chars": EACH,
     "max_prompt_tokens": LIMIT,
     "max_new_tokens_limit": LIMIT,
     "max_payload_bytes": LIMIT,
-    "max_stop_strings": LIMIT,
-    "max_metadata_bytes": LIMIT,
+    "max_stop_strings": EACH,
+    "max_metadata_bytes": EACH,
     "max_batch_tokens": WORKER,
     "gpu_memory_utilization": WORKER,
     "cpu_memory_fraction": WORKER,
@@ -51,6 +53,8 @@ READ_BY: dict[str, str] = {
     "header_timeout_s": GATEWAY,
     "body_timeout_s": GATEWAY,
     "sse_keepalive_s": GATEWAY,
+    "gateway_redis_connections": GATEWAY,
+    "gateway_redis_wait_s": GATEWAY,
     "max_attempts": WORKER,
     "claim_idle_s": WORKER,
     "heartbeat_s": WORKER,
