@@ -56,6 +56,10 @@ class Admission:
         request = GenerationRequest.model_validate(
             request.model_dump(), context={"settings": self.settings}
         )
+        beyond = [t for t in request.sampling.logit_bias if t >= len(self.tokenizer)]
+        if beyond:
+            raise Rejected(f"logit_bias names token {beyond[0]}, outside this model's vocabulary "
+                           f"of {len(self.tokenizer)} (ids 0 to {len(self.tokenizer) - 1})")
         return Sequence(
             job_id=entry.job_id,
             prompt_ids=self.prompt_ids(request),
