@@ -29,6 +29,8 @@ from tokenfleet.shared.settings import Settings, get_settings
 # How deep metadata may nest (orjson itself stops at 255; a bound here keeps the
 # check cheap and the message clear).
 MAX_METADATA_DEPTH = 32
+# How many tokens one request may bias (OpenAI's own bound is of this order).
+MAX_LOGIT_BIAS = 300
 
 
 def _not_bool(kind: str) -> BeforeValidator:
@@ -65,6 +67,26 @@ class SamplingParams(_Wire):
     seed: IntNotBool | None = Field(default=None, ge=0, lt=2**63)
     stop: list[str] = Field(default_factory=list)
     repetition_penalty: FloatNotBool = Field(default=1.0, gt=0.0, le=10.0)
+    # OpenAI's penalties, on the counts of the tokens generated so far.
+    presence_penalty: FloatNotBool = Field(default=0.0, ge=-2.0, le=2.0)
+    frequency_penalty: FloatNotBool = Field(default=0.0, ge=-2.0, le=2.0)
+    logit_bias: dict[IntNotBool, FloatNotBool] = Field(
+        default_factory=dict, description="token id: a bias from -100 to 100 added to its logit")
+    min_p: FloatNotBool = Field(default=0.0, ge=0.0, le=1.0,
+                         description="drop tokens below min_p times the likeliest one's probability")
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _logit_bias_bounded(cls, value: dict[int, float]) -> dict[int, float]:
+        if len(value) > MAX_LOGIT_BIAS:
+            raise ValueError(f"logit_bias has {len(value)} entries, at most {MAX_LOGIT_BIAS} "
+                             "are allowed")
+        for token_id, bias in value.items():
+            if token_id < 0:
+                raise ValueError(f"logit_bias token id {token_id} is negative")
+            if not -100.0 <= bias <= 100.0:
+                raise ValueError(f"logit_bias for token {token_id} is {bias}, outside -100 to 100")
+        return value
 
     @field_validator("max_new_tokens")
     @classmethod

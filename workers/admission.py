@@ -66,6 +66,10 @@ class Admission:
         request = GenerationRequest.model_validate(
             request.model_dump(), context={"settings": self.settings}
         )
+        beyond = [t for t in request.sampling.logit_bias if t >= self.vocab_size]
+        if beyond:
+            raise Rejected(f"logit_bias names token {beyond[0]}, outside this model's vocabulary "
+                           f"of {self.vocab_size} (ids 0 to {self.vocab_size - 1})")
         return Sequence(
             job_id=entry.job_id,
             prompt_ids=self.prompt_ids(request),

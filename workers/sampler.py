@@ -1,9 +1,12 @@
 """Sampling for a whole batch in tensor ops, one wait for the device per step.
 
-Every row keeps its own temperature, top-k, top-p, repetition penalty and seed:
-they go to the device as one [rows, 4] tensor, the tokens come back in one copy
-(the step's only host sync; every other decision is made from the parameters,
-on the host). Greedy rows take the exact argmax.
+Every row keeps its own temperature, top-k, top-p, min-p, penalties, logit bias
+and seed: they go to the device as small tensors, the tokens come back in one
+copy (the step's only host sync; every other decision is made from the
+parameters, on the host). Greedy rows take the exact argmax of their adjusted
+logits. A request's adjustments apply in vLLM's order: logit bias, then
+transformers' repetition penalty, then OpenAI's presence and frequency penalties;
+temperature; min-p; top-k; top-p. Each costs only the rows that ask for it.
 
 Sampled rows draw by inversion: one uniform number u per row picks the token at
 which the row's cumulative probability passes u. A seeded job's u is a hash of
@@ -16,6 +19,7 @@ anything.
 from __future__ import annotations
 
 import hashlib
+from collections import Counter
 from collections.abc import Sequence as Seq
 from itertools import chain
 
@@ -32,10 +36,8 @@ def sample(logits: torch.Tensor, seqs: Seq[Sequence]) -> list[int]:
 
 def sample_ids(logits: torch.Tensor, seqs: Seq[Sequence]) -> torch.Tensor:
     """The tokens of ``sample`` as a tensor on the logits' device (no host sync)."""
-    logits = logits.float()
+    logits = adjusted(logits.float(), seqs)
     params = [s.sampling for s in seqs]
-    if any(p.repetition_penalty != 1.0 for p in params):
-        logits = _penalise(logits, seqs)
     drawn = [row for row, p in enumerate(params) if p.temperature != 0.0]
     if not drawn:
         return logits.argmax(dim=-1)
@@ -45,6 +47,18 @@ def sample_ids(logits: torch.Tensor, seqs: Seq[Sequence]) -> torch.Tensor:
     index = _to_device(torch.tensor(drawn), logits.device)
     picked = _draw(logits.index_select(0, index), [seqs[row] for row in drawn])
     return logits.argmax(dim=-1).index_copy(0, index, picked)
+
+
+def adjusted(logits: torch.Tensor, seqs: Seq[Sequence]) -> torch.Tensor:
+    """``logits`` as each row's request changes them before temperature."""
+    params = [s.sampling for s in seqs]
+    if any(p.logit_bias for p in params):
+        logits = _biased(logits, seqs)
+    if any(p.repetition_penalty != 1.0 for p in params):
+        logits = _penalise(logits, seqs)
+    if any(p.presence_penalty or p.frequency_penalty for p in params):
+        logits = _penalise_counts(logits, seqs)
+    return logits
 
 
 def seeded_uniform(seed: int, index: int) -> float:
@@ -65,6 +79,7 @@ def _draw(logits: torch.Tensor, seqs: Seq[Sequence]) -> torch.Tensor:
     table = _to_device(host, device)
     temperature, top_k, top_p, seeded_u = table.unbind(dim=1)
     scaled = logits / temperature[:, None].float()
+    scaled = _min_p(scaled, params)
     scaled = _top_k_top_p(scaled, top_k, top_p, params)
     # In float32 a token's share of the running sum is off by about 1e-7 of the
     # sum at most: far below any probability that matters to a draw.
@@ -96,6 +111,58 @@ def _penalise(logits: torch.Tensor, seqs: Seq[Sequence]) -> torch.Tensor:
     seen = logits[row_of, token]
     shrunk = torch.where(seen < 0, seen * factor, seen / factor)
     return logits.index_put((row_of, token), shrunk)
+
+
+def _biased(logits: torch.Tensor, seqs: Seq[Sequence]) -> torch.Tensor:
+    """Add each row's ``logit_bias`` (its ids were checked against the
+    vocabulary when the job was admitted)."""
+    row_of, token, bias = [], [], []
+    for row, s in enumerate(seqs):
+        for token_id, amount in s.sampling.logit_bias.items():
+            row_of.append(row)
+            token.append(token_id)
+            bias.append(amount)
+    return _add_at(logits, row_of, token, bias)
+
+
+def _penalise_counts(logits: torch.Tensor, seqs: Seq[Sequence]) -> torch.Tensor:
+    """OpenAI's penalties: a token generated c times so far loses
+    ``c * frequency_penalty + presence_penalty`` from its logit (the prompt does
+    not count, as in OpenAI's and vLLM's servers)."""
+    row_of, token, amount = [], [], []
+    for row, s in enumerate(seqs):
+        presence, frequency = s.sampling.presence_penalty, s.sampling.frequency_penalty
+        if not (presence or frequency):
+            continue
+        for token_id, count in Counter(s.generated).items():
+            row_of.append(row)
+            token.append(token_id)
+            amount.append(-(count * frequency + presence))
+    return _add_at(logits, row_of, token, amount)
+
+
+def _add_at(logits: torch.Tensor, rows: list[int], tokens: list[int],
+            amounts: list[float]) -> torch.Tensor:
+    if not rows:
+        return logits
+    host = (torch.tensor(rows, dtype=torch.long), torch.tensor(tokens, dtype=torch.long),
+            torch.tensor(amounts, dtype=logits.dtype))
+    row_of, token, amount = (_to_device(t, logits.device) for t in host)
+    return logits.index_put((row_of, token), amount, accumulate=True)
+
+
+def _min_p(scaled: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Mask (to -inf) each token less likely than ``min_p`` times the row's
+    likeliest (after temperature, as vLLM does); only rows with a min-p."""
+    bounded = [row for row, p in enumerate(params) if p.min_p > 0.0]
+    if not bounded:
+        return scaled
+    index = _to_device(torch.tensor(bounded), scaled.device)
+    floor = _to_device(torch.tensor([params[row].min_p for row in bounded]), scaled.device)
+    rows = scaled.index_select(0, index)
+    probs = torch.softmax(rows, dim=-1)
+    cut = probs < probs.amax(dim=-1, keepdim=True) * floor[:, None].to(probs.dtype)
+    return scaled.index_copy(0, index, rows.masked_fill(cut, float("-inf")))
 
 
 def _top_k_top_p(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,

@@ -133,6 +133,8 @@ class VLLMEngine(Engine):
         return self._vllm.SamplingParams(
             max_tokens=budget, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
             seed=s.seed, repetition_penalty=s.repetition_penalty,
+            presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty,
+            min_p=s.min_p, logit_bias=dict(s.logit_bias) or None,
             # vLLM stops on these too, so it never runs past a job's end; stop
             # strings are the fleet's (they match on the text every consumer sees).
             stop_token_ids=sorted(self.eos_token_ids), detokenize=False,

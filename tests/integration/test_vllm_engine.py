@@ -261,3 +261,36 @@ def test_a_failed_vllm_step_on_a_working_device_exits_as_a_job_fault(
     finally:
         worker.stop(grace_s=0)
     assert exits == [code] and "IndexError" in (worker.fatal_reason or "")
+def test_penalties_bias_and_min_p_give_the_built_in_engines_tokens(
+        engine: Any, loaded_tiny: Any) -> None:
+    # vLLM applies them itself; the built-in sampler by OpenAI's formulas: greedy,
+    # the two engines make the same tokens.
+    from tokenfleet.shared.schemas import SamplingParams
+    from tokenfleet.workers.detokenizer import TextStream
+    from tokenfleet.workers.hf_engine import HFEngine
+    from tokenfleet.workers.runner import HFRunner
+    from tokenfleet.workers.scheduler import Scheduler
+    from tokenfleet.workers.sequence import Sequence
+
+    vllm_engine, tok = engine
+    asks = [dict(frequency_penalty=1.5), dict(presence_penalty=2.0),
+            dict(frequency_penalty=-0.5, presence_penalty=1.0), dict(logit_bias={40: 5.0}),
+            dict(min_p=0.3), dict()]
+
+    def run(engine_: Any) -> list[list[int]]:
+        seqs = [Sequence(str(i), tok(PROMPTS[i % len(PROMPTS)])["input_ids"],
+                         SamplingParams(max_new_tokens=16, temperature=0.0, **ask),
+                         TextStream(tok)) for i, ask in enumerate(asks)]
+        for seq in seqs:
+            engine_.add(seq)
+        while engine_.has_work:
+            engine_.step()
+        return [s.generated for s in seqs]
+
+    model, _ = loaded_tiny
+    runner = HFRunner(model, tok)
+    built_in = HFEngine(Scheduler(max_batch=8, eos_token_ids=runner.eos_token_ids,
+                                  max_model_len=runner.max_model_len), runner)
+    tokens = run(built_in)
+    assert tokens == run(vllm_engine)
+    assert tokens[0] != tokens[-1]  # the penalty changed something
