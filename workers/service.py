@@ -35,7 +35,8 @@ from redis.exceptions import RedisError
 
 from tokenfleet.shared import liveness
 from tokenfleet.shared.keys import GROUP, PRIORITIES, Keys
-from tokenfleet.shared.redis_conn import connect
+from tokenfleet.shared.redis_cluster import reread_slot_map
+from tokenfleet.shared.redis_conn import connect, node_client
 from tokenfleet.shared.schemas import FinishReason
 from tokenfleet.shared.serialization import dumps
 from tokenfleet.shared.settings import Settings
@@ -455,9 +456,10 @@ class Worker:
         # Until when this worker counts as live: every reader compares this
         # with its own clock (shared.liveness), and the hash expires about then.
         info["alive_until"] = liveness.alive_until(self.settings.heartbeat_s, info["last_seen"])
+        # The queue's renewals go first and alone: on a Redis Cluster this
+        # worker's hash may live on another node than its queue, and that node's
+        # death must not stop what keeps the queue served and its jobs owned.
         pipe = self.redis.pipeline(transaction=False)
-        pipe.hset(key, mapping=info)
-        pipe.expire(key, math.ceil(liveness.live_for_s(self.settings.heartbeat_s)))
         # Who serves this model, for submit(require_worker=True) and the status view.
         pipe.zadd(self.keys.queue_workers(self.queue), {self.name: info["alive_until"]})
         # Touch the pending entries still being worked on: their idle time
@@ -469,10 +471,21 @@ class Worker:
         for stream, ids in by_stream.items():
             pipe.xclaim(stream, GROUP, self.name, 0, ids, justid=True)
         pipe.execute()
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.hset(key, mapping=info)
+        pipe.expire(key, math.ceil(liveness.live_for_s(self.settings.heartbeat_s)))
+        pipe.execute()
 
     def _cancel_loop(self) -> None:
+        # On a Redis Cluster a PUBLISH reaches the subscribers of every node, and
+        # a cancel is published by a script on the node of the job's queue: the
+        # listener subscribes there, on the node this worker needs anyway, not
+        # on the node of the channel's own slot, whose death would deafen it.
+        # After a loss the slot map is read again, so it follows a replica that
+        # took its queue's node's place.
+        queue_key = self.keys.queue(self.queue)
         while not self._stop_engine.is_set():
-            pubsub = self.redis.pubsub(ignore_subscribe_messages=True)
+            pubsub = node_client(self.redis, queue_key).pubsub(ignore_subscribe_messages=True)
             try:
                 pubsub.subscribe(self.keys.cancels)
                 while not self._stop_engine.is_set():
@@ -482,6 +495,7 @@ class Worker:
             except (RedisError, OSError) as exc:
                 log.warning("cancel listener lost redis (%s); resubscribing", exc)
                 self._stop_engine.wait(0.5)
+                reread_slot_map(self.redis)
             finally:
                 pubsub.close()
 
