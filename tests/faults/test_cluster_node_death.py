@@ -3,8 +3,11 @@ keys live on another master: the worker goes on serving it.
 
 - without replicas: the dead master's slots stay unserved (the cluster does not
   require full coverage), and a job of the healthy queue submitted after the
-  kill runs at once;
+  kill runs at once, from a producer that was running and from one that
+  started after the kill;
 - with replicas: the same after the dead master's replica has taken over;
+- the heartbeat: the worker's hash on the dead node, its queue on another, and
+  the queue stays served;
 - the cancel listener: a cancel of a running job reaches its worker after the
   node that held the cancels channel's slot died.
 
@@ -78,11 +81,11 @@ def default_node(cluster: RedisClusterServers, r: Any) -> RedisServer:
     return next(n for n in cluster.nodes if n.port == port)
 
 
-def worker_on(cluster: RedisClusterServers, r: Any, keys: Keys, victim: RedisServer) -> str:
-    """A worker name whose heartbeat hash lives on ``victim``: the heartbeat's
-    write there fails, and must not stop what keeps the worker's queue served."""
+def worker_named(cluster: RedisClusterServers, r: Any, keys: Keys, victim: RedisServer,
+                 on_victim: bool) -> str:
+    """A worker name whose heartbeat hash lives on ``victim`` or not."""
     return next(name for name in (f"w{i}@cluster" for i in range(1000))
-                if node_of(cluster, r, keys.worker(name)) is victim)
+                if (node_of(cluster, r, keys.worker(name)) is victim) == on_victim)
 
 
 def serves_after_kill(cluster: RedisClusterServers, settings: Any, client: FleetClient,
@@ -90,7 +93,10 @@ def serves_after_kill(cluster: RedisClusterServers, settings: Any, client: Fleet
     keys = Keys(settings.namespace)
     victim = default_node(cluster, r)
     queue = healthy_queue(cluster, r, keys, victim)
-    name = worker_on(cluster, r, keys, victim)
+    # The worker's hash is elsewhere: nothing the worker sends meets the dead
+    # node but what it asks of its default node (a write there would make the
+    # client replace its default node, by chance).
+    name = worker_named(cluster, r, keys, victim, on_victim=False)
     worker = start_worker(name, queue=queue)
     before = client.submit("before the kill", max_new_tokens=4, model=queue)
     assert client.wait(before, timeout=60).status is JobStatus.SUCCEEDED
@@ -106,10 +112,10 @@ def serves_after_kill(cluster: RedisClusterServers, settings: Any, client: Fleet
     victim.kill()
     if replicas:
         # A fresh client reads the slot map: the dead master's slots have a new one.
-        live = next(n for n in cluster.nodes if n is not victim)
+        alive = next(n for n in cluster.nodes if n is not victim)
 
         def promoted() -> bool:
-            fresh = redis_client(f"redis+cluster://127.0.0.1:{live.port}")
+            fresh = redis_client(f"redis+cluster://127.0.0.1:{alive.port}")
             try:
                 return all(node_of(cluster, fresh, keys.queue(q)) is not victim
                            for q in CANDIDATE_QUEUES)
@@ -121,8 +127,16 @@ def serves_after_kill(cluster: RedisClusterServers, settings: Any, client: Fleet
     after = client.submit("after the kill", max_new_tokens=4, model=queue)
     state = client.wait(after, timeout=SERVED_WITHIN_S)
     assert state.status is JobStatus.SUCCEEDED, (state, worker.name)
-    # The worker's heartbeat still renews its place in the queue's served set,
-    # so submits to its queue are not refused as having no worker.
+    # A second job, from a producer that starts after the kill (given a live
+    # node): the first may have been taken by a read under way at the kill.
+    live = next(n for n in cluster.nodes if n is not victim)
+    late = settings.model_copy(update={"redis_url": f"redis+cluster://127.0.0.1:{live.port}"})
+    with FleetClient(settings=late) as producer:
+        later = producer.submit("a later producer", max_new_tokens=4, model=queue)
+        assert producer.wait(later, timeout=SERVED_WITHIN_S).status is JobStatus.SUCCEEDED
+        # The first cancel on the queue's node: its script is not there yet,
+        # and is sent to that node alone, not to every master (one is dead).
+        assert producer.cancel(later) is False  # it had ended: nothing to cancel
     wait_until(lambda: float(r.zscore(served, name)) > beat_before, timeout=30,
                what="a heartbeat after the kill")
 
@@ -142,6 +156,27 @@ def test_after_a_failover_a_queue_on_another_master_is_served(
     serves_after_kill(cluster, settings, client, start_worker, r, replicas=1)
 
 
+def test_the_heartbeat_keeps_a_queue_served_when_the_workers_hash_node_died(
+    cluster: RedisClusterServers, settings: Any, client: FleetClient, start_worker: Any,
+    r: Any,
+) -> None:
+    # The worker's hash is on a node that dies; its queue is on another. The
+    # heartbeat still renews the worker's place in the queue's served set, so
+    # submits are not refused as having no worker once the last renewal ran out.
+    keys = Keys(settings.namespace)
+    victim = default_node(cluster, r)
+    queue = healthy_queue(cluster, r, keys, victim)
+    name = worker_named(cluster, r, keys, victim, on_victim=True)
+    start_worker(name, queue=queue)
+    served = keys.queue_workers(queue)
+    beat_before = float(r.zscore(served, name))
+    victim.kill()
+    wait_until(lambda: float(r.zscore(served, name)) > beat_before, timeout=30,
+               what="a heartbeat after the kill")
+    job_id = client.submit("still served", max_new_tokens=4, model=queue)
+    assert client.wait(job_id, timeout=SERVED_WITHIN_S).status is JobStatus.SUCCEEDED
+
+
 def test_a_cancel_reaches_the_worker_after_the_channels_node_died(
     cluster: RedisClusterServers, settings: Any, client: FleetClient, start_worker: Any,
     r: Any, loaded_tiny: Any,
@@ -151,6 +186,11 @@ def test_a_cancel_reaches_the_worker_after_the_channels_node_died(
     queue = healthy_queue(cluster, r, keys, victim)
     model, tokenizer = loaded_tiny
     start_worker("w1@cancels", runner=SlowRunner(model, tokenizer), queue=queue)
+    # A cancel of an ended job: the cancel script is on the queue's node
+    # before the kill, so what follows is the listener's part alone.
+    short = client.submit("a short one", max_new_tokens=2, model=queue)
+    assert client.wait(short, timeout=60).status is JobStatus.SUCCEEDED
+    assert not client.cancel(short)
     job_id = client.submit("a long story", max_new_tokens=400, temperature=0.0, model=queue)
     wait_until(lambda: logged_count(r, keys, job_id) >= 2, timeout=60,
                what="the job to be mid-generation")
