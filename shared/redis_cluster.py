@@ -88,7 +88,8 @@ def reread_slot_map(client: Any) -> None:
     """On a cluster client, read the slot map again from a node that answers;
     on one Redis, nothing. A map no node gave (all down) is read on a later try."""
     if isinstance(client, redis.cluster.RedisCluster):
-        with contextlib.suppress(RedisError, OSError):
+        # No node answering is a RedisClusterException, which is no RedisError.
+        with contextlib.suppress(RedisError, RedisClusterException, OSError):
             refresh_slot_map(client)
 
 
