@@ -5,7 +5,9 @@ once, reading the slot map again each time: a master that died is still in the
 map until its replica is promoted (the cluster's node timeout and an election
 later, a second or more), so all its tries go to the dead node and the command
 fails. Here that whole loop is retried with the fleet's retry (``redis_retry``),
-so a failover is ridden out as a restart is. The clients offer the commands,
+with the slot map read again between tries, so a failover is ridden out as a
+restart is, and a master that died without a replica stops only the queues
+whose slots it held. The clients offer the commands,
 scripts, pipelines and pub/sub the fleet uses; the keys of each script share a
 slot (``keys.py``).
 """
@@ -71,11 +73,24 @@ class Cluster(HookedCluster):
             except (RedisClusterException, *_NOT_SERVED) as error:
                 raise node_error(error) from error
 
-        return self.retry.call_with_retry(node_errors, _ignore)
+        return self.retry.call_with_retry(node_errors, self._reread_slot_map)
+
+    def _reread_slot_map(self, error: Exception, *failures: int) -> None:
+        """After a failed try: the cluster client dropped the connection, and the
+        slot map is read again, so the next try goes to the node that holds the
+        slot now (a promoted replica). redis-py reads it after most failures of
+        its own, not after one raised before its loop (a node it asked about a
+        command's keys)."""
+        reread_slot_map(self)
 
 
-def _ignore(error: Exception, *failures: int) -> None:
-    """A failed try needs nothing undone: the cluster client dropped the connection."""
+def reread_slot_map(client: Any) -> None:
+    """On a cluster client, read the slot map again from a node that answers;
+    on one Redis, nothing. A map no node gave (all down) is read on a later try."""
+    if isinstance(client, redis.cluster.RedisCluster):
+        # No node answering is a RedisClusterException, which is no RedisError.
+        with contextlib.suppress(RedisError, RedisClusterException, OSError):
+            refresh_slot_map(client)
 
 
 def connect_cluster(url: str, options: dict[str, Any]) -> Cluster:
@@ -97,8 +112,7 @@ def resubscribe_after(client: Any, failures: int) -> bool:
     if not isinstance(client, redis.cluster.RedisCluster) or failures > RETRIES:
         return False
     _pause(backoff().compute(failures))
-    with contextlib.suppress(RedisError):
-        refresh_slot_map(client)
+    reread_slot_map(client)
     return True
 
 
@@ -189,7 +203,10 @@ class AsyncCluster(AsyncHookedCluster):
 
 
 async def _aignore(error: Exception, *failures: int) -> None:
-    """As ``_ignore``."""
+    """A failed try needs nothing undone: the cluster client dropped the
+    connection and read the slot map again itself. (The asyncio client sends no
+    command whose keys it asks a node for; under a gateway's hang-ups a try
+    fails often, and a read of the map per failure would be one too many.)"""
 
 
 async def _uncancelled(command: Coroutine[Any, Any, Any]) -> Any:

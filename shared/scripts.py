@@ -9,7 +9,10 @@ enum: no caller indexes a reply.
 
 A call runs by ``EVALSHA`` of the SHA1 of its source (what Redis names a script
 by); a server that does not know it (a restart, ``SCRIPT FLUSH``) answers
-NOSCRIPT, and the script is loaded and the call sent again. A caller that
+NOSCRIPT, and the call is sent again as ``EVAL`` with the source, which the
+server keeps for the next ``EVALSHA``. Like the ``EVALSHA`` it goes to the node
+of its keys: a ``SCRIPT LOAD`` of a Redis Cluster client goes to every master,
+and fails while one of them is down, though the call's own node is up. A caller that
 pipelines by hand sends :meth:`ScriptCall.command` and, on NOSCRIPT,
 :func:`load` s the scripts before it sends the calls again.
 """
@@ -42,6 +45,8 @@ class SyncRedis(Protocol):
 
     def evalsha(self, sha: str, numkeys: int, *keys_and_args: Arg) -> object: ...
 
+    def eval(self, script: str, numkeys: int, *keys_and_args: Arg) -> object: ...
+
     def script_load(self, script: str) -> object: ...
 
 
@@ -49,6 +54,8 @@ class AsyncRedis(Protocol):
     """The commands a script call needs of an asyncio client."""
 
     def evalsha(self, sha: str, numkeys: int, *keys_and_args: Arg) -> Awaitable[object]: ...
+
+    def eval(self, script: str, numkeys: int, *keys_and_args: Arg) -> Awaitable[object]: ...
 
     def script_load(self, script: str) -> Awaitable[object]: ...
 
@@ -97,8 +104,7 @@ class ScriptCall(Generic[R]):
         try:
             reply = client.evalsha(self.script.sha, n, *self.keys, *self.args)
         except NoScriptError:
-            client.script_load(self.script.source)
-            reply = client.evalsha(self.script.sha, n, *self.keys, *self.args)
+            reply = client.eval(self.script.source, n, *self.keys, *self.args)
         return self.decode(reply)
 
     async def run_async(self, client: AsyncRedis) -> R:
@@ -106,8 +112,7 @@ class ScriptCall(Generic[R]):
         try:
             reply = await client.evalsha(self.script.sha, n, *self.keys, *self.args)
         except NoScriptError:
-            await client.script_load(self.script.source)
-            reply = await client.evalsha(self.script.sha, n, *self.keys, *self.args)
+            reply = await client.eval(self.script.source, n, *self.keys, *self.args)
         return self.decode(reply)
 
 

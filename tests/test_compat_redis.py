@@ -14,7 +14,7 @@ import redis.asyncio as aioredis
 from helpers import RedisClusterServers, RedisServer
 from tokenfleet.shared.compat.redis_py import (AsyncHookedCluster, HookedCluster,
                                                closed_under_write, refresh_slot_map,
-                                               refresh_slot_map_async)
+                                               refresh_slot_map_async, stream_read_keys)
 from tokenfleet.shared.redis_url import node_url
 
 pytestmark = pytest.mark.timeout(120)
@@ -77,6 +77,38 @@ async def test_every_command_of_an_asyncio_cluster_client_passes_the_hook(
         assert len(sent) == after_script + 1
     finally:
         await client.aclose()
+
+
+def test_a_stream_read_finds_its_keys_without_the_default_node(
+        cluster: RedisClusterServers) -> None:
+    # redis-py asks its default node for the keys of XREADGROUP; with that node
+    # gone (here: one that never answers), a read, alone or pipelined, still
+    # goes to the node of its stream.
+    client = HookedCluster.from_url(node_url(cluster.url))
+    gone = RedisServer(cluster=False)
+    try:
+        client.xgroup_create("compat:{q}", "g", id="0", mkstream=True)
+        client.xgroup_create("compat:{q}:high", "g", id="0", mkstream=True)
+        client.xadd("compat:{q}", {"n": "1"})
+        gone_node = redis.cluster.ClusterNode("127.0.0.1", gone.port)
+        gone_node.redis_connection = redis.Redis(port=gone.port)
+        gone.close()
+        client.nodes_manager.default_node = gone_node
+
+        streams = {"compat:{q}": ">", "compat:{q}:high": ">"}
+        assert [s for s, _ in client.xreadgroup("g", "c", streams, count=1)] == [b"compat:{q}"]
+        client.xadd("compat:{q}:high", {"n": "2"})
+        pipe = client.pipeline(transaction=False)
+        pipe.xreadgroup("g", "c", {"compat:{q}": ">"}, count=1)
+        pipe.xreadgroup("g", "c", {"compat:{q}:high": ">"}, count=1)
+        assert [len(reply or []) for reply in pipe.execute()] == [0, 1]
+        assert stream_read_keys(("XREADGROUP", "GROUP", "g", "STREAMS", "COUNT", "1",
+                                 "STREAMS", "a", "b", ">", ">")) == ["a", "b"]
+        assert stream_read_keys(("XREAD", "COUNT", "1", "STREAMS", "a", "0")) == ["a"]
+        assert stream_read_keys(("XADD", "a", "*", "n", "1")) is None
+    finally:
+        client.nodes_manager.default_node = None
+        client.close()
 
 
 def _slot_map_reads(cluster: RedisClusterServers) -> int:

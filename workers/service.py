@@ -37,7 +37,8 @@ from tokenfleet.shared import liveness
 from tokenfleet.shared.clock import FleetClock
 from tokenfleet.shared.keys import GROUP, PRIORITIES, Keys
 from tokenfleet.shared.limits import worker_limits
-from tokenfleet.shared.redis_conn import connect
+from tokenfleet.shared.redis_cluster import reread_slot_map
+from tokenfleet.shared.redis_conn import connect, node_client
 from tokenfleet.shared.schemas import FinishReason
 from tokenfleet.shared.serialization import dumps
 from tokenfleet.shared.settings import Settings
@@ -142,7 +143,9 @@ class Worker:
                 self._cancel_thread)
 
     def start(self) -> None:
-        self.clock.sync(self.redis)  # before any job's deadline is judged
+        # Before any job's deadline is judged; from the queue's node, which this
+        # worker cannot do without anyway (a Cluster's default node may be dead).
+        self.clock.sync(node_client(self.redis, self.keys.queue(self.queue)))
         self.feeder.ensure_group()
         if self.settings.metrics_port:
             self.metrics.serve(self.settings.metrics_port)
@@ -462,7 +465,11 @@ class Worker:
     def _beat(self) -> None:
         if self.settings.metrics_port:
             self._observe_queue()
-        self.clock.read(self.redis)  # a fresh reading of Redis's clock when due
+        try:  # a fresh reading of Redis's clock when due, from the queue's node
+            self.clock.read(node_client(self.redis, self.keys.queue(self.queue)))
+        except (RedisError, OSError) as exc:  # the last reading carries on meanwhile
+            log.warning("reading Redis's clock failed: %s", exc)
+            reread_slot_map(self.redis)
         key = self.keys.worker(self.name)
         # The jobs still being worked on: running, waiting, and those the step
         # in flight finished (their end is not stored yet). ``_sent`` belongs to
@@ -474,9 +481,10 @@ class Worker:
         # Until when this worker counts as live: every reader compares this
         # with Redis's clock too (shared.liveness), and the hash expires about then.
         info["alive_until"] = liveness.alive_until(self.settings.heartbeat_s, info["last_seen"])
+        # The queue's renewals go first and alone: on a Redis Cluster this
+        # worker's hash may live on another node than its queue, and that node's
+        # death must not stop what keeps the queue served and its jobs owned.
         pipe = self.redis.pipeline(transaction=False)
-        pipe.hset(key, mapping=info)
-        pipe.expire(key, math.ceil(liveness.live_for_s(self.settings.heartbeat_s)))
         # Who serves this model, for submit(require_worker=True) and the status view.
         pipe.zadd(self.keys.queue_workers(self.queue), {self.name: info["alive_until"]})
         limits.publish(pipe, self.keys, self.queue, self.name, self.limits.model_dump_json(),
@@ -491,10 +499,21 @@ class Worker:
             pipe.xclaim(stream, GROUP, self.name, 0, ids, justid=True)
         pipe.execute()
         limits.forget_dead(self.redis, self.keys, self.queue, info["last_seen"])
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.hset(key, mapping=info)
+        pipe.expire(key, math.ceil(liveness.live_for_s(self.settings.heartbeat_s)))
+        pipe.execute()
 
     def _cancel_loop(self) -> None:
+        # On a Redis Cluster a PUBLISH reaches the subscribers of every node, and
+        # a cancel is published by a script on the node of the job's queue: the
+        # listener subscribes there, on the node this worker needs anyway, not
+        # on the node of the channel's own slot, whose death would deafen it.
+        # After a loss the slot map is read again, so it follows a replica that
+        # took its queue's node's place.
+        queue_key = self.keys.queue(self.queue)
         while not self._stop_engine.is_set():
-            pubsub = self.redis.pubsub(ignore_subscribe_messages=True)
+            pubsub = node_client(self.redis, queue_key).pubsub(ignore_subscribe_messages=True)
             try:
                 pubsub.subscribe(self.keys.cancels)
                 while not self._stop_engine.is_set():
@@ -504,6 +523,7 @@ class Worker:
             except (RedisError, OSError) as exc:
                 log.warning("cancel listener lost redis (%s); resubscribing", exc)
                 self._stop_engine.wait(0.5)
+                reread_slot_map(self.redis)
             finally:
                 pubsub.close()
 

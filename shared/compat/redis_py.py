@@ -4,6 +4,11 @@
   many times its own loop tries a command, with no pause between the tries, so
   a failover (seconds) outlasts them; the hook lets the fleet's retry, with its
   backoff, run that whole loop again.
+- The keys of a stream read (XREAD, XREADGROUP), found in the command itself
+  (the cluster client's ``commands_parser``): redis-py asks its default node
+  (``COMMAND GETKEYS``) for the keys of a command whose keys may be anywhere in
+  it, outside its retry loop, and never replaces that node when it died, so
+  every read, alone or pipelined, failed for as long as the process ran.
 - Reading a cluster's slot map again: redis-py does it on its own only after a
   command met an error, not when a pub/sub lost its node.
 - Telling apart, by its text, the error of an asyncio connection another task
@@ -13,7 +18,7 @@
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, cast
 
 import redis.asyncio.cluster as aiocluster
 import redis.cluster
@@ -30,6 +35,48 @@ class HookedCluster(redis.cluster.RedisCluster):
 
     def around_command(self, send: Callable[[], Any]) -> Any:
         return send()
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        # The client's pipelines share its parser: one place covers both. (It
+        # stands in for redis-py's CommandsParser, whose other methods it passes on.)
+        self.commands_parser = cast(Any, StreamReadKeys(self.commands_parser))
+
+
+class StreamReadKeys:
+    """A cluster client's command parser, which finds the keys of a stream read
+    in the command itself and asks the parser it wraps about any other."""
+
+    def __init__(self, parser: Any) -> None:
+        self.parser = parser
+
+    def get_keys(self, redis_conn: Any, *args: Any) -> Any:
+        keys = stream_read_keys(args)
+        return keys if keys is not None else self.parser.get_keys(redis_conn, *args)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.parser, name)
+
+
+def stream_read_keys(args: tuple[Any, ...]) -> list[Any] | None:
+    """The stream keys of an XREAD or XREADGROUP command (the first half of what
+    follows STREAMS), or None for another command."""
+    command = _word(args[0]) if args else ""
+    if command not in ("XREAD", "XREADGROUP"):
+        return None
+    # XREADGROUP GROUP <group> <consumer>: names that could read "STREAMS".
+    options = 4 if command == "XREADGROUP" else 1
+    words = [_word(a) for a in args[options:]]
+    if "STREAMS" not in words:
+        return None
+    after = list(args[options + words.index("STREAMS") + 1:])
+    return after[:len(after) // 2]
+
+
+def _word(arg: Any) -> str:
+    if isinstance(arg, bytes):
+        return arg.decode("latin-1").upper()
+    return str(arg).upper()
 
 
 class AsyncHookedCluster(aiocluster.RedisCluster):
