@@ -17,7 +17,9 @@ early) and lags it by at most the round trip. A later reading replaces it only
 if its round trip was no slower or the old one is stale: one slow reply does
 not hold the clock back by its length.
 
-On a Redis Cluster ``TIME`` goes to the client's default node: one node's clock.
+On a Redis Cluster ``TIME`` goes to the client's default node: one node's clock;
+when that node does not answer, another master's. A reading that cannot be
+renewed (Redis out of reach) carries on: the monotonic clock keeps it right.
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
+
+from redis.exceptions import RedisClusterException, RedisError
 
 log = logging.getLogger(__name__)
 
@@ -77,23 +81,37 @@ class FleetClock:
         return reading.redis_s + (self._monotonic() - reading.at)
 
     def read(self, redis: _SyncTime) -> float:
-        """Redis's time now, reading ``TIME`` first if the last reading is stale."""
+        """Redis's time now, reading ``TIME`` first if the last reading is stale
+        (a failed re-reading keeps the last one; with none, it raises)."""
         if self.due:
-            self.sync(redis)
+            try:
+                self.sync(redis)
+            except (RedisError, RedisClusterException, OSError) as exc:
+                if self._reading is None:
+                    raise
+                log.warning("reading Redis's clock failed (%s); the last reading carries on",
+                            exc)
         return self.now()
 
     async def aread(self, redis: Any) -> float:
         """``read`` for an asyncio client."""
         if self.due:
             sent = self._monotonic()
-            reply = await redis.time()
-            self.record(reply, sent, self._monotonic())
+            try:
+                reply = await _ask_async(redis)
+            except (RedisError, RedisClusterException, OSError) as exc:
+                if self._reading is None:
+                    raise
+                log.warning("reading Redis's clock failed (%s); the last reading carries on",
+                            exc)
+            else:
+                self.record(reply, sent, self._monotonic())
         return self.now()
 
     def sync(self, redis: _SyncTime) -> None:
         """Read ``TIME`` now, whatever the age of the last reading."""
         sent = self._monotonic()
-        reply = redis.time()
+        reply = _ask(redis)
         self.record(reply, sent, self._monotonic())
 
     def record(self, reply: Any, sent: float, received: float) -> None:
@@ -109,5 +127,36 @@ class FleetClock:
 
 def redis_now(redis: _SyncTime) -> float:
     """Redis's time now, read once: for a process that judges once (a CLI read)."""
-    seconds, micros = redis.time()
+    seconds, micros = _ask(redis)
     return int(seconds) + int(micros) / 1e6
+
+
+def _ask(redis: Any) -> Any:
+    """``TIME``; on a Cluster whose default node does not answer, another master's."""
+    try:
+        return redis.time()
+    except (RedisError, RedisClusterException, OSError):
+        primaries = getattr(redis, "get_primaries", None)
+        if primaries is None:
+            raise
+        for node in primaries():
+            try:
+                return redis.time(target_nodes=node)
+            except (RedisError, RedisClusterException, OSError):
+                continue
+        raise
+
+
+async def _ask_async(redis: Any) -> Any:
+    try:
+        return await redis.time()
+    except (RedisError, RedisClusterException, OSError):
+        primaries = getattr(redis, "get_primaries", None)
+        if primaries is None:
+            raise
+        for node in primaries():
+            try:
+                return await redis.time(target_nodes=node)
+            except (RedisError, RedisClusterException, OSError):
+                continue
+        raise
