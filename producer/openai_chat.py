@@ -31,7 +31,6 @@ from tokenfleet.openai_compat import (
     succeeded,
     usage,
 )
-from tokenfleet.openai_compat import REFUSED as COMPLETION_REFUSED
 from tokenfleet.openai_errors import NO_CHAT_TEMPLATE, UNSUPPORTED
 from tokenfleet.served import served
 from tokenfleet.shared.schemas import GenerationRequest, IntNotBool
@@ -41,9 +40,6 @@ REFUSED: dict[str, tuple[tuple[Any, ...], str | None]] = {
     "n": ((None, 1), "n other than 1 is not supported: " + ONE_CHOICE),
     "logprobs": ((None, False), None),
     "top_logprobs": ((None,), None),
-    "presence_penalty": COMPLETION_REFUSED["presence_penalty"],
-    "frequency_penalty": COMPLETION_REFUSED["frequency_penalty"],
-    "logit_bias": ((None, {}), None),
     "tools": ((None, []), "tools are not supported by this gateway: leave it unset"),
     "tool_choice": ((None, "none"), "tool_choice is not supported: " + NO_TOOLS + " or \"none\""),
     "parallel_tool_calls": ((None,), "parallel_tool_calls is not supported: " + NO_TOOLS),
@@ -125,9 +121,6 @@ class ChatRequest(Sampling):
     n: Any = None
     logprobs: Any = None
     top_logprobs: Any = None
-    presence_penalty: Any = None
-    frequency_penalty: Any = None
-    logit_bias: Any = None
     tools: Any = None
     tool_choice: Any = None
     parallel_tool_calls: Any = None

@@ -4,10 +4,11 @@ chat endpoint (``tokenfleet.openai_chat``) shares with it.
 ``model`` is the queue name. Every field of OpenAI's request is either honoured
 or refused with a 400 that names it; none is silently ignored. Refused unless
 they ask for nothing (the value a client sends by default): ``n`` and
-``best_of`` above 1, ``echo``, ``logprobs``, ``presence_penalty``,
-``frequency_penalty``, ``logit_bias``, ``suffix``. ``user`` is kept in the job's
-metadata. ``top_k`` and ``repetition_penalty`` (as vLLM takes them) are honoured
-too; any other field is refused as unrecognized, as OpenAI does.
+``best_of`` above 1, ``echo``, ``logprobs``, ``suffix``. ``user`` is kept in the
+job's metadata. ``presence_penalty``, ``frequency_penalty`` and ``logit_bias``
+are honoured as OpenAI defines them, and ``top_k``, ``min_p`` and
+``repetition_penalty`` as vLLM takes them; any other field is refused as
+unrecognized, as OpenAI does.
 
 A client that disconnects before its completion is done cancels the job, so the
 worker's slot is freed.
@@ -55,6 +56,9 @@ PARAMS = {("sampling", "max_new_tokens"): "max_tokens", ("sampling", "temperatur
           ("sampling", "top_p"): "top_p", ("sampling", "stop"): "stop",
           ("sampling", "seed"): "seed", ("sampling", "top_k"): "top_k",
           ("sampling", "repetition_penalty"): "repetition_penalty",
+          ("sampling", "presence_penalty"): "presence_penalty",
+          ("sampling", "frequency_penalty"): "frequency_penalty",
+          ("sampling", "logit_bias"): "logit_bias", ("sampling", "min_p"): "min_p",
           ("prompt",): "prompt", ("model",): "model", ("metadata",): "user"}
 FINISH = {FinishReason.EOS: "stop", FinishReason.STOP: "stop", FinishReason.LENGTH: "length"}
 ONE_CHOICE = "only one choice per request is supported: send one request per choice"
@@ -67,11 +71,6 @@ REFUSED: dict[str, tuple[tuple[Any, ...], str | None]] = {
     "best_of": ((None, 1), "best_of other than 1 is not supported: " + ONE_CHOICE),
     "echo": ((None, False), None),
     "logprobs": ((None,), None),
-    "presence_penalty": ((None, 0), "presence_penalty is not supported by this gateway: leave "
-                         "it unset or 0 (repetition_penalty is supported)"),
-    "frequency_penalty": ((None, 0), "frequency_penalty is not supported by this gateway: "
-                          "leave it unset or 0 (repetition_penalty is supported)"),
-    "logit_bias": ((None, {}), None),
     "suffix": ((None, ""), None),
 }
 
@@ -86,6 +85,10 @@ class Sampling(BaseModel):
     top_p: FloatNotBool | None = None
     top_k: IntNotBool | None = None
     repetition_penalty: FloatNotBool | None = None
+    presence_penalty: FloatNotBool | None = None
+    frequency_penalty: FloatNotBool | None = None
+    min_p: FloatNotBool | None = None
+    logit_bias: dict[str, Any] | None = None  # token id (as text, in JSON): bias
     stop: str | list[str] | None = None
     seed: IntNotBool | None = None
     stream: bool | None = False
@@ -102,7 +105,8 @@ class Sampling(BaseModel):
 
     def sampling(self, max_tokens: int) -> dict[str, Any]:
         out: dict[str, Any] = {"max_new_tokens": max_tokens}
-        for name in ("temperature", "top_p", "top_k", "repetition_penalty", "seed"):
+        for name in ("temperature", "top_p", "top_k", "repetition_penalty", "seed",
+                     "presence_penalty", "frequency_penalty", "min_p", "logit_bias"):
             if getattr(self, name) is not None:
                 out[name] = getattr(self, name)
         if self.stop is not None:
@@ -124,9 +128,6 @@ class CompletionRequest(Sampling):
     best_of: Any = None
     echo: Any = None
     logprobs: Any = None
-    presence_penalty: Any = None
-    frequency_penalty: Any = None
-    logit_bias: Any = None
     suffix: Any = None
 
     @field_validator("prompt")

@@ -202,8 +202,8 @@ def test_openai_fields_the_gateway_cannot_honour_are_400_naming_them(
     gateway: Any, r: redis.Redis, settings: Any
 ) -> None:
     http = gateway()
-    refused = {"presence_penalty": 0.5, "frequency_penalty": -1, "suffix": "the end",
-               "logit_bias": {"50": -100}, "echo": True, "logprobs": 0, "best_of": 2,
+    refused = {"presence_penalty": 2.5, "frequency_penalty": -3, "suffix": "the end",
+               "logit_bias": {"50": -101}, "echo": True, "logprobs": 0, "best_of": 2,
                "n": 3, "nonsense": 1, "stream_options": {"include_obfuscation": True}}
     for field, value in refused.items():
         response = http.post("/v1/completions", json={"prompt": "hi", field: value})
@@ -211,7 +211,7 @@ def test_openai_fields_the_gateway_cannot_honour_are_400_naming_them(
         err = response.json()["error"]
         assert err["param"] == field and field in err["message"], err
     chat = {"tools": [{"type": "function", "function": {"name": "f"}}], "logprobs": True,
-            "response_format": {"type": "json_object"}, "presence_penalty": 1, "n": 2,
+            "response_format": {"type": "json_object"}, "presence_penalty": 2.5, "n": 2,
             "tool_choice": "auto", "store": True, "audio": {"voice": "x"}}
     for field, value in chat.items():
         response = http.post("/v1/chat/completions", json={
@@ -240,9 +240,7 @@ def test_a_refusal_is_one_sentence_naming_the_field_without_echoing_its_value(
              for i in range(50)]
     cases = [({"tools": tools}, "tools are not supported by this gateway: leave it unset"),
              ({"response_format": {"type": "json_object"}},
-              "response_format type 'json_object' is not supported; only 'text'"),
-             ({"logit_bias": {str(i): 1 for i in range(100)}},
-              "logit_bias is not supported by this gateway: leave it unset or {}")]
+              "response_format type 'json_object' is not supported; only 'text'")]
     for extra, sentence in cases:
         response = http.post("/v1/chat/completions", json={"messages": hi, **extra})
         assert response.status_code == 400, response.text
@@ -389,8 +387,13 @@ def test_the_openai_client_lists_models_completes_and_chats(
     assert chunks[-1].usage == reply.usage
 
     with pytest.raises(openai.BadRequestError) as refused:
-        oa.completions.create(model="default", prompt="hi", presence_penalty=0.5)
+        oa.completions.create(model="default", prompt="hi", presence_penalty=2.5)
     assert refused.value.param == "presence_penalty"
+    # Honoured as OpenAI defines them: a bias of 100 makes every token the one biased.
+    biased = oa.completions.create(model="default", prompt="hi", max_tokens=4, temperature=0.9,
+                                   seed=1, logit_bias={"40": 100}, presence_penalty=0.5,
+                                   frequency_penalty=0.5)
+    assert client.status(biased.id.removeprefix("cmpl-")).token_ids == [40] * 4
     with pytest.raises(openai.BadRequestError) as refused:
         oa.chat.completions.create(model="default", messages=messages, tools=[
             {"type": "function", "function": {"name": "f", "parameters": {}}}])
