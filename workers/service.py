@@ -30,6 +30,7 @@ import math
 import os
 import queue
 import socket
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -68,6 +69,10 @@ STEP_ERROR_PAUSE_S = 0.1
 # while Redis refuses a step's writes the engine is held after a step or two,
 # and a stop string found late costs a job at most this many extra steps.
 STEPS_AHEAD = 2
+# How soon a thread waiting for the GIL gets it (Python's switch interval; 5 ms
+# by default, half of a 10 ms GPU step): the engine thread, back from a step
+# that released the GIL, waits this long at most while the output thread runs.
+GIL_SWITCH_S = 0.0005
 
 
 class Worker:
@@ -145,6 +150,7 @@ class Worker:
         self.feeder.ensure_group()
         if self.settings.metrics_port:
             self.metrics.serve(self.settings.metrics_port)
+        sys.setswitchinterval(min(sys.getswitchinterval(), GIL_SWITCH_S))
         for thread in self.threads:
             thread.start()
         log.info("worker %s serving queue %r (max batch %d, prefetch %d)",
