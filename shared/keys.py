@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import NamedTuple
 
 # The consumer group every worker of a queue joins.
@@ -85,6 +86,12 @@ class JobKeys(NamedTuple):
 JOB_KINDS = JobKeys(job="job", out="out", events="ev", ends="end")
 
 
+@lru_cache(maxsize=8192)
+def _job_keys(namespace: str, job_id: str) -> JobKeys:
+    head, tail = f"{namespace}:", f":{_tagged(job_id)}"
+    return JobKeys(*(head + kind + tail for kind in JOB_KINDS))
+
+
 @dataclass(frozen=True)
 class Keys:
     namespace: str = "tokenfleet"
@@ -120,10 +127,9 @@ class Keys:
         return f"{self.namespace}:{JOB_KINDS.ends}:{_tagged(job_id)}"
 
     def of_job(self, job_id: str) -> JobKeys:
-        """A job's record, log and channels at once: the id is parsed once (a
-        step's publisher names hundreds of them)."""
-        head, tail = f"{self.namespace}:", f":{_tagged(job_id)}"
-        return JobKeys(*(head + kind + tail for kind in JOB_KINDS))
+        """A job's record, log and channels at once (cached: a step's
+        publisher names hundreds of them, the same jobs step after step)."""
+        return _job_keys(self.namespace, job_id)
 
     def dlq(self, model: str) -> str:
         """Stream: a queue's jobs that failed past their retries or could not be parsed."""

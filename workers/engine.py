@@ -2,11 +2,13 @@
 gets for free above it.
 
 An engine owns its sequences from ``add`` to their end: it schedules them,
-runs the model and hands back one ``SeqOutput`` per token. Above the seam, once
+runs the model and hands back its tokens. Above the seam, once
 for every engine (``Engine``'s own methods): requests from other threads
 applied at a step boundary, cancels that come before their job, deadlines, and
-turning tokens into text and ends (``Sequence.take``: incremental
-detokenization, stop strings, end of sequence, length limits). Below it, only
+ends by token id (end of sequence, length limits). Turning tokens into text
+(``Sequence.take``: incremental detokenization, stop strings) is the output
+side's: ``step`` does it inline, and a worker does it on its output thread
+from what ``advance`` hands over, so the engine goes back to its next step at once. Below it, only
 what differs: the abstract members of ``Engine``, each documented there. An
 engine is found by name through the ``tokenfleet.engines`` entry points
 (``tokenfleet.workers.engines``). No I/O here.
@@ -22,7 +24,7 @@ from collections.abc import Callable, Iterable
 from typing import NamedTuple
 
 from tokenfleet.shared.schemas import FinishReason
-from tokenfleet.workers.sequence import Sequence, SeqOutput
+from tokenfleet.workers.sequence import Made, Sequence, SeqOutput, SeqStatus
 from tokenfleet.workers.stats import WorkerStats
 
 log = logging.getLogger(__name__)
@@ -68,6 +70,13 @@ class DeviceFailure(RuntimeError):
         super().__init__(reason)
         self.suspects = list(suspects)
         self.by_jobs = by_jobs
+
+
+def take_outputs(made: Iterable[Made]) -> list[SeqOutput]:
+    """A step's text and ends from its token ids, in order: the only loop over
+    a step's tokens above the engine. Tokens of a job whose end was decided
+    already (a stop string found a step late) make no output."""
+    return [out for m in made if (out := m.seq.take(m)) is not None]
 
 
 class BatchShape(NamedTuple):
@@ -116,7 +125,10 @@ class Engine(ABC):
         self._inbox: deque[Sequence] = deque()
         self._aborts: deque[tuple[str, FinishReason, str | None]] = deque()
         self._held: dict[str, Sequence] = {}  # added and not ended or dropped
-        self._ended: list[SeqOutput] = []  # ended between steps: out with the next step
+        self._ended: list[Made] = []  # ended between steps: out with the next step
+        # Jobs to forget at the next step (dropped, or ended by a stop string
+        # the output side found): appended from other threads.
+        self._forgets: deque[Sequence] = deque()
         # Cancels that came before their job (the feeder was between reading the
         # entry and handing it over): applied when it arrives.
         self._early: dict[str, tuple[float, FinishReason, str | None]] = {}
@@ -148,7 +160,7 @@ class Engine(ABC):
     @property
     def has_work(self) -> bool:
         """Whether a step has anything to do: the worker idles while not."""
-        return bool(self._inbox or self._aborts or self._held or self._ended)
+        return bool(self._inbox or self._aborts or self._held or self._ended or self._forgets)
 
     @property
     def num_held(self) -> int:
@@ -171,34 +183,73 @@ class Engine(ABC):
         return [*list(self._inbox), *list(self._held.values())]
 
     def step(self) -> list[SeqOutput]:
-        """One step: requests in, the model's tokens, their text and ends.
+        """One step with its output made here: requests in, the model's
+        tokens, their text and ends. Raises ``DeviceFailure`` when the device
+        is beyond use."""
+        outputs = take_outputs(self.advance())
+        for o in outputs:
+            if o.seq.finish_reason is FinishReason.STOP:
+                self.forget(o.seq)
+        self._forget(keep=False)
+        self.stats.record_outputs(outputs)
+        return outputs
+
+    def advance(self) -> list[Made]:
+        """One step in token ids: requests in, the model's tokens and the
+        ends the engine decides (``Made``); their text is the caller's
+        (``take_outputs``), who ``forget``s the jobs a stop string ended.
         Raises ``DeviceFailure`` when the device is beyond use."""
         started = time.perf_counter()
         self._take_requests()
-        made = self._run()
-        outputs = self._apply(made)
-        self.stats.record(outputs, time.perf_counter() - started, *self.last_batch)
-        return outputs
+        made = self._apply(self._run())
+        self.stats.record_step(time.perf_counter() - started, *self.last_batch)
+        return made
+
+    def forget(self, seq: Sequence) -> None:
+        """Stop running a sequence at the next step, with no output (its end
+        was decided above the engine: a stop string). Any thread."""
+        self._forgets.append(seq)
 
     def drop(self, job_id: str) -> None:
-        """Forget a job without an output: another attempt owns it now."""
-        seq = self._held.pop(job_id, None)
-        if seq is not None:
-            self._release(seq)
+        """Forget a job without an output: another attempt owns it now. Any
+        thread: a job still in the inbox goes now, a running one at the next
+        step (the sequences are the ones here now, never a later attempt's)."""
         # In place, never a new deque: the feeder thread may be appending to it.
         # list() and remove() are single calls, atomic under the GIL.
         for waiting in [s for s in list(self._inbox) if s.job_id == job_id]:
-            self._inbox.remove(waiting)
+            try:
+                self._inbox.remove(waiting)
+            except ValueError:  # the engine took it meanwhile
+                self._forgets.append(waiting)
+        held = self._held.get(job_id)
+        if held is not None:
+            self._forgets.append(held)
 
     def end(self, seq: Sequence, reason: FinishReason, error: str | None = None) -> None:
         """End a held sequence between steps; its output comes with the next."""
         if seq.is_finished or self._held.pop(seq.job_id, None) is None:
             return
-        text = seq.finish(reason, error)
-        self._ended.append(SeqOutput(seq, None, None, text, finished=True))
+        seq.status = SeqStatus.FINISHED
+        self._ended.append(Made(seq, None, None, reason, error))
         self._release(seq)
 
+    def _forget(self, keep: bool) -> None:
+        """Release the sequences ``forget``/``drop`` named that are held;
+        ``keep`` the others for the next call (one taken from the inbox meanwhile)."""
+        kept: list[Sequence] = []
+        while self._forgets:
+            seq = self._forgets.popleft()
+            if self._held.get(seq.job_id) is seq:
+                del self._held[seq.job_id]
+                seq.status = SeqStatus.FINISHED
+                self._release(seq)
+            elif keep:
+                kept.append(seq)
+        self._forgets.extend(kept)
+
     def _take_requests(self) -> None:
+        # A dropped job goes before its id can be taken by a new attempt in the inbox.
+        self._forget(keep=True)
         while self._inbox:
             seq = self._inbox.popleft()
             self._held[seq.job_id] = seq
@@ -216,6 +267,7 @@ class Engine(ABC):
             early = self._early.pop(seq.job_id, None)
             if early is not None:
                 self.end(seq, early[1], early[2])
+        self._forget(keep=False)
         while self._aborts:
             job_id, reason, error = self._aborts.popleft()
             held = self._held.get(job_id)
@@ -231,17 +283,17 @@ class Engine(ABC):
             if seq.deadline_at is not None and seq.deadline_at <= now:
                 self.end(seq, FinishReason.DEADLINE, "deadline passed")
 
-    def _apply(self, made: list[tuple[Sequence, int]]) -> list[SeqOutput]:
-        outputs, self._ended = self._ended, []
+    def _apply(self, made: list[tuple[Sequence, int]]) -> list[Made]:
+        out, self._ended = self._ended, []
         for seq, token_id in made:
             if self._held.get(seq.job_id) is not seq:
                 continue  # ended or dropped (a cancel, a stop) since the engine took it
-            out = seq.take(token_id, self.eos_token_ids, self.max_model_len)
-            outputs.append(out)
-            if out.finished:
+            step = seq.append(token_id, self.eos_token_ids, self.max_model_len)
+            out.append(step)
+            if step.end is not None:
                 self._held.pop(seq.job_id, None)
                 self._release(seq)
-        return outputs
+        return out
 
     # -- what an engine implements ----------------------------------------------
 

@@ -27,7 +27,7 @@ from tokenfleet.workers import budget
 from tokenfleet.workers.engine import BatchShape, Engine
 from tokenfleet.workers.engines import BuiltEngine
 from tokenfleet.workers.null_runner import null_tokenizer
-from tokenfleet.workers.sequence import Sequence, SeqOutput
+from tokenfleet.workers.sequence import Made, Sequence
 from tokenfleet.workers.stats import WorkerStats
 
 MAX_MODEL_LEN = 1 << 16  # no cache to bound it: admission's limits are the only ones
@@ -48,8 +48,8 @@ class StepTimes:
 
     steps: int = 0
     device_s: float = 0.0  # in the simulated device step (the sleep, the GIL taken back)
-    step_s: float = 0.0  # in ``Engine.step``, the device step included
-    between_s: float = 0.0  # from a step's end to the next one's start: the worker's writes
+    step_s: float = 0.0  # in ``Engine.advance``, the device step included
+    between_s: float = 0.0  # from a step's end to the next one's start: the hand-over
 
 
 @dataclass
@@ -102,13 +102,13 @@ class GpuSimEngine(Engine):
     def num_running(self) -> int:
         return len(self._running)
 
-    def step(self) -> list[SeqOutput]:
+    def advance(self) -> list[Made]:
         started = time.perf_counter()
         last, self._open = self._open, None
         if last is not None:
             batch, device_s, step_s, ended = last
             self.stats.add_step(batch, device_s, step_s, started - ended)
-        outputs = super().step()
+        outputs = super().advance()
         ended = time.perf_counter()
         # Without work left the worker idles before the next step: that wait
         # is no part of this step's cycle, so the step is not counted.

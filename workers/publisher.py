@@ -132,8 +132,8 @@ class _Step:
 
 
 class Publisher:
-    """Owned by the engine thread: ``send``, ``collect`` and the token windows
-    are the engine loop's (the feeder's thread uses ``end`` and ``dead_letter``,
+    """Owned by the worker's output thread: ``send``, ``collect`` and the
+    token windows are its (the feeder's thread uses ``end`` and ``dead_letter``,
     which touch neither)."""
 
     def __init__(self, redis: Any, keys: Keys, settings: Settings, worker: str,
@@ -329,12 +329,16 @@ class Publisher:
     def _ending(self, o: SeqOutput) -> Ending:
         seq = o.seq
         assert seq.finish_reason is not None
+        # The tokens up to the one that ended it: the engine may have run the
+        # job a step past a stop string before it learnt of it. (An end with no
+        # token is the engine's own: it made nothing after it.)
+        token_ids = seq.generated if o.index is None else seq.generated[:o.index + 1]
         return Ending(
             job_id=seq.job_id, queue=seq.queue, entry_id=seq.entry_id, attempt=seq.attempt,
             status=seq.final_status, finish_reason=seq.finish_reason, error=seq.error,
-            text=seq.text.text, token_ids=seq.generated, num_prompt_tokens=len(seq.prompt_ids),
+            text=seq.text.text, token_ids=token_ids, num_prompt_tokens=len(seq.prompt_ids),
             dead_letter=seq.error if seq.finish_reason == FinishReason.ERROR else None,
-            logged=len(seq.generated),
+            logged=len(token_ids),
         )
 
     def _emit(self, events: list[Held]) -> ScriptCall[Emitted]:

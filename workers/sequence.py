@@ -56,6 +56,8 @@ class Sequence:
 
     @property
     def is_finished(self) -> bool:
+        """Whether the engine is done with it (the engine thread's view; the
+        job's end is ``has_ended``)."""
         return self.status == SeqStatus.FINISHED
 
     @property
@@ -72,35 +74,71 @@ class Sequence:
             self.generated.append(token_id)
             self.text.push(token_id)
 
+    # -- the engine's side: token ids only ---------------------------------------
+
+    def append(self, token_id: int, eos_token_ids: frozenset[int], max_model_len: int) -> Made:
+        """Append a token an engine made, and end the sequence when its id
+        says so (end of sequence, length limits). No text: that is the output
+        side's (``take``), which may run on another thread a step or two later."""
+        index = len(self.generated)
+        self.generated.append(token_id)
+        end: FinishReason | None = None
+        if token_id in eos_token_ids:
+            end = FinishReason.EOS
+        elif len(self.generated) >= self.sampling.max_new_tokens or self.num_tokens >= max_model_len:
+            end = FinishReason.LENGTH
+        if end is not None:
+            self.status = SeqStatus.FINISHED
+        return Made(self, index, token_id, end)
+
+    # -- the output side: text and the job's end -----------------------------------
+
+    @property
+    def has_ended(self) -> bool:
+        """Whether the job's end is decided (its text is final). The engine may
+        still run it for a step: a stop string is found after the engine moved on."""
+        return self.finish_reason is not None
+
     def finish(self, reason: FinishReason, error: str | None = None) -> str:
-        """End the sequence; returns the text still held back."""
-        self.status = SeqStatus.FINISHED
+        """End the job; returns the text still held back."""
         self.finish_reason = reason
         self.error = error
         return self.text.finish()
 
-    def take(self, token_id: int, eos_token_ids: frozenset[int], max_model_len: int) -> SeqOutput:
-        """Append a token an engine made: its text (held back while a stop
-        string may still match) and, when it is the last, the sequence's end.
-        Every engine's tokens go through here, so stop strings, end of
-        sequence and the length limits mean the same on each."""
-        index = len(self.generated)
-        self.generated.append(token_id)
-        text = self.text.push(token_id)
-        reason = self._finish_reason(token_id, eos_token_ids, max_model_len)
+    def take(self, made: Made) -> SeqOutput | None:
+        """The text and end of what an engine step did to this sequence; None
+        once the job has ended (tokens the engine made past a stop string
+        before it learnt of it). Every engine's tokens go through here, so stop
+        strings, end of sequence and the length limits mean the same on each:
+        a stop string ends the text where it starts, and its reason wins over
+        a length limit reached by the same token, as an end of sequence wins
+        over it."""
+        if self.has_ended:
+            return None
+        if made.token_id is None:  # ended between steps (a cancel, a deadline, an error)
+            assert made.end is not None
+            return SeqOutput(self, None, None, self.finish(made.end, made.error), finished=True)
+        text = self.text.push(made.token_id)
+        reason = made.end
+        if self.text.stopped and reason is not FinishReason.EOS:
+            reason = FinishReason.STOP
         if reason is not None:
-            text += self.finish(reason)
-        return SeqOutput(self, index, token_id, text, reason is not None)
+            text += self.finish(reason, made.error)
+        return SeqOutput(self, made.index, made.token_id, text, reason is not None)
 
-    def _finish_reason(self, token_id: int, eos_token_ids: frozenset[int],
-                       max_model_len: int) -> FinishReason | None:
-        if token_id in eos_token_ids:
-            return FinishReason.EOS
-        if self.text.stopped:
-            return FinishReason.STOP
-        if len(self.generated) >= self.sampling.max_new_tokens or self.num_tokens >= max_model_len:
-            return FinishReason.LENGTH
-        return None
+
+@dataclass(slots=True)
+class Made:
+    """What one engine step did to one sequence, in token ids: a new token
+    and, when the engine ended it (by the token's id, or between steps with
+    no token), the reason. The engine thread makes it; the output side turns
+    it into a ``SeqOutput`` (``Sequence.take``)."""
+
+    seq: Sequence
+    index: int | None  # position of the new token; None when no token was made
+    token_id: int | None
+    end: FinishReason | None = None
+    error: str | None = None
 
 
 @dataclass(slots=True)

@@ -1,6 +1,8 @@
 """One worker process's moving parts, wired together and run on threads.
 
-- the engine loop (this is where the model runs): admit, step, publish;
+- the engine loop (this is where the model runs): admit and step, handing
+  each step's token ids to the output thread and going back to the next step;
+- the output thread: text, stop strings, metrics and the step's Redis writes;
 - the feeder: reads the stream with credits and hands sequences to the engine;
 - the heartbeat: the worker's stats hash, and the idle-time renewal of the
   entries it is still generating (so a long job is never reclaimed from a live
@@ -11,7 +13,8 @@
 The worker owns each of them: ``start`` starts them, and ``stop`` is the one
 way they end, for a warm shutdown, a terminate and a failed device alike.
 
-Torch releases the GIL in its kernels, so Redis I/O overlaps the forward pass.
+Torch (and a GPU's step) releases the GIL, so the output thread's work and
+its Redis I/O overlap the forward pass instead of following it.
 Celery (``tokenfleet.workers.bootstep``) and the embedded demo both run this class.
 
 When the device fails for good (``DeviceFailure``), or ``max_failed_steps``
@@ -25,7 +28,9 @@ from __future__ import annotations
 import logging
 import math
 import os
+import queue
 import socket
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -45,11 +50,11 @@ from tokenfleet.shared.settings import Settings
 from tokenfleet.workers import limits
 from tokenfleet.workers.admission import Admission
 from tokenfleet.workers.budget import resolved
-from tokenfleet.workers.engine import DeviceFailure, Engine
+from tokenfleet.workers.engine import DeviceFailure, Engine, take_outputs
 from tokenfleet.workers.feeder import Feeder
 from tokenfleet.workers.metrics import Metrics
 from tokenfleet.workers.publisher import Publisher, is_transient
-from tokenfleet.workers.sequence import Sequence, SeqOutput
+from tokenfleet.workers.sequence import Made, Sequence, SeqOutput
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +73,14 @@ MAX_STORE_TRIES = 5
 JOIN_S = 10.0
 # The pause after a step that raised, before the next one.
 STEP_ERROR_PAUSE_S = 0.1
+# Steps the engine may run ahead of the output thread. Past that it waits:
+# while Redis refuses a step's writes the engine is held after a step or two,
+# and a stop string found late costs a job at most this many extra steps.
+STEPS_AHEAD = 2
+# How soon a thread waiting for the GIL gets it (Python's switch interval; 5 ms
+# by default, half of a 10 ms GPU step): the engine thread, back from a step
+# that released the GIL, waits this long at most while the output thread runs.
+GIL_SWITCH_S = 0.0005
 
 
 class Worker:
@@ -96,7 +109,7 @@ class Worker:
         self.engine = engine
         self.publisher = Publisher(self.redis, self.keys, settings, name, fleet_clock=self.clock)
         # Ids of the jobs this worker runs now (shared: the feeder thread reads
-        # it, the engine thread updates it). A job leaves it when its end is
+        # it, the output thread updates it). A job leaves it when its end is
         # stored or when it is dropped here, never earlier: the feeder skips
         # the entries of held jobs, so a job left in it would be stranded.
         self._held: set[str] = set()
@@ -111,6 +124,12 @@ class Worker:
         # every request to the queue to it, whoever submits.
         self.limits = worker_limits(settings, engine.max_model_len)
         self._sent: list[SeqOutput] = []  # the step whose writes Redis is storing
+        # Steps the engine thread made, for the output thread (token ids only).
+        self._steps: queue.Queue[list[Made]] = queue.Queue(maxsize=STEPS_AHEAD)
+        self._unhanded: list[Made] = []  # made after the output thread had ended
+        self._output_done = threading.Event()
+        self._stop_output = threading.Event()  # end once the steps handed over are stored
+        self._store_given_up = False  # stopping while Redis refuses: store no more
         self._wake = threading.Event()
         self._idle = threading.Event()  # set by the engine loop when it has nothing to do
         self._stop_intake = threading.Event()
@@ -119,6 +138,7 @@ class Worker:
         self._stop_lock = threading.Lock()
         self._stopped = False
         self._engine_thread = _thread(self._engine_loop, "engine")
+        self._output_thread = _thread(self._output_loop, "output")
         self._feeder_thread = _thread(lambda: self.feeder.run(self._stop_intake), "feeder")
         self._heartbeat_thread = _thread(self._heartbeat_loop, "heartbeat")
         self._cancel_thread = _thread(self._cancel_loop, "cancels")
@@ -139,8 +159,8 @@ class Worker:
     @property
     def threads(self) -> tuple[threading.Thread, ...]:
         """The worker's threads, which ``start`` starts and ``stop`` ends."""
-        return (self._engine_thread, self._feeder_thread, self._heartbeat_thread,
-                self._cancel_thread)
+        return (self._engine_thread, self._output_thread, self._feeder_thread,
+                self._heartbeat_thread, self._cancel_thread)
 
     def start(self) -> None:
         # Before any job's deadline is judged; from the queue's node, which this
@@ -149,6 +169,7 @@ class Worker:
         self.feeder.ensure_group()
         if self.settings.metrics_port:
             self.metrics.serve(self.settings.metrics_port)
+        sys.setswitchinterval(min(sys.getswitchinterval(), GIL_SWITCH_S))
         for thread in self.threads:
             thread.start()
         log.info("worker %s serving queue %r (max batch %d, prefetch %d)",
@@ -182,6 +203,11 @@ class Worker:
         self._stop_engine.set()  # the engine loop, the heartbeat and the cancel listener end
         self._wake.set()
         engine_ended = _join(self._engine_thread, JOIN_S)
+        # The output thread stores what the engine handed over, then ends.
+        self._stop_output.set()
+        if not _join(self._output_thread, JOIN_S):
+            log.warning("the output thread did not end within %.0fs", JOIN_S)
+            engine_ended = False  # it may still write for its jobs: hand none back
         for thread in (self._heartbeat_thread, self._cancel_thread):
             if not _join(thread, JOIN_S):
                 log.warning("the %s thread did not end within %.0fs", thread.name, JOIN_S)
@@ -215,7 +241,9 @@ class Worker:
         (``_sent``: their ends too). Only once the engine thread has ended."""
         failure = self._failure
         suspects = failure.suspects if failure is not None else []
-        left = [*self.engine.unfinished(), *suspects, *(o.seq for o in self._sent)]
+        handed_over = [*self._drain_steps(), *self._unhanded]
+        left = [*self.engine.unfinished(), *suspects, *(o.seq for o in self._sent),
+                *(m.seq for m in handed_over)]
         # The jobs of a step that failed may have caused it (on a GPU a bad
         # input can trip a device-side assert): theirs counts as an attempt.
         # requeue.lua skips the jobs that are no longer this worker's.
@@ -246,7 +274,7 @@ class Worker:
 
     @property
     def busy(self) -> bool:
-        return self.engine.has_work
+        return self.engine.has_work or not self._steps.empty()
 
     def credits(self) -> int:
         return self.max_batch + self.settings.prefetch - self.engine.num_held
@@ -275,7 +303,6 @@ class Worker:
         in_a_row = 0  # steps that raised, in a row
         while not self._stop_engine.is_set():
             if not self.engine.has_work:
-                self._collect()  # nothing to overlap with: store the last step now
                 self._idle.set()
                 self._wake.wait(0.1)
                 self._wake.clear()
@@ -300,8 +327,6 @@ class Worker:
             in_a_row, retried = 0, self.engine.stats.failed_steps - failed_before
             self.failing = (f"{retried} failed forward pass(es) retried by the engine "
                             "in the last step" if retried else "")
-        # The last step's writes: stored, or given up once stop() ends the engine.
-        self._collect()
 
     def _step_failed(self, exc: Exception, in_a_row: int) -> DeviceFailure | None:
         """A step raised outside the engine's own recovery (the code around the
@@ -321,9 +346,66 @@ class Worker:
                              self.engine.taken())
 
     def _step(self) -> None:
-        """Step N+1 runs while Redis stores step N: its writes go out only once
-        step N's are stored, so no token is sent before the one it follows."""
-        outputs = self.engine.step()
+        """Engine thread: one step, its token ids handed to the output thread."""
+        made = self.engine.advance()
+        self._hand_over(made)
+
+    def _hand_over(self, made: list[Made]) -> None:
+        """Queue a step for the output thread; wait while it is ``STEPS_AHEAD``
+        steps behind (Redis refuses, or the output work outlasts a step)."""
+        while not self._output_done.is_set():
+            try:
+                self._steps.put(made, timeout=0.1)
+                return
+            except queue.Full:
+                continue
+        self._unhanded.extend(made)  # stopped: handed back with the rest
+
+    def _drain_steps(self) -> list[Made]:
+        """Take every step still queued for the output thread."""
+        left: list[Made] = []
+        while True:
+            try:
+                left.extend(self._steps.get_nowait())
+            except queue.Empty:
+                return left
+
+    # -- the output thread ---------------------------------------------------------
+
+    def _output_loop(self) -> None:
+        try:
+            self._run_output()
+        finally:
+            self._output_done.set()
+
+    def _run_output(self) -> None:
+        """Store each step the engine hands over, in order, until the engine
+        loop has ended and its last step is stored (or given up on a stop)."""
+        while not self._store_given_up:
+            try:
+                made = self._steps.get_nowait()
+            except queue.Empty:
+                self._collect()  # nothing to overlap with: store the last step now
+                if self._store_given_up:
+                    return
+                if self._stop_output.is_set() and self._steps.empty():
+                    return
+                try:
+                    made = self._steps.get(timeout=0.1)
+                except queue.Empty:
+                    continue
+            self._output(made)
+
+    def _output(self, made: list[Made]) -> None:
+        """Output thread: a step's text and ends, then its writes. Step N's
+        writes go out only once step N-1's are stored, so no token is sent
+        before the one it follows; Redis stores them while the output thread
+        takes the next step."""
+        outputs = take_outputs(made)
+        for o in outputs:
+            if o.seq.finish_reason is FinishReason.STOP:
+                self.engine.forget(o.seq)  # the engine may have run it on: stop it
+        self.engine.stats.record_outputs(outputs)
         self.metrics.step_done(outputs)
         dropped = self._collect()
         if dropped:
@@ -339,9 +421,10 @@ class Worker:
         worker made (Redis lost them), or their step was given up.
 
         While Redis refuses the writes (a lost connection, OOM, READONLY after a
-        failover, MISCONF, NOSCRIPT) the engine is held and the step sent again
-        with backoff: a token that is not stored must not be followed by the
-        next one. Nothing Redis refused is taken for stored. A step is given up
+        failover, MISCONF, NOSCRIPT) the output thread is held, and the engine
+        once it is ``STEPS_AHEAD`` steps ahead, and the step sent again with
+        backoff: a token that is not stored must not be followed by the next
+        one. Output thread. Nothing Redis refused is taken for stored. A step is given up
         only when the worker stops (its jobs are handed back), or after
         MAX_STORE_TRIES refusals for a reason of the write itself (a wrong key
         type, a bug), which no wait cures.
@@ -359,8 +442,10 @@ class Worker:
                 self.engine.stats.store_retries += 1
                 if self._stop_engine.is_set():
                     # Stopping: stop() hands the step's jobs back (``_sent``
-                    # stays: sent, not stored), another worker redoes the step.
+                    # stays: sent, not stored, and so do the steps queued
+                    # after it), another worker redoes them.
                     self.publisher.discard()
+                    self._store_given_up = True
                     return set()
                 if not is_transient(exc) and tries >= MAX_STORE_TRIES:
                     log.error("giving up a step's writes after %d tries (%s)", tries, exc)
@@ -396,8 +481,8 @@ class Worker:
 
     def _fail(self, failure: DeviceFailure) -> None:
         """The engine can run no more steps: stop reading now, and stop the
-        worker from a thread of its own (``stop`` waits for this thread, which
-        first stores the last good step). Engine thread."""
+        worker from a thread of its own (``stop`` waits for the output thread,
+        which first stores the last good step). Engine thread."""
         log.critical("worker %s gives up: %s; handing its jobs back", self.name, failure)
         self.fatal_reason = str(failure)
         self._failure = failure

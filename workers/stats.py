@@ -27,8 +27,13 @@ class WorkerStats:
 
     def record(self, outputs: list[SeqOutput], seconds: float = 0.0, batch: int = 0,
                prefill: bool = False) -> None:
-        """One engine step: ``batch`` sequences ran in it (0: none ran),
-        ``prefill`` when it admitted new ones."""
+        """One engine step and its outputs."""
+        self.record_step(seconds, batch, prefill)
+        self.record_outputs(outputs)
+
+    def record_step(self, seconds: float = 0.0, batch: int = 0, prefill: bool = False) -> None:
+        """One engine step (the engine thread): ``batch`` sequences ran in it
+        (0: none ran), ``prefill`` when it admitted new ones."""
         self.steps += 1
         self.busy_s += seconds
         self.last_step_s = seconds
@@ -36,6 +41,9 @@ class WorkerStats:
             self.prefill_steps += prefill
             self.last_batch = batch
             self.peak_batch = max(self.peak_batch, batch)
+
+    def record_outputs(self, outputs: list[SeqOutput]) -> None:
+        """One step's outputs (the output side): its tokens and the jobs it ended."""
         made = 0
         for o in outputs:
             if o.token_id is not None:

@@ -13,8 +13,9 @@ ways:
   (``GpuSimStats`` in the worker's heartbeat, ``stats.gpu_sim``): B tokens per
   step over the steps' cycles, each from one step's start to the next one's;
   where the engine thread's time went in those cycles: in the device step, in
-  ``Engine.step`` around it (requests, detokenization, stop strings, outputs),
-  and between steps (the worker's Redis writes and metrics);
+  ``Engine.advance`` around it (requests, ends by token id), and between steps
+  (the hand-over to the output thread, which waits while that thread is
+  behind: detokenization, stop strings, the step's Redis writes, metrics);
 - whole run: every token over the client's time from the first submit to the
   last end, the ramp and the client's own round trips included.
 """
@@ -160,9 +161,8 @@ def lines(f: dict[str, Any]) -> Iterator[str]:
            f"{whole['of_ideal']:.3f} of ideal")
     if steady is not None:
         yield (f"  engine thread at batch {f['batch']}: {steady['in_step']:.3f} of its wall time "
-               f"inside step(), {steady['between_steps']:.3f} between steps (the step's Redis "
-               "writes, metrics)")
+               f"inside step(), {steady['between_steps']:.3f} between steps (the hand-over to "
+               "the output thread, waiting while it is behind)")
         yield (f"  inside step(): {steady['in_device']:.3f} in the device step "
                f"({steady['device_late']:.3f} of it past the sleep: waking, the GIL taken back), "
-               f"{steady['around_device']:.3f} around it (requests, detokenization, stop "
-               "strings, outputs)")
+               f"{steady['around_device']:.3f} around it (requests, ends by token id)")
