@@ -5,13 +5,14 @@ real limit and what sets it."""
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import pytest
 import redis
 
 from tokenfleet import FleetClient
-from tokenfleet.shared.errors import LimitExceeded, QueueFull
+from tokenfleet.shared.errors import LimitExceeded, PromptTooLong, QueueFull
 from tokenfleet.shared.keys import Keys, level_queue
 from tokenfleet.shared.schemas import JobStatus
 
@@ -68,7 +69,8 @@ def test_a_workers_max_new_tokens_limit_holds_a_client_that_allows_more(
 
 
 def test_a_prompt_over_the_models_length_is_refused_at_submit_naming_the_model(
-        settings: Any, start_worker: Any, loaded_tiny: tuple[Any, Any], r: redis.Redis) -> None:
+        settings: Any, start_worker: Any, loaded_tiny: tuple[Any, Any], r: redis.Redis,
+        monkeypatch: pytest.MonkeyPatch) -> None:
     start_worker()  # TOKENFLEET_MAX_PROMPT_TOKENS 2048 everywhere; the model takes 1023
     prompt, count = a_prompt_of(loaded_tiny[1], 1503)
     assert 1023 < count < 2048
@@ -77,9 +79,13 @@ def test_a_prompt_over_the_models_length_is_refused_at_submit_naming_the_model(
             client.submit(prompt, prompt_tokens=count, max_new_tokens=4)
         assert str(refused.value) == f"prompt has {count} tokens; {MODEL_SAYS}"
         assert refused.value.name == "prompt_tokens" and refused.value.limit == 1023
+        # The model is on this machine: the client counts the prompt itself.
+        with pytest.raises(PromptTooLong, match=re.escape(MODEL_SAYS)):
+            client.submit(prompt, max_new_tokens=4)
         assert queued(r, settings) == 0
         # A client without the tokenizer counts nothing: the worker always
         # does, and fails the job with the same sentence.
+        monkeypatch.setattr("tokenfleet.client.count_prompt_tokens", lambda *_: None)
         state = client.wait(client.submit(prompt, max_new_tokens=4), timeout=60)
     assert state.status is JobStatus.FAILED
     assert f"prompt has {count} tokens; {MODEL_SAYS}" in (state.error or "")

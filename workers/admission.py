@@ -23,6 +23,11 @@ class Rejected(Exception):
     """The request cannot run on this worker; the message says why."""
 
 
+class CorruptLog(Exception):
+    """A resumed job's token log holds what no model made: not the request's
+    fault, so an operator hears of it too (a dead letter)."""
+
+
 class Admission:
     def __init__(self, tokenizer: Any, settings: Settings, max_model_len: int, *,
                  vocab_size: int | None = None,
@@ -91,7 +96,7 @@ class Admission:
         embedding (a crash of the whole step, every job in it lost)."""
         for token_id in token_ids:
             if type(token_id) is not int or not 0 <= token_id < self.vocab_size:
-                raise Rejected(f"token log holds id {token_id!r} outside the vocabulary of "
+                raise CorruptLog(f"token log holds id {token_id!r} outside the vocabulary of "
                                f"{self.vocab_size} (ids 0 to {self.vocab_size - 1})")
         seq.restore(token_ids)
         why = self.refusal(seq) if self.refusal is not None else None

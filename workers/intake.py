@@ -43,7 +43,7 @@ from tokenfleet.shared.worker_scripts import (
     resume,
     start,
 )
-from tokenfleet.workers.admission import Admission, Rejected
+from tokenfleet.workers.admission import Admission, CorruptLog, Rejected
 from tokenfleet.workers.publisher import Publisher
 from tokenfleet.workers.sequence import Sequence
 
@@ -207,6 +207,9 @@ class Intake:
             # caller hears why; nothing for an operator in the dead letters.
             return end(attempt, JobStatus.FAILED, FinishReason.ERROR,
                        REFUSED_BY_WORKER + _reason(exc).removeprefix("Rejected: "),
+                       logged=logged)
+        except CorruptLog as exc:  # damage in Redis: the caller and an operator hear
+            return end(attempt, JobStatus.FAILED, FinishReason.ERROR, str(exc), dead=str(exc),
                        logged=logged)
         seq.entry_json = data.decode()  # as read: a hand-back queues it again unchanged
         seq.queue = queue  # the level's stream it came from: where it is acknowledged

@@ -18,7 +18,7 @@ import redis
 
 from tokenfleet import FleetClient
 from tokenfleet.shared.keys import GROUP, Keys, level_queue
-from tokenfleet.shared.schemas import FinishReason, JobStatus
+from tokenfleet.shared.schemas import REFUSED_BY_WORKER, FinishReason, JobStatus
 from tokenfleet.shared.serialization import loads
 from tokenfleet.workers.hf_engine import HFEngine
 from tokenfleet.workers.sequence import Sequence
@@ -106,7 +106,8 @@ def test_a_request_the_engine_says_it_refuses_fails_before_it_takes_a_slot(
     worker = start_worker(max_batch=2, prefetch=1)
 
     state = client.wait(refused, timeout=30)
-    assert state.status is JobStatus.FAILED and state.error == f"seed must not be {REFUSED_SEED}"
+    assert state.status is JobStatus.FAILED
+    assert state.error == f"{REFUSED_BY_WORKER}seed must not be {REFUSED_SEED}"
     check_served_on(client, worker, good)
     assert refused not in taken, "the engine was handed a request it refuses"
     stream = keys.queue(level_queue("default", "high"))
