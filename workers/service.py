@@ -47,7 +47,7 @@ from tokenfleet.shared.redis_conn import connect, node_client
 from tokenfleet.shared.schemas import FinishReason
 from tokenfleet.shared.serialization import dumps
 from tokenfleet.shared.settings import Settings
-from tokenfleet.workers import limits
+from tokenfleet.workers import exit_codes, limits
 from tokenfleet.workers.admission import Admission
 from tokenfleet.workers.budget import resolved
 from tokenfleet.workers.engine import DeviceFailure, Engine, take_outputs
@@ -58,13 +58,9 @@ from tokenfleet.workers.sequence import Made, Sequence, SeqOutput
 
 log = logging.getLogger(__name__)
 
-# The exit status of a process whose device failed (EX_SOFTWARE in sysexits.h):
-# non-zero, so systemd, Docker or Kubernetes restart it.
-FATAL_EXIT_CODE = 70
-# The exit status of a process whose engine stopped on a step that a job most
-# likely broke, on a device that works (EX_TEMPFAIL): restarted at once, and
-# not counted against the device by ``tokenfleet worker``'s supervisor.
-JOB_FAULT_EXIT_CODE = 75
+# How this process exits when the engine stops (see workers/exit_codes.py).
+FATAL_EXIT_CODE = exit_codes.FATAL
+JOB_FAULT_EXIT_CODE = exit_codes.JOB_FAULT
 # Tries of a step's writes that Redis refused for a reason of the write itself
 # (not its own state: see publisher.is_transient) before its jobs are given up.
 MAX_STORE_TRIES = 5

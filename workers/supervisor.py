@@ -25,11 +25,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from tokenfleet.workers.service import JOB_FAULT_EXIT_CODE
+from tokenfleet.workers import exit_codes
 
 POLL_S = 0.2  # how often the parent looks at its children
-CONFIG_EXIT_CODE = 78  # sysexits' EX_CONFIG: a child's configuration is wrong
-SETUP_EXIT_CODE = 2  # the parent's code then, as the command line's other setup mistakes
+JOB_FAULT_EXIT_CODE = exit_codes.JOB_FAULT
+CONFIG_EXIT_CODE = exit_codes.CONFIG  # a child's configuration is wrong
+SETUP_EXIT_CODE = exit_codes.SETUP  # the parent's code then
 
 
 @dataclass

@@ -162,6 +162,8 @@ def test_a_prompt_only_the_worker_refuses_fails_the_job_and_is_no_dead_letter(
 ) -> None:
     start_worker(max_prompt_tokens=3)  # stricter than the client: only the worker refuses
     state = client.wait(client.submit("a prompt of many tokens"), timeout=60)
-    assert state.status is JobStatus.FAILED and "prompt is" in (state.error or "")
+    assert state.status is JobStatus.FAILED
+    assert ("prompt has 12 tokens; the queue allows 3 (TOKENFLEET_MAX_PROMPT_TOKENS of the "
+            "queue's workers)") in (state.error or "")
     # The request's own fault: its caller hears why; the dead letters are for an operator.
     assert r.xlen(Keys(settings.namespace).dlq("default")) == 0
