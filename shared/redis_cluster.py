@@ -80,7 +80,11 @@ class Cluster(HookedCluster):
         slot map is read again, so the next try goes to the node that holds the
         slot now (a promoted replica). redis-py reads it after most failures of
         its own, not after one raised before its loop (a node it asked about a
-        command's keys)."""
+        command's keys). Not after an error that is not retried (a refused
+        password): every node would refuse the read the same way."""
+        rule = getattr(self.retry, "rule", None)
+        if isinstance(rule, FailFast) and rule.final(error) is not None:
+            return
         reread_slot_map(self)
 
 
