@@ -36,6 +36,8 @@ log = logging.getLogger(__name__)
 
 # How old a reading may be before the next ``now`` reads ``TIME`` again.
 MAX_AGE_S = 30.0
+# A node that did not answer TIME (a dead Cluster node among them).
+_UNANSWERED = (RedisError, RedisClusterException, OSError)
 
 
 class _SyncTime(Protocol):
@@ -86,7 +88,7 @@ class FleetClock:
         if self.due:
             try:
                 self.sync(redis)
-            except (RedisError, RedisClusterException, OSError) as exc:
+            except _UNANSWERED as exc:
                 if self._reading is None:
                     raise
                 log.warning("reading Redis's clock failed (%s); the last reading carries on",
@@ -99,7 +101,7 @@ class FleetClock:
             sent = self._monotonic()
             try:
                 reply = await _ask_async(redis)
-            except (RedisError, RedisClusterException, OSError) as exc:
+            except _UNANSWERED as exc:
                 if self._reading is None:
                     raise
                 log.warning("reading Redis's clock failed (%s); the last reading carries on",
@@ -131,32 +133,31 @@ def redis_now(redis: _SyncTime) -> float:
     return int(seconds) + int(micros) / 1e6
 
 
+def _places(redis: Any) -> list[dict[str, Any]]:
+    """Where to ask ``TIME``, in turn: the client's default node, then, on a
+    Cluster, each master (the default one may be dead)."""
+    primaries = getattr(redis, "get_primaries", None)
+    return [{}, *({"target_nodes": node} for node in (primaries() if primaries else []))]
+
+
 def _ask(redis: Any) -> Any:
-    """``TIME``; on a Cluster whose default node does not answer, another master's."""
-    try:
-        return redis.time()
-    except (RedisError, RedisClusterException, OSError):
-        primaries = getattr(redis, "get_primaries", None)
-        if primaries is None:
-            raise
-        for node in primaries():
-            try:
-                return redis.time(target_nodes=node)
-            except (RedisError, RedisClusterException, OSError):
-                continue
-        raise
+    """``TIME`` from the first place that answers; the default node's error if none does."""
+    first: BaseException | None = None
+    for where in _places(redis):
+        try:
+            return redis.time(**where)
+        except _UNANSWERED as exc:
+            first = first or exc
+    assert first is not None
+    raise first
 
 
 async def _ask_async(redis: Any) -> Any:
-    try:
-        return await redis.time()
-    except (RedisError, RedisClusterException, OSError):
-        primaries = getattr(redis, "get_primaries", None)
-        if primaries is None:
-            raise
-        for node in primaries():
-            try:
-                return await redis.time(target_nodes=node)
-            except (RedisError, RedisClusterException, OSError):
-                continue
-        raise
+    first: BaseException | None = None
+    for where in _places(redis):
+        try:
+            return await redis.time(**where)
+        except _UNANSWERED as exc:
+            first = first or exc
+    assert first is not None
+    raise first
