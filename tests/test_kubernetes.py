@@ -9,21 +9,16 @@ the streams and group of shared/keys.py, the settings, the drain grace.
 from __future__ import annotations
 
 import json
-import shutil
-import subprocess
-from pathlib import Path
-from typing import Any
 
 import jsonschema
 import kubernetes_validate
 import pytest
-import yaml
 
+from tests.kustomize import KUBE, Obj, env_of, named, of_kind, render
+from tests.test_compose import options_of
 from tokenfleet.shared.keys import GROUP, PRIORITIES, Keys, level_queue
 from tokenfleet.shared.settings import Settings
 
-ROOT = Path(__file__).resolve().parent.parent
-KUBE = ROOT / "deploy" / "kubernetes"
 OVERLAYS = ("cpu", "gpu")
 KUBERNETES_VERSION = "1.33.0"
 # The trigger parameters KEDA v2.20.2's redis-streams scaler reads from metadata.
@@ -31,8 +26,6 @@ REDIS_STREAMS_PARAMS = {"address", "addresses", "host", "hosts", "port", "ports"
                         "password", "stream", "consumerGroup", "pendingEntriesCount",
                         "streamLength", "lagCount", "activationLagCount", "databaseIndex",
                         "enableTLS", "unsafeSsl"}
-
-Obj = dict[str, Any]
 
 
 def crd_schemas() -> dict[str, Obj]:
@@ -44,27 +37,7 @@ def crd_schemas() -> dict[str, Obj]:
 
 @pytest.fixture(scope="module", params=OVERLAYS)
 def rendered(request: pytest.FixtureRequest) -> list[Obj]:
-    kubectl = shutil.which("kubectl")
-    if kubectl is None:
-        pytest.skip("no kubectl here: it renders the overlays (kubectl kustomize)")
-    result = subprocess.run([kubectl, "kustomize", str(KUBE / "overlays" / request.param)],
-                            capture_output=True, text=True, timeout=60)
-    assert result.returncode == 0, result.stderr
-    return [o for o in yaml.safe_load_all(result.stdout) if o]
-
-
-def of_kind(objects: list[Obj], kind: str) -> list[Obj]:
-    return [o for o in objects if o["kind"] == kind]
-
-
-def named(objects: list[Obj], kind: str, name: str) -> Obj:
-    found = [o for o in of_kind(objects, kind) if o["metadata"]["name"] == name]
-    assert len(found) == 1, f"no single {kind} {name}"
-    return found[0]
-
-
-def env_of(container: Obj) -> dict[str, str]:
-    return {e["name"]: e.get("value", "") for e in container.get("env", [])}
+    return render(request.param)
 
 
 def workers(objects: list[Obj]) -> list[Obj]:
@@ -143,6 +116,13 @@ def test_workers_outlast_their_drain_and_probe_the_health_endpoints(
             "readiness": ("/readyz", "metrics")}
         assert container["args"][0] == "worker"
         assert pod["securityContext"]["runAsNonRoot"] is True
+
+
+def test_containers_run_tokenfleet_commands_with_real_options(rendered: list[Obj]) -> None:
+    for deployment in of_kind(rendered, "Deployment"):
+        args = deployment["spec"]["template"]["spec"]["containers"][0]["args"]
+        used = {arg for arg in args[1:] if arg.startswith("--")}
+        assert used and used <= options_of(args[0]), (args, used - options_of(args[0]))
 
 
 def test_gateway_probes_and_service(rendered: list[Obj]) -> None:
