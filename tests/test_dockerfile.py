@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fnmatch
 import shutil
 import subprocess
 import sys
@@ -92,3 +93,30 @@ def test_models_come_from_the_volume(targets: dict[str, Stage]) -> None:
         assert '["/models"]' in stage.all("VOLUME")
         env = " ".join(stage.all("ENV"))
         assert "HF_HOME=/models/" in env and "XDG_CACHE_HOME=/models/" in env
+
+
+def ignored(path: str, patterns: list[str]) -> bool:
+    """Whether .dockerignore keeps ``path`` out of the build context (the last
+    matching pattern decides; a folder's pattern covers what is under it)."""
+    verdict = False
+    for pattern in patterns:
+        keep = pattern.startswith("!")
+        pattern = pattern.removeprefix("!").rstrip("/")
+        parts = path.split("/")
+        if any(fnmatch.fnmatch("/".join(parts[:i]), pattern) for i in range(1, len(parts) + 1)):
+            verdict = not keep
+    return verdict
+
+
+def test_the_build_context_holds_what_the_stages_copy(targets: dict[str, Stage]) -> None:
+    patterns = [line.strip() for line in (ROOT / ".dockerignore").read_text().splitlines()
+                if line.strip() and not line.startswith("#")]
+    copied = {source for stage in targets.values() for rest in stage.all("COPY")
+              if not rest.startswith("--from") for source in rest.split()[:-1]}
+    assert copied >= {"pyproject.toml", "README.md", "shared", "producer", "workers"}
+    for source in copied:
+        assert (ROOT / source).exists(), source
+        files = [source] if (ROOT / source).is_file() else [
+            str(p.relative_to(ROOT)) for p in (ROOT / source).rglob("*.py")]
+        assert files and not any(ignored(f, patterns) for f in files), source
+    assert ignored(".venv/bin/python", patterns) and ignored("tests/conftest.py", patterns)
