@@ -55,6 +55,14 @@ class Admission:
             ids = self.tokenizer.apply_chat_template(
                 messages, add_generation_prompt=True, tokenize=True, return_dict=False
             )
+        elif request.prompt_token_ids is not None:
+            # Given as ids, they skip the tokenizer: checked here, before any
+            # engine sees one (an id past the embedding crashes the whole step).
+            beyond = [t for t in request.prompt_token_ids if t >= self.vocab_size]
+            if beyond:
+                raise Rejected(f"prompt token id {beyond[0]} is outside this model's vocabulary "
+                               f"of {self.vocab_size} (ids 0 to {self.vocab_size - 1})")
+            ids = request.prompt_token_ids
         else:
             ids = self._encode(request.prompt)
         ids = list(ids)
