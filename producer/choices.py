@@ -35,7 +35,8 @@ def choice_requests(request: GenerationRequest, n: int) -> list[GenerationReques
     key = request.idempotency_key
     if key is not None and n > 1 and len(f"{key}#{n - 1}") > MAX_IDEMPOTENCY_KEY:
         raise InvalidRequest(f"invalid 'idempotency_key': with n={n} choices it takes a suffix "
-                             f"#1 to #{n - 1}, and must stay within {MAX_IDEMPOTENCY_KEY} characters")
+                             f"#1 to #{n - 1}, and must stay within {MAX_IDEMPOTENCY_KEY} "
+                             "characters")
     out = []
     for index in range(n):
         sampling = request.sampling.model_copy(update={"choice_index": index})

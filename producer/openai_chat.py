@@ -3,10 +3,11 @@ they are, and the worker renders them with its tokenizer's chat template.
 
 A queue whose live workers have no chat template is refused here with a 400,
 before anything is enqueued (workers say so in their heartbeat). As for
-completions, every field is honoured or refused naming it: tools, logprobs,
-penalties, response formats other than text, audio and the like are refused
-unless they ask for nothing; ``user``, ``safety_identifier`` and ``metadata``
-are kept in the job's metadata; ``developer`` messages are system messages.
+completions, every field is honoured or refused naming it: ``n`` fans the
+request out to n jobs, one per choice; tools, logprobs, response formats other
+than text, audio and the like are refused unless they ask for nothing; ``user``,
+``safety_identifier`` and ``metadata`` are kept in the job's metadata;
+``developer`` messages are system messages.
 """
 
 from __future__ import annotations

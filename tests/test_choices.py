@@ -27,7 +27,8 @@ def test_a_choice_samples_as_the_single_request_with_its_seed_and_index() -> Non
     logits = torch.randn(1, 256, generator=torch.Generator().manual_seed(0))
 
     def drawn(**sampling: int) -> list[int]:
-        seq = Sequence("j", [1], SamplingParams(temperature=1.0, **sampling), TextStream(None))  # type: ignore[arg-type]
+        params = SamplingParams(temperature=1.0, **sampling)
+        seq = Sequence("j", [1], params, TextStream(None))  # type: ignore[arg-type]
         out = []
         for _ in range(12):
             out.append(sample(logits, [seq])[0])

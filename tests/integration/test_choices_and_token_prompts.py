@@ -59,14 +59,13 @@ def test_n_seeded_choices_each_equal_the_single_request_with_that_choice_index(
     assert [client.wait(j, timeout=60).text for j in job_ids] == singles
 
     messages = [{"role": "user", "content": "Tell me about the sea."}]
-    chat = oa.chat.completions.create(model="default", messages=messages,  # type: ignore[call-overload]
-                                      n=3, seed=5, temperature=1.0, max_tokens=6)
+    ask_chat: Any = {"model": "default", "messages": messages, "n": 3, "seed": 5,
+                     "temperature": 1.0, "max_tokens": 6}
+    chat = oa.chat.completions.create(**ask_chat)
     texts = [c.message.content for c in chat.choices]
     assert [c.index for c in chat.choices] == [0, 1, 2]
     deltas = ["", "", ""]
-    for chunk in oa.chat.completions.create(model="default", messages=messages,  # type: ignore[call-overload]
-                                            n=3, seed=5, temperature=1.0, max_tokens=6,
-                                            stream=True):
+    for chunk in oa.chat.completions.create(**ask_chat, stream=True):
         for choice in chunk.choices:
             deltas[choice.index] += choice.delta.content or ""
     assert deltas == texts
