@@ -5,10 +5,10 @@ chat endpoint (``tokenfleet.openai_chat``) shares with it.
 or refused with a 400 that names it; none is silently ignored. ``n`` fans the
 request out to n jobs (``tokenfleet.choices``; ``best_of`` equal to n is the
 same, above it is refused: ranking needs logprobs); ``echo`` puts the prompt
-before each choice's text; ``prompt`` may be token ids. Refused unless they ask
-for nothing (the value a client sends by default): ``logprobs``, ``suffix``
-(insert mode: no served model has fill-in-the-middle). ``user`` is kept in the
-job's metadata. ``presence_penalty``, ``frequency_penalty`` and ``logit_bias``
+before each choice's text; ``prompt`` may be token ids; ``suffix`` asks for
+insert mode, refused for a model without fill-in-the-middle tokens. Refused
+unless it asks for nothing (the value a client sends by default):
+``logprobs``. ``user`` is kept in the job's metadata. ``presence_penalty``, ``frequency_penalty`` and ``logit_bias``
 are honoured as OpenAI defines them, and ``top_k``, ``min_p`` and
 ``repetition_penalty`` as vLLM takes them; any other field is refused as
 unrecognized, as OpenAI does.
@@ -43,7 +43,8 @@ from tokenfleet.openai_errors import (
 )
 from tokenfleet.choices import check_n
 from tokenfleet.openai_fanout import cancel_quietly, merged_batches, wait_while_connected
-from tokenfleet.shared.errors import InvalidRequest, invalid_field, invalid_input
+from tokenfleet.served import served
+from tokenfleet.shared.errors import NO_FIM, InvalidRequest, invalid_field, invalid_input
 from tokenfleet.shared.schemas import (
     REFUSED_BY_WORKER,
     FinishReason,
@@ -67,8 +68,8 @@ PARAMS = {("sampling", "max_new_tokens"): "max_tokens", ("sampling", "temperatur
 FINISH = {FinishReason.EOS: "stop", FinishReason.STOP: "stop", FinishReason.LENGTH: "length"}
 BEST_OF = ("best_of above n is not supported: ranking choices by likelihood needs their "
            "logprobs; ask for n choices (best_of unset or equal to n) and pick among them")
-NO_INSERT = ("suffix is not supported: insert mode needs a model with fill-in-the-middle tokens "
-             "and this gateway serves it for none; leave suffix unset or \"\"")
+SUFFIX_IDS = ("suffix with a prompt of token ids is not supported: insert mode puts the model's "
+              "sentinel tokens around the prompt's text; send the prompt as text")
 ECHO_IDS = ("echo with a prompt of token ids is not supported: this gateway has no tokenizer to "
             "write the prompt's text; send the prompt as text, or leave echo unset")
 # The largest token id a prompt may hold here; the worker checks its vocabulary.
@@ -79,7 +80,6 @@ MAX_TOKEN_ID = 2**31 - 1
 # unset is not the whole advice, the sentence that says what to do instead.
 REFUSED: dict[str, tuple[tuple[Any, ...], str | None]] = {
     "logprobs": ((None,), None),
-    "suffix": ((None, ""), NO_INSERT),
 }
 
 
@@ -143,7 +143,7 @@ class CompletionRequest(Sampling):
     best_of: IntNotBool | None = None
     echo: StrictBool | None = None
     logprobs: Any = None
-    suffix: Any = None
+    suffix: str | None = None
 
     @field_validator("prompt")
     @classmethod
@@ -167,8 +167,10 @@ class CompletionRequest(Sampling):
 
     def generation(self, settings: Any) -> GenerationRequest:
         """The fleet's request for this completion, checked against its limits."""
-        prompt = {"prompt": self.prompt} if isinstance(self.prompt, str) else {
+        prompt: dict[str, Any] = {"prompt": self.prompt} if isinstance(self.prompt, str) else {
             "prompt_token_ids": self.prompt}
+        if self.suffix:  # "" asks for nothing
+            prompt["suffix"] = self.suffix
         return GenerationRequest.model_validate(
             {**prompt, "model": self.model, "metadata": self.user_metadata(),
              "sampling": self.sampling(16 if self.max_tokens is None else self.max_tokens)},
@@ -189,6 +191,8 @@ class CompletionRequest(Sampling):
                 return UNSUPPORTED.response(BEST_OF, param="best_of")
         if self.echo and not isinstance(self.prompt, str):
             return UNSUPPORTED.response(ECHO_IDS, param="echo")
+        if self.suffix and not isinstance(self.prompt, str):
+            return UNSUPPORTED.response(SUFFIX_IDS, param="suffix")
         return None
 
 
@@ -244,6 +248,10 @@ async def complete(client: AsyncFleetClient, body: bytes, request: Request,
         job = ask.generation(client.settings)
     except ValidationError as exc:
         return invalid(exc, PARAMS)
+    if job.suffix is not None:
+        queue = await served(client, job.model)
+        if queue is not None and queue.fim is False:  # None: a worker that does not say
+            return UNSUPPORTED.response(f"model {job.model!r} {NO_FIM}", param="suffix")
     job_ids = await client.submit_choices(job, n=n)  # the app maps the fleet's errors
     head = {"id": f"cmpl-{job_ids[0]}", "object": "text_completion",
             "created": int(time.time()), "model": job.model}

@@ -152,6 +152,9 @@ class GenerationRequest(_Wire):
     # A prompt given as token ids of the queue's model, used as they are (not
     # tokenized again); the worker checks each against its vocabulary.
     prompt_token_ids: list[TokenId] | None = None
+    # Insert mode: the text after the one asked for, for a model trained to fill
+    # in the middle (its worker refuses it otherwise); with a text prompt only.
+    suffix: str | None = None
     sampling: SamplingParams = Field(default_factory=SamplingParams)
     model: str = "default"
     priority: Priority = "normal"
@@ -187,11 +190,15 @@ class GenerationRequest(_Wire):
             raise ValueError("give exactly one of prompt, messages or prompt_token_ids")
         if self.prompt_token_ids is not None and not self.prompt_token_ids:
             raise ValueError("prompt_token_ids is empty")
+        if self.suffix is not None and self.prompt is None:
+            raise ValueError("suffix needs a prompt as text: insert mode fills in between "
+                             "the prompt and the suffix")
         if self.prompt is not None and not self.prompt:
             raise ValueError("prompt is empty")
         if self.messages is not None and not self.messages:
             raise ValueError("messages is empty")
-        chars = len(self.prompt or "") + sum(len(m.content) for m in self.messages or [])
+        chars = (len(self.prompt or "") + len(self.suffix or "")
+                 + sum(len(m.content) for m in self.messages or []))
         if chars > limits.max_prompt_chars:
             raise ValueError(
                 f"prompt is {chars} characters, above this fleet's limit of "

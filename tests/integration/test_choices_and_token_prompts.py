@@ -104,6 +104,9 @@ def test_a_token_id_outside_the_vocabulary_fails_its_job_and_the_worker_keeps_se
         refused.value.message
     failed = client.wait(client.submit(prompt_token_ids=[vocab], max_new_tokens=4), timeout=60)
     assert failed.status is JobStatus.FAILED and f"token id {vocab} " in (failed.error or "")
+    no_fim = client.wait(client.submit(PROMPT, suffix="The end.", max_new_tokens=4), timeout=60)
+    assert no_fim.status is JobStatus.FAILED
+    assert "this model has no fill-in-the-middle tokens" in (no_fim.error or "")
     ok = oa.completions.create(model="default", prompt=[5, vocab - 1], max_tokens=4)
     assert ok.choices[0].finish_reason in ("stop", "length")
 
@@ -121,7 +124,8 @@ FIELDS = [
     ("echo", {"echo": True}, 200, None),
     ("echo", {"echo": 1}, 400, "boolean"),
     ("echo", {"echo": True, "prompt": [1, 2]}, 400, "token ids"),
-    ("suffix", {"suffix": "The end."}, 400, "fill-in-the-middle"),
+    ("suffix", {"suffix": "The end."}, 400, "model 'default' has no fill-in-the-middle"),
+    ("suffix", {"suffix": "The end.", "prompt": [1, 2]}, 400, "token ids"),
     ("suffix", {"suffix": ""}, 200, None),
     ("prompt", {"prompt": [1, 2]}, 200, None),
     ("prompt", {"prompt": [[1, 2]]}, 200, None),

@@ -202,7 +202,7 @@ def test_openai_fields_the_gateway_cannot_honour_are_400_naming_them(
     gateway: Any, r: redis.Redis, settings: Any
 ) -> None:
     http = gateway()
-    refused = {"presence_penalty": 2.5, "frequency_penalty": -3, "suffix": "the end",
+    refused = {"presence_penalty": 2.5, "frequency_penalty": -3, "suffix": 3,
                "logit_bias": {"50": -101}, "echo": 1, "logprobs": 0, "best_of": 2,
                "n": 0, "nonsense": 1, "stream_options": {"include_obfuscation": True}}
     for field, value in refused.items():
