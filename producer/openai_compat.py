@@ -8,19 +8,20 @@ same, above it is refused: ranking needs logprobs); ``echo`` puts the prompt
 before each choice's text; ``prompt`` may be token ids; ``suffix`` asks for
 insert mode, refused for a model without fill-in-the-middle tokens. Refused
 unless it asks for nothing (the value a client sends by default):
-``logprobs``. ``user`` is kept in the job's metadata. ``presence_penalty``, ``frequency_penalty`` and ``logit_bias``
-are honoured as OpenAI defines them, and ``top_k``, ``min_p`` and
-``repetition_penalty`` as vLLM takes them; any other field is refused as
-unrecognized, as OpenAI does.
+``logprobs``. ``user`` is kept in the job's metadata. ``presence_penalty``,
+``frequency_penalty`` and ``logit_bias`` are honoured as OpenAI defines them,
+and ``top_k``, ``min_p`` and ``repetition_penalty`` as vLLM takes them; any
+other field is refused as unrecognized, as OpenAI does.
 
-A client that disconnects before its completion is done cancels the job, so the
-worker's slot is freed.
+A client that disconnects before its completion is done cancels its jobs, so
+the workers' slots are freed.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -162,7 +163,7 @@ class CompletionRequest(Sampling):
         for i, item in enumerate(value):
             if type(item) is not int or not 0 <= item <= MAX_TOKEN_ID:
                 raise ValueError(f"a prompt of token ids must hold integers from 0 to "
-                                 f"{MAX_TOKEN_ID}; item {i} is {orjson.dumps(item).decode()[:40]}")
+                                 f"{MAX_TOKEN_ID}; item {i} is {json.dumps(item)[:40]}")
         return value
 
     def generation(self, settings: Any) -> GenerationRequest:

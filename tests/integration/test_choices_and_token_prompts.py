@@ -10,6 +10,7 @@ import pytest
 import redis
 
 from tokenfleet import FleetClient, InvalidRequest, JobStatus
+from tokenfleet.shared.keys import job_id_in
 
 from gateway_server import gateway, port_of  # noqa: F401  (a fixture)
 from helpers import wait_until
@@ -132,6 +133,7 @@ FIELDS = [
     ("prompt", {"prompt": [1, 2.0]}, 400, "item 1 is 2.0"),
     ("prompt", {"prompt": [1, True]}, 400, "item 1 is true"),
     ("prompt", {"prompt": [1, -2]}, 400, "item 1 is -2"),
+    ("prompt", {"prompt": [1, 2**70]}, 400, f"item 1 is {2**70}"),
     ("prompt", {"prompt": [[1], [2]]}, 400, "batched prompts"),
     ("prompt", {"prompt": ["a", "b"]}, 400, "batched prompts"),
     ("prompt", {"prompt": []}, 400, "empty"),
@@ -179,3 +181,20 @@ def test_a_refused_choice_cancels_the_choices_queued_before_it(
     assert len(keys) == 2
     wait_until(lambda: all(r.hget(k, "status") == b"cancelled" for k in keys), timeout=10,
                what="the queued choices to be cancelled")
+
+
+def test_a_choice_that_ends_otherwise_ends_the_stream_with_its_error_and_cancels_the_others(
+    gateway: Any, client: FleetClient, r: redis.Redis, settings: Any
+) -> None:
+    http = gateway(require_worker=False)  # the choices wait on a queue no worker serves
+    body = {"model": "nobody-serves-this", "prompt": PROMPT, "n": 2, "stream": True}
+    with http.stream("POST", "/v1/completions", json=body) as response:
+        assert response.status_code == 200
+        job_ids = sorted(job_id_in(k.decode(), f"{settings.namespace}:job:")
+                         for k in r.scan_iter(match=f"{settings.namespace}:job:*"))
+        assert len(job_ids) == 2
+        assert client.cancel(job_ids[0])
+        events = [line.removeprefix("data: ") for line in response.iter_lines()
+                  if line.startswith("data: ")]
+    assert events[-1] == "[DONE]" and "ended cancelled" in events[-2], events
+    assert [client.wait(j, timeout=30).status for j in job_ids] == [JobStatus.CANCELLED] * 2

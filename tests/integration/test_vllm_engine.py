@@ -310,3 +310,13 @@ def test_a_prompt_token_id_outside_the_vocabulary_fails_before_vllm_and_the_work
         in failed.error
     assert client.wait(by_ids, timeout=60).text == client.wait(by_text, timeout=60).text
     assert vllm_worker.engine.stats.failed_steps == 0 and not vllm_worker.fatal.is_set()
+
+
+def test_seeded_choices_each_equal_the_single_request_with_that_choice_index(
+        client: FleetClient, vllm_worker: Any) -> None:
+    ask = {"max_new_tokens": 8, "temperature": 1.0, "seed": 11}
+    choices = client.submit_choices(PROMPTS[1], n=3, **ask)
+    singles = [client.submit(PROMPTS[1], choice_index=i, **ask) for i in range(3)]
+    texts = [client.wait(j, timeout=60).text for j in choices]
+    assert texts == [client.wait(j, timeout=60).text for j in singles]
+    assert len(set(texts)) > 1  # vLLM draws each choice with its own seed
