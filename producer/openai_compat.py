@@ -284,12 +284,15 @@ async def chunks(client: AsyncFleetClient, job_ids: list[str], head: dict[str, A
     chunk per piece of text, the choices' interleaved as they come; each
     choice's finish reason (or the first error: the other choices are then
     cancelled); the usage if asked for; ``[DONE]``."""
-    async with cancel_unless_ended(client, job_ids) as ended:
+    # Closed on the way out (a failed choice, a client gone): the other choices'
+    # subscriptions end then, not when the generator is collected.
+    async with cancel_unless_ended(client, job_ids) as ended, \
+            contextlib.aclosing(merged_batches(client, job_ids)) as batches:
         if opening is not None:
             yield b"".join(data({**head, "choices": [{**opening, "index": i}]})
                            for i in range(len(job_ids)))
         states: list[JobState] = []
-        async for index, events in merged_batches(client, job_ids):
+        async for index, events in batches:
             if events is not None:
                 # A backlog goes out as one write: the same chunks, fewer frames.
                 frame = b"".join(data({**head, "choices": [choice(index, e.text, None)]})

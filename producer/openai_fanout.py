@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 
 import anyio
 from fastapi import Request
@@ -23,7 +23,7 @@ Item = tuple[int, "list[TokenEvent] | None | BaseException"]
 
 
 async def merged_batches(client: AsyncFleetClient, job_ids: list[str]
-                         ) -> AsyncIterator[tuple[int, list[TokenEvent] | None]]:
+                         ) -> AsyncGenerator[tuple[int, list[TokenEvent] | None], None]:
     """``(choice index, events)`` from every job as they come, each job's in
     order; ``(index, None)`` once that job's stream has ended. An error of one
     stream is raised here (the others stop)."""

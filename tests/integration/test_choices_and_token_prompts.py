@@ -60,12 +60,12 @@ def test_n_seeded_choices_each_equal_the_single_request_with_that_choice_index(
     assert [client.wait(j, timeout=60).text for j in job_ids] == singles
 
     messages = [{"role": "user", "content": "Tell me about the sea."}]
-    ask_chat: Any = {"model": "default", "messages": messages, "n": 3, "seed": 5,
-                     "temperature": 1.0, "max_tokens": 6}
+    ask_chat: Any = {"model": "default", "messages": messages, "n": 2, "seed": 5,
+                     "temperature": 1.0, "max_tokens": 4}
     chat = oa.chat.completions.create(**ask_chat)
     texts = [c.message.content for c in chat.choices]
-    assert [c.index for c in chat.choices] == [0, 1, 2]
-    deltas = ["", "", ""]
+    assert [c.index for c in chat.choices] == [0, 1]
+    deltas = ["", ""]
     for chunk in oa.chat.completions.create(**ask_chat, stream=True):
         for choice in chunk.choices:
             deltas[choice.index] += choice.delta.content or ""
@@ -79,11 +79,11 @@ def test_a_prompt_of_token_ids_gives_the_text_of_the_same_prompt_as_a_string(
     ids = tok(PROMPT)["input_ids"]
     start_worker()
     oa = openai_client(gateway())
-    greedy = {"model": "default", "max_tokens": 10, "temperature": 0}
+    greedy = {"model": "default", "max_tokens": 6, "temperature": 0}
     text = oa.completions.create(prompt=PROMPT, **greedy).choices[0].text
     assert oa.completions.create(prompt=ids, **greedy).choices[0].text == text
     assert oa.completions.create(prompt=[ids], **greedy).choices[0].text == text
-    by_ids = client.wait(client.submit(prompt_token_ids=ids, max_new_tokens=10,
+    by_ids = client.wait(client.submit(prompt_token_ids=ids, max_new_tokens=6,
                                        temperature=0.0), timeout=60)
     assert by_ids.text == text and by_ids.num_prompt_tokens == len(ids)
     echoed = oa.completions.create(prompt=PROMPT, echo=True, **greedy).choices[0].text
