@@ -8,6 +8,9 @@ import time
 from collections.abc import AsyncGenerator, Coroutine
 from typing import Any, Literal, overload
 
+from redis.exceptions import RedisError
+
+from tokenfleet.choices import check_n, choice_requests
 from tokenfleet.prompt_tokens import count_prompt_tokens, worth_counting
 from tokenfleet.protocol import (
     CANCEL_WAIT_S,
@@ -28,7 +31,7 @@ from tokenfleet.protocol import (
 )
 from tokenfleet.shared.client_scripts import CancelVerdict
 from tokenfleet.shared.clock import FleetClock
-from tokenfleet.shared.errors import JobNotFound, NoWorker
+from tokenfleet.shared.errors import JobNotFound, NoWorker, TokenfleetError
 from tokenfleet.shared.keys import Keys
 from tokenfleet.shared.liveness import live_since
 from tokenfleet.shared.redis_conn import connect_async
@@ -95,6 +98,28 @@ class AsyncFleetClient:
         if job_id is None:
             raise NoWorker(request.model, await self.served_queues())
         return job_id
+
+    async def submit_choices(self, prompt: str | GenerationRequest | None = None, /, *,
+                             n: int, require_worker: bool | None = None,
+                             **kwargs: Any) -> list[str]:
+        """See ``FleetClient.submit_choices``: the n job ids, choice 0 first;
+        queued whole or not at all."""
+        check_n(n, self.settings)
+        request = build_request(prompt, kwargs, self.settings)
+        job_ids: list[str] = []
+        try:
+            for choice in choice_requests(request, n):
+                job_ids.append(await self.submit(choice, require_worker=require_worker))
+        except BaseException:
+            # Shielded: a cancelled caller must not leave the earlier choices running.
+            await asyncio.shield(self.in_background(self._cancel_all(job_ids)))
+            raise
+        return job_ids
+
+    async def _cancel_all(self, job_ids: list[str]) -> None:
+        for job_id in job_ids:
+            with contextlib.suppress(TokenfleetError, RedisError):
+                await self.cancel(job_id, timeout=0)
 
     def generation(self, prompt: str | GenerationRequest | None = None, /, *,
                    require_worker: bool | None = None, **kwargs: Any) -> AsyncGeneration:

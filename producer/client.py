@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Iterator
 from typing import Any, Literal, overload
 
 from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import RedisError
 
+from tokenfleet.choices import check_n, choice_requests
 from tokenfleet.generation import Generation
 from tokenfleet.prompt_tokens import count_prompt_tokens, worth_counting
 from tokenfleet.pubsub_pool import PubSubPool
@@ -30,7 +33,7 @@ from tokenfleet.protocol import (
 )
 from tokenfleet.shared.client_scripts import CancelVerdict
 from tokenfleet.shared.clock import FleetClock
-from tokenfleet.shared.errors import JobNotFound, NoWorker
+from tokenfleet.shared.errors import JobNotFound, NoWorker, TokenfleetError
 from tokenfleet.shared.keys import Keys
 from tokenfleet.shared.liveness import live_since
 from tokenfleet.shared.redis_conn import connect, resubscribe_after
@@ -102,6 +105,28 @@ class FleetClient:
         if job_id is None:
             raise NoWorker(request.model, self.served_queues())
         return job_id
+
+    def submit_choices(self, prompt: str | GenerationRequest | None = None, /, *, n: int,
+                       require_worker: bool | None = None, **kwargs: Any) -> list[str]:
+        """Submit one request as ``n`` choices (``tokenfleet.choices``); returns
+        their job ids, choice 0 first. Each is a job of its own (``wait``,
+        ``stream``, ``cancel`` take it); with a ``seed``, choice i is the single
+        request ``submit(..., seed=seed, choice_index=i)``. ``n`` above
+        ``TOKENFLEET_MAX_N`` is an ``InvalidRequest``. Should a choice be
+        refused (``QueueFull``...), those submitted before it are cancelled and
+        the error raised: the request is queued whole or not at all."""
+        check_n(n, self.settings)
+        request = build_request(prompt, kwargs, self.settings)
+        job_ids: list[str] = []
+        try:
+            for choice in choice_requests(request, n):
+                job_ids.append(self.submit(choice, require_worker=require_worker))
+        except BaseException:
+            for job_id in job_ids:
+                with contextlib.suppress(TokenfleetError, RedisError):
+                    self.cancel(job_id, timeout=0)
+            raise
+        return job_ids
 
     def generation(self, prompt: str | GenerationRequest | None = None, /, *,
                    require_worker: bool | None = None, **kwargs: Any) -> Generation:

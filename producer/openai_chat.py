@@ -3,10 +3,11 @@ they are, and the worker renders them with its tokenizer's chat template.
 
 A queue whose live workers have no chat template is refused here with a 400,
 before anything is enqueued (workers say so in their heartbeat). As for
-completions, every field is honoured or refused naming it: tools, logprobs,
-penalties, response formats other than text, audio and the like are refused
-unless they ask for nothing; ``user``, ``safety_identifier`` and ``metadata``
-are kept in the job's metadata; ``developer`` messages are system messages.
+completions, every field is honoured or refused naming it: ``n`` fans the
+request out to n jobs, one per choice; tools, logprobs, response formats other
+than text, audio and the like are refused unless they ask for nothing; ``user``,
+``safety_identifier`` and ``metadata`` are kept in the job's metadata;
+``developer`` messages are system messages.
 """
 
 from __future__ import annotations
@@ -21,7 +22,6 @@ from pydantic import BaseModel, ConfigDict, ValidationError, field_validator, mo
 from tokenfleet import sse
 from tokenfleet.aio import AsyncFleetClient
 from tokenfleet.openai_compat import (
-    ONE_CHOICE,
     PARAMS,
     Sampling,
     chunks,
@@ -37,7 +37,6 @@ from tokenfleet.shared.schemas import GenerationRequest, IntNotBool
 
 NO_TOOLS = "this gateway has no tools: leave it unset"
 REFUSED: dict[str, tuple[tuple[Any, ...], str | None]] = {
-    "n": ((None, 1), "n other than 1 is not supported: " + ONE_CHOICE),
     "logprobs": ((None, False), None),
     "top_logprobs": ((None,), None),
     "tools": ((None, []), "tools are not supported by this gateway: leave it unset"),
@@ -118,7 +117,6 @@ class ChatRequest(Sampling):
     max_completion_tokens: IntNotBool | None = None
     metadata: dict[str, str] | None = None
     safety_identifier: str | None = None
-    n: Any = None
     logprobs: Any = None
     top_logprobs: Any = None
     tools: Any = None
@@ -163,8 +161,8 @@ def response_format_refusal(value: Any) -> Response | None:
                                 param="response_format")
 
 
-def chat_choice(text: str, finish_reason: str | None) -> dict[str, Any]:
-    return {"index": 0, "delta": {"content": text} if text else {},
+def chat_choice(index: int, text: str, finish_reason: str | None) -> dict[str, Any]:
+    return {"index": index, "delta": {"content": text} if text else {},
             "finish_reason": finish_reason, "logprobs": None}
 
 
@@ -178,6 +176,9 @@ async def chat(client: AsyncFleetClient, body: bytes, request: Request,
         ask = ChatRequest.model_validate_json(body)
     except ValidationError as exc:
         return invalid(exc)
+    n = ask.choices(client.settings)
+    if isinstance(n, Response):
+        return n
     refused = refusal(ask, REFUSED) or response_format_refusal(ask.response_format)
     if refused is not None:
         return refused
@@ -193,16 +194,18 @@ async def chat(client: AsyncFleetClient, body: bytes, request: Request,
             f"model {job.model!r} has no chat template (its tokenizer defines none), so it "
             "cannot take messages: send a prompt to /v1/completions instead, or serve a model "
             "with a chat template", param="model")
-    job_id = await client.submit(job)  # the app maps the fleet's errors to statuses
-    head = {"id": f"chatcmpl-{job_id}", "created": int(time.time()), "model": job.model}
+    job_ids = await client.submit_choices(job, n=n)  # the app maps the fleet's errors
+    head = {"id": f"chatcmpl-{job_ids[0]}", "created": int(time.time()), "model": job.model}
     if ask.stream:
         stream = {**head, "object": "chat.completion.chunk"}
-        return sse.response(chunks(client, job_id, stream, chat_choice, ask.include_usage,
+        return sse.response(chunks(client, job_ids, stream, chat_choice, ask.include_usage,
                                    opening=OPENING), keepalive_s)
-    state = await succeeded(client, job_id, request)
-    if isinstance(state, Response):
-        return state
-    message = {"role": "assistant", "content": state.text, "refusal": None}
-    choice = {"index": 0, "message": message, "finish_reason": finish(state), "logprobs": None}
-    return JSONResponse({**head, "object": "chat.completion", "choices": [choice],
-                         "usage": usage(state)})
+    states = await succeeded(client, job_ids, request)
+    if isinstance(states, Response):
+        return states
+    choices = [{"index": i, "message": {"role": "assistant", "content": state.text,
+                                        "refusal": None},
+                "finish_reason": finish(state), "logprobs": None}
+               for i, state in enumerate(states)]
+    return JSONResponse({**head, "object": "chat.completion", "choices": choices,
+                         "usage": usage(states)})

@@ -2,32 +2,34 @@
 chat endpoint (``tokenfleet.openai_chat``) shares with it.
 
 ``model`` is the queue name. Every field of OpenAI's request is either honoured
-or refused with a 400 that names it; none is silently ignored. Refused unless
-they ask for nothing (the value a client sends by default): ``n`` and
-``best_of`` above 1, ``echo``, ``logprobs``, ``suffix``. ``user`` is kept in the
-job's metadata. ``presence_penalty``, ``frequency_penalty`` and ``logit_bias``
-are honoured as OpenAI defines them, and ``top_k``, ``min_p`` and
-``repetition_penalty`` as vLLM takes them; any other field is refused as
-unrecognized, as OpenAI does.
+or refused with a 400 that names it; none is silently ignored. ``n`` fans the
+request out to n jobs (``tokenfleet.choices``; ``best_of`` equal to n is the
+same, above it is refused: ranking needs logprobs); ``echo`` puts the prompt
+before each choice's text; ``prompt`` may be token ids; ``suffix`` asks for
+insert mode, refused for a model without fill-in-the-middle tokens. Refused
+unless it asks for nothing (the value a client sends by default):
+``logprobs``. ``user`` is kept in the job's metadata. ``presence_penalty``,
+``frequency_penalty`` and ``logit_bias`` are honoured as OpenAI defines them,
+and ``top_k``, ``min_p`` and ``repetition_penalty`` as vLLM takes them; any
+other field is refused as unrecognized, as OpenAI does.
 
-A client that disconnects before its completion is done cancels the job, so the
-worker's slot is freed.
+A client that disconnects before its completion is done cancels its jobs, so
+the workers' slots are freed.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-import anyio
 import orjson
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
-from redis.exceptions import RedisError
+from pydantic import BaseModel, ConfigDict, StrictBool, ValidationError, field_validator
 
 from tokenfleet import sse
 from tokenfleet.aio import AsyncFleetClient
@@ -40,7 +42,10 @@ from tokenfleet.openai_errors import (
     UNSUPPORTED,
     Refusal,
 )
-from tokenfleet.shared.errors import TokenfleetError, invalid_field, invalid_input
+from tokenfleet.choices import check_n
+from tokenfleet.openai_fanout import cancel_quietly, merged_batches, wait_while_connected
+from tokenfleet.served import served
+from tokenfleet.shared.errors import NO_FIM, InvalidRequest, invalid_field, invalid_input
 from tokenfleet.shared.schemas import (
     REFUSED_BY_WORKER,
     FinishReason,
@@ -59,19 +64,23 @@ PARAMS = {("sampling", "max_new_tokens"): "max_tokens", ("sampling", "temperatur
           ("sampling", "presence_penalty"): "presence_penalty",
           ("sampling", "frequency_penalty"): "frequency_penalty",
           ("sampling", "logit_bias"): "logit_bias", ("sampling", "min_p"): "min_p",
-          ("prompt",): "prompt", ("model",): "model", ("metadata",): "user"}
+          ("prompt",): "prompt", ("prompt_token_ids",): "prompt", ("model",): "model",
+          ("metadata",): "user"}
 FINISH = {FinishReason.EOS: "stop", FinishReason.STOP: "stop", FinishReason.LENGTH: "length"}
-ONE_CHOICE = "only one choice per request is supported: send one request per choice"
+BEST_OF = ("best_of above n is not supported: ranking choices by likelihood needs their "
+           "logprobs; ask for n choices (best_of unset or equal to n) and pick among them")
+SUFFIX_IDS = ("suffix with a prompt of token ids is not supported: insert mode puts the model's "
+              "sentinel tokens around the prompt's text; send the prompt as text")
+ECHO_IDS = ("echo with a prompt of token ids is not supported: this gateway has no tokenizer to "
+            "write the prompt's text; send the prompt as text, or leave echo unset")
+# The largest token id a prompt may hold here; the worker checks its vocabulary.
+MAX_TOKEN_ID = 2**31 - 1
 
 # Fields this gateway cannot honour, with the values that ask for nothing (any
 # other is refused with a 400 naming the field), and, where leaving the field
 # unset is not the whole advice, the sentence that says what to do instead.
 REFUSED: dict[str, tuple[tuple[Any, ...], str | None]] = {
-    "n": ((None, 1), "n other than 1 is not supported: " + ONE_CHOICE),
-    "best_of": ((None, 1), "best_of other than 1 is not supported: " + ONE_CHOICE),
-    "echo": ((None, False), None),
     "logprobs": ((None,), None),
-    "suffix": ((None, ""), None),
 }
 
 
@@ -91,6 +100,7 @@ class Sampling(BaseModel):
     logit_bias: dict[str, Any] | None = None  # token id (as text, in JSON): bias
     stop: str | list[str] | None = None
     seed: IntNotBool | None = None
+    n: IntNotBool | None = None
     stream: bool | None = False
     stream_options: dict[str, Any] | None = None
     user: str | None = None
@@ -113,6 +123,13 @@ class Sampling(BaseModel):
             out["stop"] = [self.stop] if isinstance(self.stop, str) else self.stop
         return out
 
+    def choices(self, settings: Any) -> int | Response:
+        """How many choices (jobs) the request asks for, or the 400 that names ``n``."""
+        try:
+            return check_n(1 if self.n is None else self.n, settings)
+        except InvalidRequest as exc:
+            return INVALID_VALUE.response(str(exc), param="n")
+
     def user_metadata(self) -> dict[str, Any]:
         return {} if self.user is None else {"user": self.user}
 
@@ -122,30 +139,62 @@ class Sampling(BaseModel):
 
 
 class CompletionRequest(Sampling):
-    prompt: str | list[Any]
+    prompt: str | list[Any]  # text, or token ids; a list of one of either
     max_tokens: IntNotBool | None = 16
-    n: Any = None
-    best_of: Any = None
-    echo: Any = None
+    best_of: IntNotBool | None = None
+    echo: StrictBool | None = None
     logprobs: Any = None
-    suffix: Any = None
+    suffix: str | None = None
 
     @field_validator("prompt")
     @classmethod
-    def _one_text_prompt(cls, value: str | list[Any]) -> str | list[Any]:
-        if isinstance(value, list) and (len(value) != 1 or not isinstance(value[0], str)):
-            raise ValueError("prompt must be a string or a list of one string; batched and "
-                             "token-id prompts are not supported: send one request per prompt")
+    def _one_prompt(cls, value: str | list[Any]) -> str | list[int]:
+        """One prompt, as text or as token ids (a list of one of either is the same)."""
+        if isinstance(value, str):
+            return value
+        if len(value) == 1 and isinstance(value[0], str | list):
+            value = value[0]
+            if isinstance(value, str):
+                return value
+        if not value:
+            raise ValueError("prompt is empty")
+        if all(isinstance(item, str | list) for item in value):
+            raise ValueError("batched prompts are not supported: send one request per prompt")
+        for i, item in enumerate(value):
+            if type(item) is not int or not 0 <= item <= MAX_TOKEN_ID:
+                raise ValueError(f"a prompt of token ids must hold integers from 0 to "
+                                 f"{MAX_TOKEN_ID}; item {i} is {json.dumps(item)[:40]}")
         return value
 
     def generation(self, settings: Any) -> GenerationRequest:
         """The fleet's request for this completion, checked against its limits."""
-        prompt = self.prompt if isinstance(self.prompt, str) else self.prompt[0]
+        prompt: dict[str, Any] = {"prompt": self.prompt} if isinstance(self.prompt, str) else {
+            "prompt_token_ids": self.prompt}
+        if self.suffix:  # "" asks for nothing
+            prompt["suffix"] = self.suffix
         return GenerationRequest.model_validate(
-            {"prompt": prompt, "model": self.model, "metadata": self.user_metadata(),
+            {**prompt, "model": self.model, "metadata": self.user_metadata(),
              "sampling": self.sampling(16 if self.max_tokens is None else self.max_tokens)},
             context={"settings": settings},
         )
+
+    def refused(self, n: int, settings: Any) -> Response | None:
+        """The 400 for ``best_of`` and ``echo`` where they cannot be honoured."""
+        if self.best_of is not None:
+            try:
+                check_n(self.best_of, settings, "best_of")
+            except InvalidRequest as exc:
+                return INVALID_VALUE.response(str(exc), param="best_of")
+            if self.best_of < n:
+                return INVALID_VALUE.response(f"invalid 'best_of': {self.best_of} is less than "
+                                              f"n ({n}); it must be at least n", param="best_of")
+            if self.best_of > n:
+                return UNSUPPORTED.response(BEST_OF, param="best_of")
+        if self.echo and not isinstance(self.prompt, str):
+            return UNSUPPORTED.response(ECHO_IDS, param="echo")
+        if self.suffix and not isinstance(self.prompt, str):
+            return UNSUPPORTED.response(SUFFIX_IDS, param="suffix")
+        return None
 
 
 def invalid(exc: ValidationError, params: dict[tuple[str, ...], str] | None = None) -> Response:
@@ -190,114 +239,108 @@ async def complete(client: AsyncFleetClient, body: bytes, request: Request,
         ask = CompletionRequest.model_validate_json(body)
     except ValidationError as exc:
         return invalid(exc)
-    refused = refusal(ask, REFUSED)
+    n = ask.choices(client.settings)
+    if isinstance(n, Response):
+        return n
+    refused = refusal(ask, REFUSED) or ask.refused(n, client.settings)
     if refused is not None:
         return refused
     try:
         job = ask.generation(client.settings)
     except ValidationError as exc:
         return invalid(exc, PARAMS)
-    job_id = await client.submit(job)  # the app maps the fleet's errors to statuses
-    head = {"id": f"cmpl-{job_id}", "object": "text_completion", "created": int(time.time()),
-            "model": job.model}
+    if job.suffix is not None:
+        queue = await served(client, job.model)
+        if queue is not None and queue.fim is False:  # None: a worker that does not say
+            return UNSUPPORTED.response(f"model {job.model!r} {NO_FIM}", param="suffix")
+    job_ids = await client.submit_choices(job, n=n)  # the app maps the fleet's errors
+    head = {"id": f"cmpl-{job_ids[0]}", "object": "text_completion",
+            "created": int(time.time()), "model": job.model}
+    echo = ask.prompt if ask.echo and isinstance(ask.prompt, str) else ""
     if ask.stream:
-        return sse.response(chunks(client, job_id, head, completion_choice, ask.include_usage),
-                            keepalive_s)
-    state = await succeeded(client, job_id, request)
-    if isinstance(state, Response):
-        return state
-    choice = completion_choice(state.text, finish(state))
-    return JSONResponse({**head, "choices": [choice], "usage": usage(state)})
+        opening = completion_choice(0, echo, None) if echo else None
+        return sse.response(chunks(client, job_ids, head, completion_choice, ask.include_usage,
+                                   opening), keepalive_s)
+    states = await succeeded(client, job_ids, request)
+    if isinstance(states, Response):
+        return states
+    choices = [completion_choice(i, echo + state.text, finish(state))
+               for i, state in enumerate(states)]
+    return JSONResponse({**head, "choices": choices, "usage": usage(states)})
 
 
-def completion_choice(text: str, finish_reason: str | None) -> dict[str, Any]:
-    return {"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": None}
+def completion_choice(index: int, text: str, finish_reason: str | None) -> dict[str, Any]:
+    return {"index": index, "text": text, "finish_reason": finish_reason, "logprobs": None}
 
 
-Choice = Callable[[str, "str | None"], dict[str, Any]]
+Choice = Callable[[int, str, "str | None"], dict[str, Any]]
 
 
-async def chunks(client: AsyncFleetClient, job_id: str, head: dict[str, Any], choice: Choice,
-                 include_usage: bool, opening: dict[str, Any] | None = None
+async def chunks(client: AsyncFleetClient, job_ids: list[str], head: dict[str, Any],
+                 choice: Choice, include_usage: bool, opening: dict[str, Any] | None = None
                  ) -> AsyncIterator[bytes]:
-    """The job's text as OpenAI stream chunks (``choice`` shapes one): ``opening``
-    first, if given; a chunk per piece of text; the finish reason (or an error);
-    the usage if asked for; ``[DONE]``."""
-    async with cancel_unless_ended(client, job_id) as ended:
+    """The jobs' text as OpenAI stream chunks, one choice each (``choice`` shapes
+    one; job i is choice i): ``opening`` first for each choice, if given; a
+    chunk per piece of text, the choices' interleaved as they come; each
+    choice's finish reason (or the first error: the other choices are then
+    cancelled); the usage if asked for; ``[DONE]``."""
+    # Closed on the way out (a failed choice, a client gone): the other choices'
+    # subscriptions end then, not when the generator is collected.
+    async with cancel_unless_ended(client, job_ids) as ended, \
+            contextlib.aclosing(merged_batches(client, job_ids)) as batches:
         if opening is not None:
-            yield data({**head, "choices": [opening]})
-        async for events in client.stream_batches(job_id):
-            # A backlog goes out as one write: the same chunks, fewer frames.
-            frame = b"".join(data({**head, "choices": [choice(e.text, None)]})
-                             for e in events if e.text)
-            if frame:
-                yield frame
-        state = await client.status(job_id)
+            yield b"".join(data({**head, "choices": [{**opening, "index": i}]})
+                           for i in range(len(job_ids)))
+        states: list[JobState] = []
+        async for index, events in batches:
+            if events is not None:
+                # A backlog goes out as one write: the same chunks, fewer frames.
+                frame = b"".join(data({**head, "choices": [choice(index, e.text, None)]})
+                                 for e in events if e.text)
+                if frame:
+                    yield frame
+                continue
+            state = await client.status(job_ids[index])
+            if state.status is not JobStatus.SUCCEEDED:
+                why = failed(state)
+                yield data({"error": {"message": failure(state), "type": why.type,
+                                      "param": None, "code": why.code}})
+                yield b"data: [DONE]\n\n"
+                return  # leaving the block cancels the other choices
+            states.append(state)
+            yield data({**head, "choices": [choice(index, "", finish(state))]})
         ended.set()
-        if state.status is not JobStatus.SUCCEEDED:
-            why = failed(state)
-            yield data({"error": {"message": failure(state), "type": why.type,
-                                  "param": None, "code": why.code}})
-        else:
-            yield data({**head, "choices": [choice("", finish(state))]})
-            if include_usage:
-                yield data({**head, "choices": [], "usage": usage(state)})
+        if include_usage:
+            yield data({**head, "choices": [], "usage": usage(states)})
         yield b"data: [DONE]\n\n"
 
 
 @contextlib.asynccontextmanager
-async def cancel_unless_ended(client: AsyncFleetClient, job_id: str) -> AsyncIterator[asyncio.Event]:
-    """Cancels the job on exit unless the event was set: the client went away (or
-    the stream broke) before the job ended, so its work is of no use."""
+async def cancel_unless_ended(client: AsyncFleetClient, job_ids: list[str]
+                              ) -> AsyncIterator[asyncio.Event]:
+    """Cancels the jobs on exit unless the event was set: the client went away
+    (or the stream broke, or a choice failed) before they all ended, so their
+    work is of no use."""
     ended = asyncio.Event()
     try:
         yield ended
     finally:
         if not ended.is_set():
-            await cancel_quietly(client, job_id)
+            await cancel_quietly(client, job_ids)
 
 
-async def succeeded(client: AsyncFleetClient, job_id: str, request: Request
-                    ) -> JobState | Response:
-    """The succeeded job's state, or the response that says why there is none:
-    499 when the client left first (the job is cancelled), 500 when the job failed."""
-    state = await wait_while_connected(client, job_id, request)
-    if state is None:
+async def succeeded(client: AsyncFleetClient, job_ids: list[str], request: Request
+                    ) -> list[JobState] | Response:
+    """The succeeded jobs' states, in order, or the response that says why there
+    are none: 499 when the client left first (the jobs are cancelled), else the
+    first failed job's refusal (400 or 500)."""
+    states = await wait_while_connected(client, job_ids, request)
+    if states is None:
         return Response(status_code=499)  # nobody is left to read it
-    if state.status is not JobStatus.SUCCEEDED:
-        return failed(state).response(failure(state))
-    return state
-
-
-async def wait_while_connected(client: AsyncFleetClient, job_id: str,
-                               request: Request) -> JobState | None:
-    """The job's final state, or None (and the job cancelled) if the client left first."""
-    waiter = asyncio.ensure_future(client.wait(job_id))
-    gone = asyncio.ensure_future(_disconnected(request))
-    try:
-        await asyncio.wait({waiter, gone}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        gone.cancel()
-        finished = waiter.done()
-        if not finished:
-            waiter.cancel()
-    if finished:
-        return waiter.result()
-    await cancel_quietly(client, job_id)
-    return None
-
-
-async def _disconnected(request: Request) -> None:
-    # The body has been read: the next ASGI message is the disconnect.
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
-
-
-async def cancel_quietly(client: AsyncFleetClient, job_id: str) -> None:
-    # Shielded: this runs while the request's task is being cancelled. Nobody
-    # waits for the outcome, so the cancel is asked for and not waited on.
-    with anyio.CancelScope(shield=True), contextlib.suppress(TokenfleetError, RedisError):
-        await client.cancel(job_id, timeout=0)
+    for state in states:
+        if state.status is not JobStatus.SUCCEEDED:
+            return failed(state).response(failure(state))
+    return states
 
 
 def data(obj: dict[str, Any]) -> bytes:
@@ -308,8 +351,10 @@ def finish(state: JobState) -> str:
     return FINISH.get(state.finish_reason, "stop") if state.finish_reason else "stop"
 
 
-def usage(state: JobState) -> dict[str, int]:
-    prompt, completion = state.num_prompt_tokens or 0, len(state.token_ids)
+def usage(states: list[JobState]) -> dict[str, int]:
+    """The tokens of a request's choices: their prompt counted once, as OpenAI does."""
+    prompt = (states[0].num_prompt_tokens or 0) if states else 0
+    completion = sum(len(state.token_ids) for state in states)
     return {"prompt_tokens": prompt, "completion_tokens": completion,
             "total_tokens": prompt + completion}
 

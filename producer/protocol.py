@@ -95,6 +95,8 @@ def submission(request: GenerationRequest, keys: Keys, settings: Settings,
     client's limits and its queue's workers'; its prompt's tokens only where the
     caller counted them (``prompt_tokens``), else the worker that takes it
     counts them."""
+    if request.prompt_token_ids is not None:
+        prompt_tokens = len(request.prompt_token_ids)  # counted as given
     job_id = new_job_id(request.model, uuid.uuid4().hex)
     deadline_at = now + request.deadline_s if request.deadline_s else None
     entry = QueueEntry(job_id=job_id, request=request, created_at=now, deadline_at=deadline_at)
@@ -127,6 +129,8 @@ def submission(request: GenerationRequest, keys: Keys, settings: Settings,
 def backlog_weight(request: GenerationRequest) -> int:
     """The job's work in tokens, for the backlog gauge: the prompt is not
     tokenized on this side, so its tokens are estimated at 4 bytes each."""
+    if request.prompt_token_ids is not None:
+        return len(request.prompt_token_ids) + request.sampling.max_new_tokens
     text = request.prompt or "".join(m.content for m in request.messages or [])
     return -(-len(text.encode()) // 4) + request.sampling.max_new_tokens
 

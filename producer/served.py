@@ -3,7 +3,8 @@
 Read from what workers write on every heartbeat: ``<ns>:served:<queue>`` (a
 sorted set of worker names by the time until which each counts as live:
 ``tokenfleet.shared.liveness``) and each worker's hash ``<ns>:workers:<name>``
-(``model``, and ``chat``: 1 when its tokenizer has a chat template).
+(``model``; ``chat``: 1 when its tokenizer has a chat template; ``fim``: 1
+when it declares fill-in-the-middle tokens).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ class Served:
     # Whether the queue's model has a chat template: False if a live worker says
     # it has none, None if one does not say (a worker older than the field).
     chat: bool | None
+    fim: bool | None = None  # the same for fill-in-the-middle tokens (insert mode)
 
     def as_openai(self) -> dict[str, Any]:
         """An OpenAI ``model`` object; ``created`` is unknown to the fleet, so 0."""
@@ -39,12 +41,17 @@ async def served(client: Any, queue: str) -> Served | None:
         return None
     pipe = client.redis.pipeline(transaction=False)
     for name in names:
-        pipe.hmget(client.keys.worker(name), ["model", "chat"])
+        pipe.hmget(client.keys.worker(name), ["model", "chat", "fim"])
     rows = [[(v.decode() if v is not None else None) for v in row] for row in await pipe.execute()]
-    chats = {chat for _model, chat in rows}
-    chat = False if "0" in chats else (True if chats == {"1"} else None)
-    models = sorted({model for model, _chat in rows if model})
-    return Served(queue, names, models, chat)
+    models = sorted({model for model, _chat, _fim in rows if model})
+    return Served(queue, names, models, _all_say({row[1] for row in rows}),
+                  _all_say({row[2] for row in rows}))
+
+
+def _all_say(flags: set[str | None]) -> bool | None:
+    """False if a live worker says no, True if every one says yes, else None
+    (one does not say: a worker older than the field)."""
+    return False if "0" in flags else (True if flags == {"1"} else None)
 
 
 async def served_queues(client: Any) -> list[Served]:

@@ -9,6 +9,11 @@ from pydantic import ValidationError
 from redis.exceptions import AuthenticationError, ConnectionError
 
 
+# Why a model refuses a suffix (insert mode), after its name.
+NO_FIM = ("has no fill-in-the-middle tokens (its tokenizer declares none), so it cannot take a "
+          "suffix: leave suffix unset, or serve a model trained for insert mode")
+
+
 class TokenfleetError(Exception):
     """Base of the fleet's own errors."""
 

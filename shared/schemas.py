@@ -18,6 +18,7 @@ from pydantic import (
     BeforeValidator,
     ConfigDict,
     Field,
+    Strict,
     ValidationInfo,
     field_validator,
     model_validator,
@@ -29,6 +30,8 @@ from tokenfleet.shared.settings import Settings, get_settings
 # How deep metadata may nest (orjson itself stops at 255; a bound here keeps the
 # check cheap and the message clear).
 MAX_METADATA_DEPTH = 32
+# The longest idempotency key.
+MAX_IDEMPOTENCY_KEY = 128
 # How many tokens one request may bias (OpenAI's own bound is of this order).
 MAX_LOGIT_BIAS = 300
 
@@ -74,6 +77,15 @@ class SamplingParams(_Wire):
         default_factory=dict, description="token id: a bias from -100 to 100 added to its logit")
     min_p: FloatNotBool = Field(default=0.0, ge=0.0, le=1.0,
                          description="drop tokens below min_p times the likeliest one's probability")
+    # Which choice of an n-choice request this job is: with a seed, choice i
+    # draws with choice_seed(seed, i), so it is the same as the single request
+    # with that seed and choice_index (choice 0 is the plain seeded request).
+    choice_index: IntNotBool = Field(default=0, ge=0, lt=2**31)
+
+    @property
+    def draw_seed(self) -> int | None:
+        """The seed this job's draws use (:func:`choice_seed`), None when unseeded."""
+        return None if self.seed is None else choice_seed(self.seed, self.choice_index)
 
     @field_validator("logit_bias")
     @classmethod
@@ -111,12 +123,25 @@ class SamplingParams(_Wire):
         return value
 
 
+def choice_seed(seed: int, choice_index: int) -> int:
+    """The seed of choice ``choice_index`` of a request seeded ``seed``: the seed
+    itself for choice 0, else a hash of both (below 2**63, as a seed must be), so
+    the choices of one request draw independently of each other and of the
+    requests seeded ``seed + 1``, ``seed + 2``..."""
+    if choice_index == 0:
+        return seed
+    digest = hashlib.blake2b(f"{seed}:choice:{choice_index}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
+
+
 class ChatMessage(_Wire):
     role: Literal["system", "user", "assistant", "tool"]
     content: str
 
 
 Priority = Literal["high", "normal", "low"]
+# A token id as a request gives it: a JSON integer, never a float or a boolean.
+TokenId = Annotated[int, Strict(), Field(ge=0, lt=2**31)]
 
 
 class GenerationRequest(_Wire):
@@ -124,12 +149,19 @@ class GenerationRequest(_Wire):
 
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
+    # A prompt given as token ids of the queue's model, used as they are (not
+    # tokenized again); the worker checks each against its vocabulary.
+    prompt_token_ids: list[TokenId] | None = None
+    # Insert mode: the text after the one asked for, for a model trained to fill
+    # in the middle (its worker refuses it otherwise); with a text prompt only.
+    suffix: str | None = None
     sampling: SamplingParams = Field(default_factory=SamplingParams)
     model: str = "default"
     priority: Priority = "normal"
     deadline_s: FloatNotBool | None = Field(default=None, gt=0.0,
                                             description="seconds from submit")
-    idempotency_key: str | None = Field(default=None, min_length=1, max_length=128)
+    idempotency_key: str | None = Field(default=None, min_length=1,
+                                        max_length=MAX_IDEMPOTENCY_KEY)
     metadata: dict[str, Any] = Field(default_factory=dict)
 
     @field_validator("model")
@@ -153,13 +185,20 @@ class GenerationRequest(_Wire):
     @model_validator(mode="after")
     def _one_input_within_limits(self, info: ValidationInfo) -> GenerationRequest:
         limits = _limits(info)
-        if (self.prompt is None) == (self.messages is None):
-            raise ValueError("give exactly one of prompt or messages")
+        given = [self.prompt, self.messages, self.prompt_token_ids]
+        if sum(x is not None for x in given) != 1:
+            raise ValueError("give exactly one of prompt, messages or prompt_token_ids")
+        if self.prompt_token_ids is not None and not self.prompt_token_ids:
+            raise ValueError("prompt_token_ids is empty")
+        if self.suffix is not None and self.prompt is None:
+            raise ValueError("suffix needs a prompt as text: insert mode fills in between "
+                             "the prompt and the suffix")
         if self.prompt is not None and not self.prompt:
             raise ValueError("prompt is empty")
         if self.messages is not None and not self.messages:
             raise ValueError("messages is empty")
-        chars = len(self.prompt or "") + sum(len(m.content) for m in self.messages or [])
+        chars = (len(self.prompt or "") + len(self.suffix or "")
+                 + sum(len(m.content) for m in self.messages or []))
         if chars > limits.max_prompt_chars:
             raise ValueError(
                 f"prompt is {chars} characters, above this fleet's limit of "

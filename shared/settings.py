@@ -126,6 +126,8 @@ class Settings(BaseSettings):
         "The most stop strings a request may carry."))
     max_metadata_bytes: int = Field(default=4096, ge=0, description=(
         "The largest metadata of a request, in bytes of JSON."))
+    max_n: int = Field(default=16, ge=1, description=(
+        "The most choices (n, best_of) one request may fan out to; each is a job of its own."))
     # A worker's running batch may hold at most this many tokens (prompts plus
     # max_new_tokens of every running job): the bound on its KV cache. "auto":
     # what the memory budget holds.

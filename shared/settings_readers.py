@@ -45,6 +45,7 @@ READ_BY: dict[str, str] = {
     "max_payload_bytes": LIMIT,
     "max_stop_strings": EACH,
     "max_metadata_bytes": EACH,
+    "max_n": CLIENT,
     "max_batch_tokens": WORKER,
     "gpu_memory_utilization": WORKER,
     "cpu_memory_fraction": WORKER,

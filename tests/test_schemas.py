@@ -29,7 +29,7 @@ def test_limits_follow_the_settings_given_as_context() -> None:
 @pytest.mark.parametrize(
     "data, message",
     [
-        ({}, "exactly one of prompt or messages"),
+        ({}, "exactly one of prompt, messages or prompt_token_ids"),
         ({"prompt": "a", "messages": [{"role": "user", "content": "b"}]}, "exactly one"),
         ({"prompt": ""}, "prompt is empty"),
         ({"prompt": "a", "model": "no spaces allowed"}, "queue name"),

@@ -11,11 +11,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from tokenfleet.shared.errors import LimitExceeded
+from tokenfleet.shared.errors import NO_FIM, LimitExceeded
 from tokenfleet.shared.limits import worker_limits
 from tokenfleet.shared.schemas import GenerationRequest, QueueEntry
 from tokenfleet.shared.settings import Settings
 from tokenfleet.workers.detokenizer import TextStream
+from tokenfleet.workers.fim import fim_format
 from tokenfleet.workers.sequence import Sequence
 
 
@@ -41,6 +42,7 @@ class Admission:
         self.refusal = refusal
         self.limits = worker_limits(settings, max_model_len)
         self._encode = _fast_encoder(tokenizer)
+        self.fim = fim_format(tokenizer)
 
     @property
     def has_chat_template(self) -> bool:
@@ -55,6 +57,18 @@ class Admission:
             ids = self.tokenizer.apply_chat_template(
                 messages, add_generation_prompt=True, tokenize=True, return_dict=False
             )
+        elif request.prompt_token_ids is not None:
+            # Given as ids, they skip the tokenizer: checked here, before any
+            # engine sees one (an id past the embedding crashes the whole step).
+            beyond = [t for t in request.prompt_token_ids if t >= self.vocab_size]
+            if beyond:
+                raise Rejected(f"prompt token id {beyond[0]} is outside this model's vocabulary "
+                               f"of {self.vocab_size} (ids 0 to {self.vocab_size - 1})")
+            ids = request.prompt_token_ids
+        elif request.suffix is not None:
+            if self.fim is None:
+                raise Rejected("this model " + NO_FIM)
+            ids = self._encode(self.fim.prompt(request.prompt or "", request.suffix))
         else:
             ids = self._encode(request.prompt)
         ids = list(ids)

@@ -10,7 +10,8 @@ temperature; min-p; top-k; top-p. Each costs only the rows that ask for it.
 
 Sampled rows draw by inversion: one uniform number u per row picks the token at
 which the row's cumulative probability passes u. A seeded job's u is a hash of
-its seed and the index of the token being drawn, so its tokens depend neither on
+its seed (for choice i of an n-choice request, ``SamplingParams.draw_seed``)
+and the index of the token being drawn, so its tokens depend neither on
 the other rows of the batch nor on any generator state: a job resumed elsewhere,
 or prefilled again after a failed step, draws the same tokens without replaying
 anything.
@@ -74,7 +75,7 @@ def _draw(logits: torch.Tensor, seqs: Seq[Sequence]) -> torch.Tensor:
     params = [s.sampling for s in seqs]
     host = torch.tensor(
         [[p.temperature, p.top_k or vocab, p.top_p,
-          -1.0 if p.seed is None else seeded_uniform(p.seed, len(s.generated))]
+          -1.0 if p.draw_seed is None else seeded_uniform(p.draw_seed, len(s.generated))]
          for s, p in zip(seqs, params)], dtype=torch.float64)
     table = _to_device(host, device)
     temperature, top_k, top_p, seeded_u = table.unbind(dim=1)

@@ -132,7 +132,7 @@ class VLLMEngine(Engine):
         s = seq.sampling
         return self._vllm.SamplingParams(
             max_tokens=budget, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
-            seed=s.seed, repetition_penalty=s.repetition_penalty,
+            seed=s.draw_seed, repetition_penalty=s.repetition_penalty,
             presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty,
             min_p=s.min_p, logit_bias=dict(s.logit_bias) or None,
             # vLLM stops on these too, so it never runs past a job's end; stop

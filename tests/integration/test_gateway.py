@@ -202,16 +202,16 @@ def test_openai_fields_the_gateway_cannot_honour_are_400_naming_them(
     gateway: Any, r: redis.Redis, settings: Any
 ) -> None:
     http = gateway()
-    refused = {"presence_penalty": 2.5, "frequency_penalty": -3, "suffix": "the end",
-               "logit_bias": {"50": -101}, "echo": True, "logprobs": 0, "best_of": 2,
-               "n": 3, "nonsense": 1, "stream_options": {"include_obfuscation": True}}
+    refused = {"presence_penalty": 2.5, "frequency_penalty": -3, "suffix": 3,
+               "logit_bias": {"50": -101}, "echo": 1, "logprobs": 0, "best_of": 2,
+               "n": 0, "nonsense": 1, "stream_options": {"include_obfuscation": True}}
     for field, value in refused.items():
         response = http.post("/v1/completions", json={"prompt": "hi", field: value})
         assert response.status_code == 400, (field, response.text)
         err = response.json()["error"]
         assert err["param"] == field and field in err["message"], err
     chat = {"tools": [{"type": "function", "function": {"name": "f"}}], "logprobs": True,
-            "response_format": {"type": "json_object"}, "presence_penalty": 2.5, "n": 2,
+            "response_format": {"type": "json_object"}, "presence_penalty": 2.5, "n": 17,
             "tool_choice": "auto", "store": True, "audio": {"voice": "x"}}
     for field, value in chat.items():
         response = http.post("/v1/chat/completions", json={
@@ -291,7 +291,7 @@ def test_a_gateway_started_while_redis_is_down_answers_503_from_the_first_reques
 
 def test_completion_errors_are_400_in_openai_shape_naming_the_param(gateway: Any) -> None:
     http = gateway()
-    cases = [({"prompt": "hi", "n": 2}, "n"), ({"prompt": "hi", "max_tokens": 10**6}, "max_tokens"),
+    cases = [({"prompt": "hi", "n": 99}, "n"), ({"prompt": "hi", "max_tokens": 10**6}, "max_tokens"),
              ({"prompt": "hi", "temperature": -1}, "temperature"), ({"prompt": ["a", "b"]}, "prompt"),
              ({"prompt": ""}, None), ({"model": "no/slashes", "prompt": "hi"}, "model"),
              ({"max_tokens": 3}, "prompt")]

@@ -294,3 +294,29 @@ def test_penalties_bias_and_min_p_give_the_built_in_engines_tokens(
     tokens = run(built_in)
     assert tokens == run(vllm_engine)
     assert tokens[0] != tokens[-1]  # the penalty changed something
+
+
+def test_a_prompt_token_id_outside_the_vocabulary_fails_before_vllm_and_the_worker_serves_on(
+        client: FleetClient, vllm_worker: Any, loaded_tiny: Any) -> None:
+    # vLLM, its tokenizer skipped, would index past its embedding: the worker checks first.
+    _, tok = loaded_tiny
+    ids = tok(PROMPTS[0])["input_ids"]
+    outside = client.submit(prompt_token_ids=[*ids, len(tok) + 7], max_new_tokens=4)
+    by_ids = client.submit(prompt_token_ids=ids, max_new_tokens=8, temperature=0.0)
+    by_text = client.submit(PROMPTS[0], max_new_tokens=8, temperature=0.0)
+    failed = client.wait(outside, timeout=60)
+    assert failed.status is JobStatus.FAILED and failed.error is not None
+    assert f"prompt token id {len(tok) + 7} is outside this model's vocabulary of {len(tok)}" \
+        in failed.error
+    assert client.wait(by_ids, timeout=60).text == client.wait(by_text, timeout=60).text
+    assert vllm_worker.engine.stats.failed_steps == 0 and not vllm_worker.fatal.is_set()
+
+
+def test_seeded_choices_each_equal_the_single_request_with_that_choice_index(
+        client: FleetClient, vllm_worker: Any) -> None:
+    ask = {"max_new_tokens": 8, "temperature": 1.0, "seed": 11}
+    choices = client.submit_choices(PROMPTS[1], n=3, **ask)
+    singles = [client.submit(PROMPTS[1], choice_index=i, **ask) for i in range(3)]
+    texts = [client.wait(j, timeout=60).text for j in choices]
+    assert texts == [client.wait(j, timeout=60).text for j in singles]
+    assert len(set(texts)) > 1  # vLLM draws each choice with its own seed
