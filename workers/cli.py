@@ -593,5 +593,11 @@ def export_model(name: str, directory: Path) -> None:
     click.echo(f"wrote {name} to {out}")
 
 
+# Kept in a module of their own; registered here, after the group they join.
+from tokenfleet.workers.cli_queue import metrics_exporter, queue  # noqa: E402
+
+main.add_command(queue)
+main.add_command(metrics_exporter)
+
 if __name__ == "__main__":
     main()
