@@ -100,7 +100,7 @@ def metrics_exporter(host: str, port: int, redis_url: str | None) -> None:
     KEDA ScaledObject scales a pool on, workers or none."""
     from tokenfleet.workers.preflight import need_extra, need_free_port
 
-    need_extra("metrics-exporter", "gateway")
+    need_extra("metrics-exporter", "exporter")
     from prometheus_client import start_http_server
 
     from tokenfleet.backlog_metrics import registry
