@@ -157,7 +157,8 @@ def _batch_size(ctx: click.Context, param: click.Parameter, value: str | None) -
 @click.option("--gpus-per-worker", type=click.IntRange(min=1), default=1, show_default=True,
               help="GPUs one worker process drives together (vLLM tensor parallelism)")
 @click.option("--metrics-port", type=int, default=None,
-              help="serve Prometheus metrics; the worker of the i-th GPU uses PORT+i")
+              help="serve Prometheus metrics and the /healthz, /readyz probes; the worker of "
+                   "the i-th GPU uses PORT+i")
 @click.option("--max-restarts", default=5, show_default=True,
               help="give up on a worker process that dies this many times in 5 minutes")
 @redis_option
