@@ -79,7 +79,7 @@ def backlog(port: int, queue: str) -> dict[str, float]:
 
 async def submit_async(settings: Any) -> str:
     async with AsyncFleetClient(settings=settings) as c:
-        return await c.submit("from asyncio", model=POOL, max_new_tokens=2)
+        return await c.submit("from asyncio", model=POOL, max_new_tokens=1)
 
 
 def test_a_declared_queue_takes_jobs_with_no_worker_and_a_worker_drains_its_backlog(
@@ -89,7 +89,7 @@ def test_a_declared_queue_takes_jobs_with_no_worker_and_a_worker_drains_its_back
     # Declared, nothing queued yet: the scaler's query reads 0, not nothing.
     assert backlog(exporter, POOL) == {p: 0 for p in PRIORITIES}
 
-    ids = [client.submit(f"job {i}", model=POOL, max_new_tokens=2, priority=PRIORITIES[i % 3])
+    ids = [client.submit(f"job {i}", model=POOL, max_new_tokens=1, priority=PRIORITIES[i % 3])
            for i in range(99)]
     ids.append(asyncio.run(submit_async(settings)))
     assert backlog(exporter, POOL) == {"high": 33, "normal": 34, "low": 33}
@@ -100,10 +100,10 @@ def test_a_declared_queue_takes_jobs_with_no_worker_and_a_worker_drains_its_back
     assert queue["backlog_tokens"] > 0
     assert "none (autoscaled, min 0)" in plain(report)
 
-    start_worker(queue=POOL)
+    start_worker(queue=POOL, max_batch=64)
     states = [client.wait(job_id, timeout=120) for job_id in ids]
     assert [s.status for s in states] == [JobStatus.SUCCEEDED] * 100
-    assert all(len(s.token_ids) == 2 for s in states)
+    assert all(len(s.token_ids) == 1 for s in states)
     assert backlog(exporter, POOL) == {p: 0 for p in PRIORITIES}
     text = scrape(exporter) or ""
     assert f'tokenfleet_queue_backlog_tokens{{queue="{POOL}"}} 0.0' in text

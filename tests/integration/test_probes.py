@@ -19,7 +19,7 @@ from tokenfleet.shared.schemas import JobStatus
 
 from helpers import free_port, wait_until
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.timeout(240), pytest.mark.slow]  # two Celery processes start
 STEP_MS = 1200  # the gpu-sim worker's step: longer than a probe's period
 
 
