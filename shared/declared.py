@@ -41,10 +41,12 @@ def declare(r: Any, keys: Keys, queue: str, min_workers: int, now: float) -> boo
     if min_workers < 0:
         raise ValueError(f"min_workers must be 0 or more, got {min_workers}")
     key = keys.declared(queue)
+    pipe = r.pipeline(transaction=True)  # one key: one slot on a Cluster too
     # HSETNX keeps the first creation time when a declaration is changed.
-    new = bool(r.hsetnx(key, "created_at", repr(now)))
-    r.hset(key, "min_workers", min_workers)
-    return new
+    pipe.hsetnx(key, "created_at", repr(now))
+    pipe.hset(key, "min_workers", min_workers)
+    new, _ = pipe.execute()
+    return bool(new)
 
 
 def undeclare(r: Any, keys: Keys, queue: str) -> bool:
