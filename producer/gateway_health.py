@@ -51,14 +51,20 @@ async def readyz(request: Request) -> Response:
     except RedisBusy as exc:
         return _not_ready(str(exc))
     except TimeoutError:
-        waiting = getattr(client.redis.connection_pool, "waiting", 0)
-        if waiting:
-            return _not_ready(f"every Redis connection of this gateway is in use ({waiting} "
-                              "request(s) waiting for one): TOKENFLEET_GATEWAY_REDIS_CONNECTIONS")
+        if _pool_full(client.redis):
+            return _not_ready("every Redis connection of this gateway is in use: "
+                              "TOKENFLEET_GATEWAY_REDIS_CONNECTIONS")
         return _not_ready(f"Redis does not answer PING within {HEALTH_TIMEOUT_S:g}s")
     except (RedisError, OSError):
         return _not_ready("Redis does not answer PING")
     return JSONResponse({"ok": True})
+
+
+def _pool_full(redis: Any) -> bool:
+    """Whether the client's pool has no connection to give (one server's pool;
+    a Cluster client's pools are per node: not judged)."""
+    pool = getattr(redis, "connection_pool", None)
+    return pool is not None and not pool.can_get_connection()
 
 
 def _not_ready(why: str) -> Response:
