@@ -13,6 +13,7 @@ from redis.exceptions import ResponseError
 
 from tokenfleet.shared.client_scripts import ExpireVerdict, expire, forget_queue
 from tokenfleet.shared.clock import redis_now
+from tokenfleet.shared.declared import declared_queues
 from tokenfleet.shared.keys import GROUP, PRIORITIES, Keys, level_queue, model_of
 from tokenfleet.shared.liveness import live_since
 from tokenfleet.shared.schemas import (
@@ -31,12 +32,16 @@ def fleet_status(client: Any) -> dict[str, Any]:
     A read: nothing is written. A queue with nothing waiting or pending and no
     live worker is left out: a model name submitted once (mistyped, or queued
     ahead and expired) would otherwise show for good. ``repair_fleet`` deletes
-    its keys. Every age and liveness is judged on Redis's clock, the one
-    heartbeats and queue entry ids are written on.
+    its keys. A declared queue (``tokenfleet queue create``) always shows, with
+    its ``min_workers``: its pool may be scaled to zero. Every age and
+    liveness is judged on Redis's clock, the one heartbeats and queue entry
+    ids are written on.
     """
     r, keys = client.redis, client.keys
     now = redis_now(r)
-    queues = [_queue(r, keys, model, now) for model in _models(r, keys)]
+    declared = {d.queue: d.min_workers for d in declared_queues(r, keys)}
+    models = sorted({*queue_models(r, keys), *declared})
+    queues = [_queue(r, keys, model, now) for model in models]
     workers = []
     for raw in sorted(r.scan_iter(match=keys.workers_pattern(), count=500)):
         fields = {k.decode(): v.decode() for k, v in r.hgetall(raw).items()}
@@ -48,8 +53,9 @@ def fleet_status(client: Any) -> dict[str, Any]:
     for q in queues:
         q["workers"] = sum(1 for w in workers if w.get("queue") == q["queue"] and _live(w, now))
         q["unserved"] = q["workers"] == 0
-    queues = [q for q in queues
-              if not (q["unserved"] and q["depth"] == 0 and q["pending"] == 0)]
+        q["min_workers"] = declared.get(q["queue"])  # None: not declared
+    queues = [q for q in queues if q["min_workers"] is not None
+              or not (q["unserved"] and q["depth"] == 0 and q["pending"] == 0)]
     return {
         "queues": queues,
         "workers": workers,
@@ -83,7 +89,8 @@ _NUMBERS: dict[str, type] = {"pid": int, "max_batch": int, "prefetch": int, "run
                              "alive_until": float}
 
 
-def _models(r: Any, keys: Keys) -> list[str]:
+def queue_models(r: Any, keys: Keys) -> list[str]:
+    """Every model with a stream key (any level)."""
     return sorted({model_of(keys.queue_of(raw.decode()))
                    for raw in r.scan_iter(match=keys.queues_pattern(), count=500)})
 
@@ -132,7 +139,7 @@ def repair_fleet(client: Any, page: int = 500) -> Repaired:
     r, keys = client.redis, client.keys
     now = redis_now(r)  # the clock deadlines and heartbeats are written on
     since = live_since(now)
-    models = _models(r, keys)
+    models = queue_models(r, keys)
     expired = 0
     for model in models:
         if r.zcount(keys.queue_workers(model), since, "+inf"):
@@ -236,7 +243,7 @@ def tables(report: dict[str, Any]) -> list[Table]:
         levels = "/".join(str(q["levels"][p]) for p in PRIORITIES)
         queues.append([q["queue"], f"{q['depth']} ({levels})", str(q["lag"]), str(q["pending"]),
                        wait, str(q["backlog_tokens"]), str(q["dead_letters"]),
-                       str(q["workers"]) if q["workers"] else "none"])
+                       _workers_cell(q)])
     workers = []
     for w in report["workers"]:
         stats = w["stats"]
@@ -249,6 +256,14 @@ def tables(report: dict[str, Any]) -> list[Table]:
                         "backlog tokens", "dead letters", "workers"], queues),
             ("workers", ["node", "device", "model", "queue", "batch", "peak", "tokens/s", "jobs",
                          "heartbeat"], workers)]
+
+
+def _workers_cell(queue: dict[str, Any]) -> str:
+    """Live workers; for a declared queue its pool's floor too (a pool scaled
+    to zero is no fault: its backlog wakes it)."""
+    shown = str(queue["workers"]) if queue["workers"] else "none"
+    floor = queue.get("min_workers")
+    return shown if floor is None else f"{shown} (autoscaled, min {floor})"
 
 
 def plain(report: dict[str, Any]) -> str:

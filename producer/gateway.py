@@ -7,8 +7,8 @@
   ``Last-Event-ID``;
 - OpenAI-compatible ``POST /v1/completions`` (``tokenfleet.openai_compat``),
   ``POST /v1/chat/completions`` (``tokenfleet.openai_chat``), ``GET /v1/models`` and
-  ``GET /v1/models/{id}`` (the queues live workers serve);
-- ``GET /healthz``: whether Redis answers.
+  ``GET /v1/models/{id}`` (the queues live workers serve, and the declared ones);
+- ``GET /healthz`` (live) and ``GET /readyz`` (ready): ``tokenfleet.gateway_health``.
 
 Event streams send a keep-alive comment every ``sse_keepalive_s`` while nothing
 else goes out; the server bounds the time a client takes to send a request's head
@@ -38,6 +38,8 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from tokenfleet import openai_chat, openai_compat, sse
 from tokenfleet.aio import AsyncFleetClient
+from tokenfleet.gateway_health import HEALTH_TIMEOUT_S, GatewayServer
+from tokenfleet.gateway_health import router as health_router
 from tokenfleet.openai_errors import (
     BODY_TIMEOUT,
     FLEET_ERRORS,
@@ -48,7 +50,7 @@ from tokenfleet.openai_errors import (
     TOO_LARGE,
     Refusal,
 )
-from tokenfleet.served import served, served_queues
+from tokenfleet.served import listed, listed_queues, served, served_queues
 from tokenfleet.shared.compat.uvicorn_h11 import MAX_HEAD_BYTES
 from tokenfleet.shared.errors import (
     JobNotFound,
@@ -61,10 +63,6 @@ from tokenfleet.shared.redis_pool import PoolBound
 from tokenfleet.shared.schemas import GenerationRequest, JobState
 from tokenfleet.shared.settings import Settings, get_settings
 from tokenfleet.timeouts import BodyDeadline, BodyTimeout, head_deadline_protocol
-
-# A health probe must answer fast: the client's own retries (riding out a Redis
-# restart) would otherwise keep it waiting for many seconds.
-HEALTH_TIMEOUT_S = 2.0
 
 router = APIRouter()
 
@@ -140,6 +138,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     app = FastAPI(title="tokenfleet gateway", lifespan=lifespan)
     app.include_router(router)
+    app.include_router(health_router)
     app.add_middleware(BodyDeadline, timeout_s=settings.body_timeout_s)
     app.add_exception_handler(RedisConnectionError, _redis_unreachable)
     # Redis is up, the pool is full: these classes are more specific than the
@@ -180,7 +179,7 @@ def serve(host: str = "127.0.0.1", port: int = 8000, *, settings: Settings | Non
     overrides = {name: value for name, value in given.items() if value is not None}
     if overrides:
         settings = Settings.model_validate({**settings.model_dump(), **overrides})
-    uvicorn.Server(server_config(settings, host=host, port=port)).run()
+    GatewayServer(server_config(settings, host=host, port=port)).run()
 
 
 def _openai_path(path: str) -> bool:
@@ -335,25 +334,14 @@ async def chat_completions(request: Request) -> Response:
 
 @router.get("/v1/models")
 async def list_models(request: Request) -> dict[str, Any]:
-    """The queues live workers serve, as OpenAI lists models."""
-    return {"object": "list", "data": [s.as_openai() for s in await served_queues(fleet(request))]}
+    """The queues live workers serve, and the declared ones (their pool may be
+    scaled to zero), as OpenAI lists models."""
+    return {"object": "list", "data": [s.as_openai() for s in await listed_queues(fleet(request))]}
 
 
 @router.get("/v1/models/{model}")
 async def get_model(model: str, request: Request) -> Response:
-    found = await served(fleet(request), model)
+    found = await listed(fleet(request), model)
     if found is None:
         return await _model_not_found(request, model, None)
     return JSONResponse(found.as_openai())
-
-
-@router.get("/healthz")
-async def healthz(request: Request) -> Response:
-    try:
-        async with asyncio.timeout(HEALTH_TIMEOUT_S):
-            await fleet(request).redis.ping()
-    except RedisBusy as exc:
-        return JSONResponse({"ok": False, "error": str(exc)}, status_code=503)
-    except (RedisError, OSError, TimeoutError):
-        return JSONResponse({"ok": False, "error": "Redis does not answer PING"}, status_code=503)
-    return JSONResponse({"ok": True})

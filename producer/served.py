@@ -1,4 +1,5 @@
-"""Which queues live workers serve now, and whether their models chat.
+"""Which queues live workers serve now, and whether their models chat; and
+those the gateway lists, declared queues included.
 
 Read from what workers write on every heartbeat: ``<ns>:served:<queue>`` (a
 sorted set of worker names by the time until which each counts as live:
@@ -12,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from tokenfleet.shared.declared import declared_queues_async
 from tokenfleet.shared.liveness import live_since
 
 
@@ -61,3 +63,21 @@ async def served_queues(client: Any) -> list[Served]:
                                                        count=500)}
     found = [await served(client, queue) for queue in sorted(queues)]
     return [s for s in found if s is not None]
+
+
+async def listed(client: Any, queue: str) -> Served | None:
+    """The queue as ``/v1/models`` shows it: served now, or declared
+    (``tokenfleet queue create``), whose pool may be scaled to zero: a job sent
+    to it waits for the pool to grow, so it is listed with no workers."""
+    found = await served(client, queue)
+    if found is None and await client.redis.exists(client.keys.declared(queue)):
+        return Served(queue, [], [], None)
+    return found
+
+
+async def listed_queues(client: Any) -> list[Served]:
+    """Every queue served now or declared, by name."""
+    found = {s.queue: s for s in await served_queues(client)}
+    for declared in await declared_queues_async(client.redis, client.keys):
+        found.setdefault(declared.queue, Served(declared.queue, [], [], None))
+    return [found[queue] for queue in sorted(found)]

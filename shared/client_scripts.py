@@ -78,7 +78,8 @@ def submit(keys: Keys, *, job_id: str, model: str, priority: str, entry_json: st
     """Admit one job: ``record`` is its hash's fields, ``entry_json`` its stream
     entry, ``weight`` its tokens in the backlog. With ``live_since`` (the
     heartbeat score a live worker has at least) a queue no live worker serves
-    is refused; None queues ahead of the workers. ``fingerprint`` (of the
+    is refused, unless it is declared (``tokenfleet queue create``); None
+    queues ahead of the workers. ``fingerprint`` (of the
     request) tells a retry from another request under the same key. The
     request (``asked``) is held to the strictest of ``limits`` (the client's)
     and those the queue's workers published."""
@@ -90,7 +91,8 @@ def submit(keys: Keys, *, job_id: str, model: str, priority: str, entry_json: st
         (keys.queue(level_queue(model, priority)), keys.job(job_id),
          keys.idempotency(model, idempotency_key or "-"),
          *(keys.queue(level_queue(model, p)) for p in PRIORITIES),
-         keys.backlog(model), keys.queue_workers(model), keys.limits(model)),
+         keys.backlog(model), keys.queue_workers(model), keys.limits(model),
+         keys.declared(model)),
         (job_id, entry_json, submitted, idempotency_ttl_s, "1" if idempotency_key else "0",
          weight, fingerprint,
          "" if live_since is None else repr(live_since),

@@ -62,7 +62,8 @@ class NoWorker(TokenfleetError):
         now = ", ".join(repr(q) for q in served) if served else "none"
         super().__init__(
             f"no live worker serves queue {queue!r} (queues served now: {now}); nothing was "
-            f"enqueued: start one with `tokenfleet worker --queue {queue}`, or pass "
+            f"enqueued: start one with `tokenfleet worker --queue {queue}`, declare it for a pool "
+            f"that scales to zero (`tokenfleet queue create {queue}`), or pass "
             "require_worker=False (TOKENFLEET_REQUIRE_WORKER=0) to queue ahead of the workers"
         )
         self.queue, self.served = queue, list(served or [])

@@ -156,6 +156,20 @@ class Keys:
         to (worker name -> ``QueueLimits`` JSON), for ``submit.lua``."""
         return f"{self.namespace}:limits:{{{model}}}"
 
+    def declared(self, model: str) -> str:
+        """Hash: a queue declared as served by an autoscaled pool (``tokenfleet
+        queue create``): ``min_workers``, ``created_at``. While it exists,
+        ``submit.lua`` queues the model's jobs with no live worker, so the
+        backlog that wakes a pool scaled to zero can form."""
+        return f"{self.namespace}:declared:{{{model}}}"
+
+    def declared_pattern(self) -> str:
+        return f"{self.namespace}:declared:*"
+
+    def declared_model(self, key: str) -> str:
+        """The model of a ``declared`` key."""
+        return _untagged(key.removeprefix(f"{self.namespace}:declared:"))
+
     def served_pattern(self) -> str:
         return f"{self.namespace}:served:*"
 

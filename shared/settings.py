@@ -151,7 +151,14 @@ class Settings(BaseSettings):
 
     # Prometheus metrics on this port (one worker process per port); None: off.
     metrics_port: int | None = Field(default=None, ge=1, le=65535, description=(
-        "The port of a worker process's Prometheus metrics; unset: none."))
+        "The port of a worker process's Prometheus metrics (/metrics) and probes (/healthz, "
+        "/readyz); unset: none."))
+    # /healthz: how long the engine thread may stay away from its loop (in one
+    # step) before the worker counts as hung. Generous: a long prefill on a
+    # loaded GPU is no hang, and a restart costs the model's load.
+    liveness_s: float = Field(default=300.0, gt=0, description=(
+        "Seconds a worker's engine thread may spend in one step (or away from its loop) before "
+        "/healthz calls the worker hung (503)."))
 
     # The HTTP gateway: how long a client may take to send a request's head and
     # its body, and how often an idle event stream sends a keep-alive comment.

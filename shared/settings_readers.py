@@ -51,6 +51,7 @@ READ_BY: dict[str, str] = {
     "cpu_memory_fraction": WORKER,
     "cpu_kv_cache_gib": WORKER,
     "metrics_port": WORKER,
+    "liveness_s": WORKER,
     "header_timeout_s": GATEWAY,
     "body_timeout_s": GATEWAY,
     "sse_keepalive_s": GATEWAY,

@@ -144,6 +144,7 @@ def test_the_bare_install_submits_without_torch(wheel: Path, tmp_path: Path, set
     assert exported.returncode == 0, exported.stderr
     for args, extra in [(["worker", "--gpus", "none"], "worker"), (["demo"], "demo"),
                         (["gateway"], "gateway"), (["bench"], "bench"),
+                        (["metrics-exporter"], "exporter"),
                         (["export-model", "llama-86m", str(tmp_path / "x")], "worker")]:
         out = run([tf, *args], env=user_env(settings), cwd=tmp_path)
         lines = out.stderr.strip().splitlines()

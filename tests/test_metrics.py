@@ -1,22 +1,14 @@
 """A worker's Prometheus metrics: its counters are its ``WorkerStats`` (one count,
-shown by ``/metrics`` and ``tokenfleet status`` alike), and its HTTP server
-stops with it."""
+shown by ``/metrics`` and ``tokenfleet status`` alike). Its HTTP server:
+tests/test_health.py."""
 
 from __future__ import annotations
 
-import socket
-import threading
-import urllib.error
-import urllib.request
-
-import pytest
 from prometheus_client import CollectorRegistry, Counter, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tokenfleet.workers.metrics import Metrics
 from tokenfleet.workers.stats import WorkerStats
-
-from helpers import free_port
 
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 
@@ -59,24 +51,6 @@ def test_the_counters_are_the_worker_stats_as_prometheus_client_shows_them() -> 
     stats.tokens += 9  # read at each scrape: nothing to keep in step
     scraped = samples(metrics.registry, COUNTERS)
     assert scraped[("tokenfleet_tokens_generated_total", (("queue", "q"),))] == 50
-
-
-def test_the_metrics_server_stops_its_thread_and_frees_its_port() -> None:
-    metrics, port = Metrics("q", WorkerStats()), free_port()
-    before = set(threading.enumerate())
-    metrics.serve(port)
-    body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read()
-    assert b"tokenfleet_tokens_generated_total" in body
-
-    metrics.close()
-    # Its serving thread has ended (a thread is named after its target).
-    assert not [t for t in threading.enumerate() if t not in before and "serve_forever" in t.name]
-    with pytest.raises(urllib.error.URLError):
-        urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5)
-    with socket.socket() as s:  # nothing listens there any more
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        s.bind(("0.0.0.0", port))
-    metrics.close()  # a second close does nothing
 
 
 def test_queue_depth_counts_waiting_jobs_and_running_ones_are_counted_apart() -> None:

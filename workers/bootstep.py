@@ -9,9 +9,10 @@ from typing import TYPE_CHECKING, Any
 from celery import bootsteps
 from celery.exceptions import ImproperlyConfigured, WorkerShutdown
 
-from tokenfleet.shared.settings import get_settings
+from tokenfleet.shared.settings import Settings, get_settings
 
 if TYPE_CHECKING:
+    from tokenfleet.workers.health import StatusServer
     from tokenfleet.workers.service import Worker
 
 log = logging.getLogger(__name__)
@@ -63,14 +64,12 @@ class EngineStep(bootsteps.StartStopStep):
     def __init__(self, parent: Any, **kwargs: Any) -> None:
         super().__init__(parent, **kwargs)
         self.worker: Worker | None = None
+        self.status: StatusServer | None = None
         self.exit_code: int | None = None
         self._watch: Any = None
 
     def start(self, parent: Any) -> None:
-        from tokenfleet.shared.keys import Keys
-        from tokenfleet.shared.redis_conn import connect
-        from tokenfleet.workers.build import build_worker
-        from tokenfleet.workers.identity import check_name
+        from tokenfleet.workers.health import Health, StatusServer
 
         # Celery starts a shutdown only when WorkerShutdown is raised in its main
         # thread; a device fails in the engine's. With the event loop, timer
@@ -80,6 +79,25 @@ class EngineStep(bootsteps.StartStopStep):
             raise ImproperlyConfigured("the tokenfleet engine needs Celery's event loop: "
                                        "a Redis broker and the solo pool (-P solo)")
         settings = get_settings()
+        # The probes answer from before the model loads: live, not ready yet.
+        status = StatusServer(Health(settings.liveness_s))
+        if settings.metrics_port:
+            status.serve(settings.metrics_port)
+        self.status = status
+        try:
+            self._start_worker(parent, settings, status)
+        except BaseException:  # the port is free again for the next start
+            status.close()
+            self.status = None
+            raise
+        self._watch = parent.timer.call_repeatedly(FATAL_CHECK_S, self._exit_if_fatal, priority=10)
+
+    def _start_worker(self, parent: Any, settings: Settings, status: StatusServer) -> None:
+        from tokenfleet.shared.keys import Keys
+        from tokenfleet.shared.redis_conn import connect
+        from tokenfleet.workers.build import build_worker
+        from tokenfleet.workers.identity import check_name
+
         # Before the model loads: a second process under a live name is refused at once.
         redis = connect(settings.redis_url)
         try:
@@ -87,12 +105,11 @@ class EngineStep(bootsteps.StartStopStep):
         finally:
             redis.close()
         _check_model(settings.model)
-        worker = build_worker(settings, name=parent.hostname)
+        worker = build_worker(settings, name=parent.hostname, status=status)
         worker.on_fatal = self._on_fatal
         self.worker = worker
         worker.start()
         _engines[parent.hostname] = worker
-        self._watch = parent.timer.call_repeatedly(FATAL_CHECK_S, self._exit_if_fatal, priority=10)
 
     def _on_fatal(self, code: int) -> None:
         """Called once, from the thread that stopped the worker after its device
@@ -121,4 +138,7 @@ class EngineStep(bootsteps.StartStopStep):
         if self.worker is not None:
             self.worker.stop(grace_s=grace_s)
             self.worker = None
+        if self.status is not None:  # after the drain: a probe saw it as not ready
+            self.status.close()
+            self.status = None
         _engines.pop(parent.hostname, None)

@@ -17,6 +17,7 @@ from tokenfleet.shared import models
 from tokenfleet.shared.settings import Settings
 from tokenfleet.workers import budget, cpu_linear, engines
 from tokenfleet.workers.engines import BuiltEngine
+from tokenfleet.workers.health import StatusServer
 from tokenfleet.workers.hf_engine import HFEngine, ModelRunner
 from tokenfleet.workers.null_runner import NULL_MODEL, NullRunner, null_tokenizer
 from tokenfleet.workers.paged_runner import PagedRunner
@@ -59,9 +60,10 @@ def usable_cores() -> int:
     return cores
 
 
-def build_worker(settings: Settings, name: str, redis: Any = None) -> Worker:
+def build_worker(settings: Settings, name: str, redis: Any = None,
+                 status: StatusServer | None = None) -> Worker:
     engine, tokenizer, settings = build_engine(settings)
-    return Worker(settings, engine, tokenizer, name=name, redis=redis)
+    return Worker(settings, engine, tokenizer, name=name, redis=redis, status=status)
 
 
 def build_engine(settings: Settings) -> BuiltEngine:

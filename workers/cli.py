@@ -157,7 +157,8 @@ def _batch_size(ctx: click.Context, param: click.Parameter, value: str | None) -
 @click.option("--gpus-per-worker", type=click.IntRange(min=1), default=1, show_default=True,
               help="GPUs one worker process drives together (vLLM tensor parallelism)")
 @click.option("--metrics-port", type=int, default=None,
-              help="serve Prometheus metrics; the worker of the i-th GPU uses PORT+i")
+              help="serve Prometheus metrics and the /healthz, /readyz probes; the worker of "
+                   "the i-th GPU uses PORT+i")
 @click.option("--max-restarts", default=5, show_default=True,
               help="give up on a worker process that dies this many times in 5 minutes")
 @redis_option
@@ -592,6 +593,12 @@ def export_model(name: str, directory: Path) -> None:
         raise click.UsageError(str(exc)) from exc
     click.echo(f"wrote {name} to {out}")
 
+
+# Kept in a module of their own; registered here, after the group they join.
+from tokenfleet.workers.cli_queue import metrics_exporter, queue  # noqa: E402
+
+main.add_command(queue)
+main.add_command(metrics_exporter)
 
 if __name__ == "__main__":
     main()

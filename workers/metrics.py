@@ -13,13 +13,11 @@ count: it weighs long jobs as long.
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
-from wsgiref.simple_server import WSGIServer
 
-from prometheus_client import CollectorRegistry, Gauge, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily
 from prometheus_client.registry import Collector
 
@@ -33,9 +31,7 @@ BATCH = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 
 class Metrics:
     """The metrics of one worker: ``stats`` is the source of its counters.
-
-    ``serve`` starts the HTTP server on its own thread; ``close`` stops it.
-    """
+    ``tokenfleet.workers.health.StatusServer`` serves them."""
 
     def __init__(self, queue: str, stats: WorkerStats,
                  registry: CollectorRegistry | None = None,
@@ -75,21 +71,6 @@ class Metrics:
                              registry=r)
         # This queue's children, looked up once: the engine observes every token.
         self._ttft, self._itl = self.ttft.labels(queue), self.itl.labels(queue)
-        self._server: tuple[WSGIServer, threading.Thread] | None = None
-
-    def serve(self, port: int) -> None:
-        """Serve ``/metrics`` on ``port`` until ``close``."""
-        self._server = start_http_server(port, registry=self.registry)
-
-    def close(self) -> None:
-        """Stop the HTTP server, end its thread and free its port."""
-        if self._server is None:
-            return
-        server, thread = self._server
-        self._server = None
-        server.shutdown()  # returns once serve_forever has returned: the thread ends
-        server.server_close()
-        thread.join()
 
     def started(self, created_at: float | None) -> None:
         if created_at is not None:

@@ -14,6 +14,7 @@ import socket
 EXTRA_MODULES: dict[str, tuple[str, ...]] = {
     "worker": ("celery", "torch", "transformers", "huggingface_hub", "prometheus_client"),
     "gateway": ("fastapi", "uvicorn"),
+    "exporter": ("prometheus_client",),
     "demo": ("fakeredis", "rich"),  # rich comes with the worker extra
     "bench": ("rich",),
 }

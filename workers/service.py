@@ -8,7 +8,8 @@
   entries it is still generating (so a long job is never reclaimed from a live
   worker);
 - the cancel listener: cancels of running jobs, applied between steps;
-- the metrics HTTP server (``metrics_port``).
+- the metrics port's HTTP server (``metrics_port``): ``/metrics``, and the
+  ``/healthz`` and ``/readyz`` probes (``tokenfleet.workers.health``).
 
 The worker owns each of them: ``start`` starts them, and ``stop`` is the one
 way they end, for a warm shutdown, a terminate and a failed device alike.
@@ -52,6 +53,7 @@ from tokenfleet.workers.admission import Admission
 from tokenfleet.workers.budget import resolved
 from tokenfleet.workers.engine import DeviceFailure, Engine, take_outputs
 from tokenfleet.workers.feeder import Feeder
+from tokenfleet.workers.health import Health, Phase, StatusServer
 from tokenfleet.workers.metrics import Metrics
 from tokenfleet.workers.publisher import Publisher, is_transient
 from tokenfleet.workers.sequence import Made, Sequence, SeqOutput
@@ -89,6 +91,7 @@ class Worker:
         name: str,
         model_name: str | None = None,
         redis: Any = None,
+        status: StatusServer | None = None,
     ) -> None:
         self.settings = settings
         self.name = name
@@ -116,6 +119,14 @@ class Worker:
             sink=self._receive, credits=self.credits, holds=self._held.__contains__,
         )
         self.metrics = Metrics(self.queue, engine.stats, clock=self.clock.now)
+        # The metrics port: the Celery bootstep starts it before the model
+        # loads (a probe then reads "loading") and hands it over; else it is
+        # this worker's to start and stop.
+        self._own_status = status is None
+        self.status = status or StatusServer(Health(settings.liveness_s))
+        self.status.show(self.metrics.registry)
+        self.health = self.status.health
+        self.health.intake_paused = self.feeder.paused.is_set
         # What this worker allows, published with each heartbeat: submit.lua holds
         # every request to the queue to it, whoever submits.
         self.limits = worker_limits(settings, engine.max_model_len)
@@ -163,11 +174,12 @@ class Worker:
         # worker cannot do without anyway (a Cluster's default node may be dead).
         self.clock.sync(node_client(self.redis, self.keys.queue(self.queue)))
         self.feeder.ensure_group()
-        if self.settings.metrics_port:
-            self.metrics.serve(self.settings.metrics_port)
+        if self.settings.metrics_port and not self.status.serving:
+            self.status.serve(self.settings.metrics_port)
         sys.setswitchinterval(min(sys.getswitchinterval(), GIL_SWITCH_S))
         for thread in self.threads:
             thread.start()
+        self.health.set(Phase.SERVING)
         log.info("worker %s serving queue %r (max batch %d, prefetch %d)",
                  self.name, self.queue, self.max_batch, self.settings.prefetch)
 
@@ -192,6 +204,7 @@ class Worker:
                 self._stop(self.settings.drain_grace_s if grace_s is None else grace_s)
 
     def _stop(self, grace: float) -> None:
+        self.health.set(Phase.DRAINING)  # not ready from now on: a probe sees the drain
         self._stop_intake.set()
         # The feeder hands over what it has already read, then ends.
         feeder_ended = _join(self._feeder_thread, grace + JOIN_S)
@@ -207,7 +220,8 @@ class Worker:
         for thread in (self._heartbeat_thread, self._cancel_thread):
             if not _join(thread, JOIN_S):
                 log.warning("the %s thread did not end within %.0fs", thread.name, JOIN_S)
-        self.metrics.close()
+        if self._own_status:
+            self.status.close()
         if engine_ended:
             self._hand_back_all()
         else:
@@ -298,6 +312,7 @@ class Worker:
     def _run_engine(self) -> None:
         in_a_row = 0  # steps that raised, in a row
         while not self._stop_engine.is_set():
+            self.health.turn()  # back in the loop: live (a step in progress is judged by this)
             if not self.engine.has_work:
                 self._idle.set()
                 self._wake.wait(0.1)
@@ -354,6 +369,7 @@ class Worker:
                 self._steps.put(made, timeout=0.1)
                 return
             except queue.Full:
+                self.health.turn()  # waiting on Redis, not stuck in a step
                 continue
         self._unhanded.extend(made)  # stopped: handed back with the rest
 
@@ -482,6 +498,7 @@ class Worker:
         log.critical("worker %s gives up: %s; handing its jobs back", self.name, failure)
         self.fatal_reason = str(failure)
         self._failure = failure
+        self.health.set(Phase.FAILED, str(failure))
         self._stop_intake.set()
         self._stopper = _thread(self._stop_failed, "stop")
         self._stopper.start()

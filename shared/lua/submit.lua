@@ -1,10 +1,12 @@
--- Admit one job: idempotency check, a live worker (unless queued ahead), the
+-- Admit one job: idempotency check, a live worker (unless queued ahead or the
+-- queue is declared as served by an autoscaled pool), the
 -- queue's limits (its length among them), then record + stream entry together,
 -- so a reader never sees an entry without its record or the reverse.
 -- KEYS: 1 the level's stream, 2 job hash, 3 idempotency key,
 --       4-6 every level's stream of the model (the depth counts them all),
 --       7 the model's backlog counter, 8 the model's live workers (sorted set),
---       9 the limits its workers published (hash: worker name -> QueueLimits JSON)
+--       9 the limits its workers published (hash: worker name -> QueueLimits JSON),
+--       10 the queue's declaration (hash; exists for a queue an autoscaled pool serves)
 -- ARGV: 1 job id, 2 entry JSON, 3 JSON {"limits": the client's QueueLimits,
 --       "asked": {limit name: what the request brings}}, 4 idempotency TTL (s),
 --       5 '1' if an idempotency key is used, 6 backlog weight (tokens),
@@ -26,8 +28,10 @@ if ARGV[5] == '1' then
     return {'dup', id}
   end
 end
--- Checked here rather than by the client beforehand: no extra round trip.
-if ARGV[8] ~= '' and redis.call('ZCOUNT', KEYS[8], ARGV[8], '+inf') == 0 then
+-- Checked here rather than by the client beforehand: no extra round trip. A
+-- declared queue's pool may be scaled to zero: its backlog is what wakes it.
+if ARGV[8] ~= '' and redis.call('ZCOUNT', KEYS[8], ARGV[8], '+inf') == 0
+    and redis.call('EXISTS', KEYS[10]) == 0 then
   return {'noworker', ''}
 end
 -- The strictest of the client's limits and of every worker's of the queue: a

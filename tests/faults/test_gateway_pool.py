@@ -202,7 +202,7 @@ def test_a_request_that_finds_no_connection_free_in_time_is_a_503_busy_with_retr
     completion = orjson.dumps({"prompt": "held", "model": WAITING, "max_tokens": 4})
     sent = [("/v1/jobs", job), ("/v1/completions", completion)] * 3
 
-    async def requests() -> list[tuple[str, int, bytes, bytes]]:
+    async def requests() -> tuple[list[tuple[str, int, bytes, bytes]], tuple[int, bytes, bytes]]:
         tasks = {asyncio.ensure_future(http_request(port_of(http), "POST", path, body)): path
                  for path, body in sent}
         answers = []
@@ -212,16 +212,18 @@ def test_a_request_that_finds_no_connection_free_in_time_is_a_503_busy_with_retr
             answers.append(await done)
             if len(answers) == 4:
                 break
+        # Both connections still held: the gateway says it is not ready.
+        ready = await http_request(port_of(http), "GET", "/readyz")
         for task in tasks:  # the two held ones are let go: their clients hang up
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         by_answer = {id(t.result()): path for t, path in tasks.items()
                      if not t.cancelled() and t.exception() is None}
-        return [(by_answer.get(id(a), "?"), *a) for a in answers]
+        return [(by_answer.get(id(a), "?"), *a) for a in answers], ready
 
     counter.execute_command("CLIENT", "PAUSE", 60_000, "WRITE")
     try:
-        answers = asyncio.run(requests())
+        answers, ready = asyncio.run(requests())
     finally:
         counter.execute_command("CLIENT", "UNPAUSE")
     paths = set()
@@ -236,5 +238,8 @@ def test_a_request_that_finds_no_connection_free_in_time_is_a_503_busy_with_retr
             assert "TOKENFLEET_GATEWAY_REDIS_CONNECTIONS" in message["detail"]
         paths.add(path)
     assert paths == {"/v1/jobs", "/v1/completions"}  # at most two of six held: both kinds refused
+    assert ready[0] == 503, ready
+    assert "TOKENFLEET_GATEWAY_REDIS_CONNECTIONS" in orjson.loads(ready[2])["why"]
     assert http.get("/healthz").json() == {"ok": True}
+    assert http.get("/readyz").json() == {"ok": True}  # connections free again
     counter.close()

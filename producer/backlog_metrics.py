@@ -1,0 +1,97 @@
+"""Every queue's backlog as Prometheus gauges, read from Redis at each scrape:
+what ``tokenfleet metrics-exporter`` serves, and what a KEDA ``ScaledObject``
+scales a pool on (docs/operations.md, "What to scale on").
+
+A worker's own ``/metrics`` shows its queue too, but a pool scaled to zero has
+no worker to export anything: the signal that must wake it comes from a process
+that runs whatever the pool's size. The gauges, per queue (``queue`` label, the
+``model=`` of a request):
+
+- ``tokenfleet_queue_backlog{queue, priority}``: jobs in the level's stream,
+  waiting or running (an entry is deleted when its job ends), so it reads zero
+  once the pool has finished everything and not before;
+- ``tokenfleet_queue_backlog_tokens{queue}``: that work in tokens (prompt
+  estimate plus ``max_new_tokens``), for pools of jobs of very unequal length;
+- ``tokenfleet_queue_live_workers{queue}``: workers whose heartbeat counts;
+- ``tokenfleet_queue_min_workers{queue}``: a declared queue's floor.
+
+Every declared queue has its series even when nothing was ever queued, so a
+query for it reads 0, not an empty result (which KEDA's Prometheus scaler
+takes for an error unless told to ignore it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector, CollectorRegistry
+
+from tokenfleet.fleet import queue_models
+from tokenfleet.shared.clock import redis_now
+from tokenfleet.shared.declared import declared_queues
+from tokenfleet.shared.keys import PRIORITIES, Keys, level_queue
+from tokenfleet.shared.liveness import live_since
+
+
+class QueueBacklog(Collector):
+    """The gauges above, for every queue with a stream or a declaration."""
+
+    def __init__(self, redis: Any, keys: Keys) -> None:
+        self.redis, self.keys = redis, keys
+
+    def describe(self) -> list[GaugeMetricFamily]:
+        return list(_families({}, {}, {}, {}))
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        r, keys = self.redis, self.keys
+        floors = {d.queue: d.min_workers for d in declared_queues(r, keys)}
+        models = sorted({*queue_models(r, keys), *floors})
+        since = live_since(redis_now(r))
+        pipe = r.pipeline(transaction=False)
+        for model in models:
+            for priority in PRIORITIES:
+                pipe.xlen(keys.queue(level_queue(model, priority)))
+            pipe.get(keys.backlog(model))
+            pipe.zcount(keys.queue_workers(model), since, "+inf")
+        replies = iter(pipe.execute() if models else [])
+        jobs: dict[tuple[str, str], int] = {}
+        tokens: dict[str, int] = {}
+        workers: dict[str, int] = {}
+        for model in models:
+            for priority in PRIORITIES:
+                jobs[(model, priority)] = int(next(replies))
+            tokens[model] = int(next(replies) or 0)
+            workers[model] = int(next(replies))
+        yield from _families(jobs, tokens, workers, floors)
+
+
+def _families(jobs: dict[tuple[str, str], int], tokens: dict[str, int],
+              workers: dict[str, int], floors: dict[str, int]) -> Iterator[GaugeMetricFamily]:
+    backlog = GaugeMetricFamily(
+        "tokenfleet_queue_backlog", "Jobs of the queue's priority level waiting or running "
+        "(not yet ended): what a pool scales on", labels=["queue", "priority"])
+    for (model, priority), n in jobs.items():
+        backlog.add_metric([model, priority], n)
+    yield backlog
+    per_queue = (
+        ("tokenfleet_queue_backlog_tokens", "The queue's jobs not yet ended, in tokens (prompt "
+         "estimate plus max_new_tokens)", tokens),
+        ("tokenfleet_queue_live_workers", "Workers of the queue whose heartbeat counts", workers),
+        ("tokenfleet_queue_min_workers", "A declared queue's floor of workers "
+         "(tokenfleet queue create --min-workers)", floors),
+    )
+    for name, text, values in per_queue:
+        family = GaugeMetricFamily(name, text, labels=["queue"])
+        for model, value in sorted(values.items()):
+            family.add_metric([model], value)
+        yield family
+
+
+def registry(redis: Any, keys: Keys) -> CollectorRegistry:
+    """A registry holding only the queue gauges (no process metrics: the
+    exporter's own are of no use to a scaler)."""
+    found = CollectorRegistry(auto_describe=False)
+    found.register(QueueBacklog(redis, keys))
+    return found
