@@ -4,9 +4,10 @@ chat endpoint (``tokenfleet.openai_chat``) shares with it.
 ``model`` is the queue name. Every field of OpenAI's request is either honoured
 or refused with a 400 that names it; none is silently ignored. Refused unless
 they ask for nothing (the value a client sends by default): ``n`` and
-``best_of`` above 1, ``echo``, ``logprobs``, ``suffix``. ``user`` is kept in the
-job's metadata. ``presence_penalty``, ``frequency_penalty`` and ``logit_bias``
-are honoured as OpenAI defines them, and ``top_k``, ``min_p`` and
+``best_of`` above 1, ``echo``, ``suffix``. ``user`` is kept in the job's
+metadata. ``logprobs`` (0 to 5; ``tokenfleet.openai_logprobs``),
+``presence_penalty``, ``frequency_penalty`` and ``logit_bias`` are honoured as
+OpenAI defines them, and ``top_k``, ``min_p`` and
 ``repetition_penalty`` as vLLM takes them; any other field is refused as
 unrecognized, as OpenAI does.
 
@@ -26,7 +27,7 @@ import anyio
 import orjson
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 from redis.exceptions import RedisError
 
 from tokenfleet import sse
@@ -40,6 +41,7 @@ from tokenfleet.openai_errors import (
     UNSUPPORTED,
     Refusal,
 )
+from tokenfleet.openai_logprobs import MAX_COMPLETION_LOGPROBS, CompletionLogprobs
 from tokenfleet.shared.errors import TokenfleetError, invalid_field, invalid_input
 from tokenfleet.shared.schemas import (
     REFUSED_BY_WORKER,
@@ -49,6 +51,7 @@ from tokenfleet.shared.schemas import (
     IntNotBool,
     JobState,
     JobStatus,
+    TokenEvent,
 )
 
 # OpenAI's names for the fields of a GenerationRequest, to name the right ``param``.
@@ -59,6 +62,7 @@ PARAMS = {("sampling", "max_new_tokens"): "max_tokens", ("sampling", "temperatur
           ("sampling", "presence_penalty"): "presence_penalty",
           ("sampling", "frequency_penalty"): "frequency_penalty",
           ("sampling", "logit_bias"): "logit_bias", ("sampling", "min_p"): "min_p",
+          ("sampling", "logprobs"): "logprobs",
           ("prompt",): "prompt", ("model",): "model", ("metadata",): "user"}
 FINISH = {FinishReason.EOS: "stop", FinishReason.STOP: "stop", FinishReason.LENGTH: "length"}
 ONE_CHOICE = "only one choice per request is supported: send one request per choice"
@@ -70,7 +74,6 @@ REFUSED: dict[str, tuple[tuple[Any, ...], str | None]] = {
     "n": ((None, 1), "n other than 1 is not supported: " + ONE_CHOICE),
     "best_of": ((None, 1), "best_of other than 1 is not supported: " + ONE_CHOICE),
     "echo": ((None, False), None),
-    "logprobs": ((None,), None),
     "suffix": ((None, ""), None),
 }
 
@@ -127,7 +130,7 @@ class CompletionRequest(Sampling):
     n: Any = None
     best_of: Any = None
     echo: Any = None
-    logprobs: Any = None
+    logprobs: IntNotBool | None = Field(default=None, ge=0, le=MAX_COMPLETION_LOGPROBS)
     suffix: Any = None
 
     @field_validator("prompt")
@@ -143,7 +146,8 @@ class CompletionRequest(Sampling):
         prompt = self.prompt if isinstance(self.prompt, str) else self.prompt[0]
         return GenerationRequest.model_validate(
             {"prompt": prompt, "model": self.model, "metadata": self.user_metadata(),
-             "sampling": self.sampling(16 if self.max_tokens is None else self.max_tokens)},
+             "sampling": {**self.sampling(16 if self.max_tokens is None else self.max_tokens),
+                          **({} if self.logprobs is None else {"logprobs": self.logprobs})}},
             context={"settings": settings},
         )
 
@@ -200,13 +204,16 @@ async def complete(client: AsyncFleetClient, body: bytes, request: Request,
     job_id = await client.submit(job)  # the app maps the fleet's errors to statuses
     head = {"id": f"cmpl-{job_id}", "object": "text_completion", "created": int(time.time()),
             "model": job.model}
+    logprobs = None if ask.logprobs is None else CompletionLogprobs()
     if ask.stream:
-        return sse.response(chunks(client, job_id, head, completion_choice, ask.include_usage),
-                            keepalive_s)
+        return sse.response(chunks(client, job_id, head, completion_choice, ask.include_usage,
+                                   logprobs=logprobs), keepalive_s)
     state = await succeeded(client, job_id, request)
     if isinstance(state, Response):
         return state
     choice = completion_choice(state.text, finish(state))
+    if logprobs is not None:
+        choice["logprobs"] = logprobs(await logged(client, job_id))
     return JSONResponse({**head, "choices": [choice], "usage": usage(state)})
 
 
@@ -215,21 +222,23 @@ def completion_choice(text: str, finish_reason: str | None) -> dict[str, Any]:
 
 
 Choice = Callable[[str, "str | None"], dict[str, Any]]
+Logprobs = Callable[[list[TokenEvent]], dict[str, Any]]
 
 
 async def chunks(client: AsyncFleetClient, job_id: str, head: dict[str, Any], choice: Choice,
-                 include_usage: bool, opening: dict[str, Any] | None = None
-                 ) -> AsyncIterator[bytes]:
+                 include_usage: bool, opening: dict[str, Any] | None = None,
+                 logprobs: Logprobs | None = None) -> AsyncIterator[bytes]:
     """The job's text as OpenAI stream chunks (``choice`` shapes one): ``opening``
-    first, if given; a chunk per piece of text; the finish reason (or an error);
-    the usage if asked for; ``[DONE]``."""
+    first, if given; a chunk per piece of text (per event, with its tokens'
+    ``logprobs`` when asked for: an event whose text is held back still has
+    tokens); the finish reason (or an error); the usage if asked for; ``[DONE]``."""
     async with cancel_unless_ended(client, job_id) as ended:
         if opening is not None:
             yield data({**head, "choices": [opening]})
         async for events in client.stream_batches(job_id):
             # A backlog goes out as one write: the same chunks, fewer frames.
-            frame = b"".join(data({**head, "choices": [choice(e.text, None)]})
-                             for e in events if e.text)
+            frame = b"".join(data({**head, "choices": [_with(choice(e.text, None), e, logprobs)]})
+                             for e in events if e.text or logprobs)
             if frame:
                 yield frame
         state = await client.status(job_id)
@@ -243,6 +252,19 @@ async def chunks(client: AsyncFleetClient, job_id: str, head: dict[str, Any], ch
             if include_usage:
                 yield data({**head, "choices": [], "usage": usage(state)})
         yield b"data: [DONE]\n\n"
+
+
+def _with(choice: dict[str, Any], event: TokenEvent, logprobs: Logprobs | None
+          ) -> dict[str, Any]:
+    if logprobs is not None:
+        choice["logprobs"] = logprobs([event])
+    return choice
+
+
+async def logged(client: AsyncFleetClient, job_id: str) -> list[TokenEvent]:
+    """A finished job's token events, from its log (with their log probabilities)."""
+    async with contextlib.aclosing(client.stream_batches(job_id)) as batches:
+        return [event async for events in batches for event in events]
 
 
 @contextlib.asynccontextmanager
