@@ -34,6 +34,8 @@ from tokenfleet.shared.schemas import (
     JobStatus,
     SamplingParams,
     TokenEvent,
+    TokenLogprob,
+    TopLogprob,
 )
 
 __all__ = [
@@ -59,5 +61,7 @@ __all__ = [
     "RedisUnavailable",
     "SamplingParams",
     "TokenEvent",
+    "TokenLogprob",
     "TokenfleetError",
+    "TopLogprob",
 ]

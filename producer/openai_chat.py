@@ -4,10 +4,11 @@ they are, and the worker renders them with its tokenizer's chat template.
 A queue whose live workers have no chat template is refused here with a 400,
 before anything is enqueued (workers say so in their heartbeat). As for
 completions, every field is honoured or refused naming it: ``n`` fans the
-request out to n jobs, one per choice; tools, logprobs, response formats other
-than text, audio and the like are refused unless they ask for nothing; ``user``,
-``safety_identifier`` and ``metadata`` are kept in the job's metadata;
-``developer`` messages are system messages.
+request out to n jobs, one per choice; ``logprobs`` with ``top_logprobs`` (0 to
+20) are honoured; tools, response formats other than text, audio and the like
+are refused unless they ask for nothing; ``user``, ``safety_identifier`` and
+``metadata`` are kept in the job's metadata; ``developer`` messages are system
+messages.
 """
 
 from __future__ import annotations
@@ -17,7 +18,15 @@ from typing import Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel, ConfigDict, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from tokenfleet import sse
 from tokenfleet.aio import AsyncFleetClient
@@ -27,18 +36,18 @@ from tokenfleet.openai_compat import (
     chunks,
     finish,
     invalid,
+    logged,
     refusal,
     succeeded,
     usage,
 )
 from tokenfleet.openai_errors import NO_CHAT_TEMPLATE, UNSUPPORTED
+from tokenfleet.openai_logprobs import chat_logprobs
 from tokenfleet.served import served
-from tokenfleet.shared.schemas import GenerationRequest, IntNotBool
+from tokenfleet.shared.schemas import MAX_TOP_LOGPROBS, GenerationRequest, IntNotBool
 
 NO_TOOLS = "this gateway has no tools: leave it unset"
 REFUSED: dict[str, tuple[tuple[Any, ...], str | None]] = {
-    "logprobs": ((None, False), None),
-    "top_logprobs": ((None,), None),
     "tools": ((None, []), "tools are not supported by this gateway: leave it unset"),
     "tool_choice": ((None, "none"), "tool_choice is not supported: " + NO_TOOLS + " or \"none\""),
     "parallel_tool_calls": ((None,), "parallel_tool_calls is not supported: " + NO_TOOLS),
@@ -60,7 +69,7 @@ REFUSED: dict[str, tuple[tuple[Any, ...], str | None]] = {
 }
 # Fields of a message that only tools, audio or refusals use.
 MESSAGE_REFUSED = ("name", "tool_calls", "tool_call_id", "function_call", "audio", "refusal")
-CHAT_PARAMS = {**PARAMS, ("messages",): "messages",
+CHAT_PARAMS = {**PARAMS, ("messages",): "messages", ("sampling", "logprobs"): "top_logprobs",
                ("sampling", "max_new_tokens"): "max_completion_tokens", ("metadata",): "metadata"}
 
 
@@ -117,8 +126,8 @@ class ChatRequest(Sampling):
     max_completion_tokens: IntNotBool | None = None
     metadata: dict[str, str] | None = None
     safety_identifier: str | None = None
-    logprobs: Any = None
-    top_logprobs: Any = None
+    logprobs: StrictBool | None = None
+    top_logprobs: IntNotBool | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     tools: Any = None
     tool_choice: Any = None
     parallel_tool_calls: Any = None
@@ -140,11 +149,20 @@ class ChatRequest(Sampling):
         limit = next(n for n in (self.max_completion_tokens, self.max_tokens,
                                  settings.max_new_tokens_limit) if n is not None)
         metadata = {**(self.metadata or {}), **self.metadata_fields()}
+        sampling = self.sampling(limit)
+        if self.logprobs:
+            sampling["logprobs"] = self.top_logprobs or 0
         return GenerationRequest.model_validate(
             {"messages": [m.fleet() for m in self.messages], "model": self.model,
-             "metadata": metadata, "sampling": self.sampling(limit)},
+             "metadata": metadata, "sampling": sampling},
             context={"settings": settings},
         )
+
+    @model_validator(mode="after")
+    def _top_logprobs_with_logprobs(self) -> ChatRequest:
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs set to true")
+        return self
 
     def metadata_fields(self) -> dict[str, str]:
         named = {"user": self.user, "safety_identifier": self.safety_identifier}
@@ -199,13 +217,16 @@ async def chat(client: AsyncFleetClient, body: bytes, request: Request,
     if ask.stream:
         stream = {**head, "object": "chat.completion.chunk"}
         return sse.response(chunks(client, job_ids, stream, chat_choice, ask.include_usage,
-                                   opening=OPENING), keepalive_s)
+                                   opening=OPENING,
+                                   logprobs=(lambda: chat_logprobs) if ask.logprobs else None),
+                            keepalive_s)
     states = await succeeded(client, job_ids, request)
     if isinstance(states, Response):
         return states
     choices = [{"index": i, "message": {"role": "assistant", "content": state.text,
                                         "refusal": None},
-                "finish_reason": finish(state), "logprobs": None}
-               for i, state in enumerate(states)]
+                "finish_reason": finish(state),
+                "logprobs": chat_logprobs(await logged(client, job_id)) if ask.logprobs else None}
+               for i, (state, job_id) in enumerate(zip(states, job_ids, strict=True))]
     return JSONResponse({**head, "object": "chat.completion", "choices": choices,
                          "usage": usage(states)})

@@ -4,14 +4,15 @@ chat endpoint (``tokenfleet.openai_chat``) shares with it.
 ``model`` is the queue name. Every field of OpenAI's request is either honoured
 or refused with a 400 that names it; none is silently ignored. ``n`` fans the
 request out to n jobs (``tokenfleet.choices``; ``best_of`` equal to n is the
-same, above it is refused: ranking needs logprobs); ``echo`` puts the prompt
-before each choice's text; ``prompt`` may be token ids; ``suffix`` asks for
-insert mode, refused for a model without fill-in-the-middle tokens. Refused
-unless it asks for nothing (the value a client sends by default):
-``logprobs``. ``user`` is kept in the job's metadata. ``presence_penalty``,
-``frequency_penalty`` and ``logit_bias`` are honoured as OpenAI defines them,
-and ``top_k``, ``min_p`` and ``repetition_penalty`` as vLLM takes them; any
-other field is refused as unrecognized, as OpenAI does.
+same, above it is refused: ranking by likelihood is not built); ``echo`` puts
+the prompt before each choice's text; ``prompt`` may be token ids; ``suffix``
+asks for insert mode, refused for a model without fill-in-the-middle tokens.
+``logprobs`` (0 to 5; ``tokenfleet.openai_logprobs``) is honoured (with
+``echo``, refused: prompt logprobs are not computed). ``user`` is kept in the
+job's metadata. ``presence_penalty``, ``frequency_penalty`` and ``logit_bias``
+are honoured as OpenAI defines them, and ``top_k``, ``min_p`` and
+``repetition_penalty`` as vLLM takes them; any other field is refused as
+unrecognized, as OpenAI does.
 
 A client that disconnects before its completion is done cancels its jobs, so
 the workers' slots are freed.
@@ -29,7 +30,7 @@ from typing import Any
 import orjson
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel, ConfigDict, StrictBool, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError, field_validator
 
 from tokenfleet import sse
 from tokenfleet.aio import AsyncFleetClient
@@ -44,6 +45,7 @@ from tokenfleet.openai_errors import (
 )
 from tokenfleet.choices import check_n
 from tokenfleet.openai_fanout import cancel_quietly, merged_batches, wait_while_connected
+from tokenfleet.openai_logprobs import MAX_COMPLETION_LOGPROBS, CompletionLogprobs
 from tokenfleet.served import served
 from tokenfleet.shared.errors import NO_FIM, InvalidRequest, invalid_field, invalid_input
 from tokenfleet.shared.schemas import (
@@ -54,6 +56,7 @@ from tokenfleet.shared.schemas import (
     IntNotBool,
     JobState,
     JobStatus,
+    TokenEvent,
 )
 
 # OpenAI's names for the fields of a GenerationRequest, to name the right ``param``.
@@ -64,24 +67,26 @@ PARAMS = {("sampling", "max_new_tokens"): "max_tokens", ("sampling", "temperatur
           ("sampling", "presence_penalty"): "presence_penalty",
           ("sampling", "frequency_penalty"): "frequency_penalty",
           ("sampling", "logit_bias"): "logit_bias", ("sampling", "min_p"): "min_p",
+          ("sampling", "logprobs"): "logprobs",
           ("prompt",): "prompt", ("prompt_token_ids",): "prompt", ("model",): "model",
           ("metadata",): "user"}
 FINISH = {FinishReason.EOS: "stop", FinishReason.STOP: "stop", FinishReason.LENGTH: "length"}
-BEST_OF = ("best_of above n is not supported: ranking choices by likelihood needs their "
-           "logprobs; ask for n choices (best_of unset or equal to n) and pick among them")
+BEST_OF = ("best_of above n is not supported: the choices are not ranked by likelihood here; "
+           "ask for n choices (best_of unset or equal to n), with logprobs to rank them")
 SUFFIX_IDS = ("suffix with a prompt of token ids is not supported: insert mode puts the model's "
               "sentinel tokens around the prompt's text; send the prompt as text")
 ECHO_IDS = ("echo with a prompt of token ids is not supported: this gateway has no tokenizer to "
             "write the prompt's text; send the prompt as text, or leave echo unset")
+ECHO_LOGPROBS = ("echo with logprobs is not supported: the prompt's log probabilities are not "
+                 "computed; leave echo unset to get the completion's logprobs")
 # The largest token id a prompt may hold here; the worker checks its vocabulary.
 MAX_TOKEN_ID = 2**31 - 1
 
 # Fields this gateway cannot honour, with the values that ask for nothing (any
 # other is refused with a 400 naming the field), and, where leaving the field
 # unset is not the whole advice, the sentence that says what to do instead.
-REFUSED: dict[str, tuple[tuple[Any, ...], str | None]] = {
-    "logprobs": ((None,), None),
-}
+# Every completions field is honoured now; chat has its own table.
+REFUSED: dict[str, tuple[tuple[Any, ...], str | None]] = {}
 
 
 class Sampling(BaseModel):
@@ -143,7 +148,7 @@ class CompletionRequest(Sampling):
     max_tokens: IntNotBool | None = 16
     best_of: IntNotBool | None = None
     echo: StrictBool | None = None
-    logprobs: Any = None
+    logprobs: IntNotBool | None = Field(default=None, ge=0, le=MAX_COMPLETION_LOGPROBS)
     suffix: str | None = None
 
     @field_validator("prompt")
@@ -174,7 +179,8 @@ class CompletionRequest(Sampling):
             prompt["suffix"] = self.suffix
         return GenerationRequest.model_validate(
             {**prompt, "model": self.model, "metadata": self.user_metadata(),
-             "sampling": self.sampling(16 if self.max_tokens is None else self.max_tokens)},
+             "sampling": {**self.sampling(16 if self.max_tokens is None else self.max_tokens),
+                          **({} if self.logprobs is None else {"logprobs": self.logprobs})}},
             context={"settings": settings},
         )
 
@@ -192,6 +198,8 @@ class CompletionRequest(Sampling):
                 return UNSUPPORTED.response(BEST_OF, param="best_of")
         if self.echo and not isinstance(self.prompt, str):
             return UNSUPPORTED.response(ECHO_IDS, param="echo")
+        if self.echo and self.logprobs is not None:
+            return UNSUPPORTED.response(ECHO_LOGPROBS, param="echo")
         if self.suffix and not isinstance(self.prompt, str):
             return UNSUPPORTED.response(SUFFIX_IDS, param="suffix")
         return None
@@ -257,15 +265,19 @@ async def complete(client: AsyncFleetClient, body: bytes, request: Request,
     head = {"id": f"cmpl-{job_ids[0]}", "object": "text_completion",
             "created": int(time.time()), "model": job.model}
     echo = ask.prompt if ask.echo and isinstance(ask.prompt, str) else ""
+    shape = None if ask.logprobs is None else CompletionLogprobs
     if ask.stream:
         opening = completion_choice(0, echo, None) if echo else None
         return sse.response(chunks(client, job_ids, head, completion_choice, ask.include_usage,
-                                   opening), keepalive_s)
+                                   opening, logprobs=shape), keepalive_s)
     states = await succeeded(client, job_ids, request)
     if isinstance(states, Response):
         return states
     choices = [completion_choice(i, echo + state.text, finish(state))
                for i, state in enumerate(states)]
+    if shape is not None:
+        for choice, job_id in zip(choices, job_ids, strict=True):
+            choice["logprobs"] = shape()(await logged(client, job_id))
     return JSONResponse({**head, "choices": choices, "usage": usage(states)})
 
 
@@ -274,16 +286,20 @@ def completion_choice(index: int, text: str, finish_reason: str | None) -> dict[
 
 
 Choice = Callable[[int, str, "str | None"], dict[str, Any]]
+Logprobs = Callable[[list[TokenEvent]], dict[str, Any]]
 
 
 async def chunks(client: AsyncFleetClient, job_ids: list[str], head: dict[str, Any],
-                 choice: Choice, include_usage: bool, opening: dict[str, Any] | None = None
-                 ) -> AsyncIterator[bytes]:
+                 choice: Choice, include_usage: bool, opening: dict[str, Any] | None = None,
+                 logprobs: Callable[[], Logprobs] | None = None) -> AsyncIterator[bytes]:
     """The jobs' text as OpenAI stream chunks, one choice each (``choice`` shapes
     one; job i is choice i): ``opening`` first for each choice, if given; a
-    chunk per piece of text, the choices' interleaved as they come; each
-    choice's finish reason (or the first error: the other choices are then
-    cancelled); the usage if asked for; ``[DONE]``."""
+    chunk per piece of text (per event, with its tokens' ``logprobs`` shaped by
+    a shape made per choice, when asked for: an event whose text is held back
+    still has tokens), the choices' interleaved as they come; each choice's
+    finish reason (or the first error: the other choices are then cancelled);
+    the usage if asked for; ``[DONE]``."""
+    shapes = None if logprobs is None else [logprobs() for _ in job_ids]
     # Closed on the way out (a failed choice, a client gone): the other choices'
     # subscriptions end then, not when the generator is collected.
     async with cancel_unless_ended(client, job_ids) as ended, \
@@ -294,9 +310,11 @@ async def chunks(client: AsyncFleetClient, job_ids: list[str], head: dict[str, A
         states: list[JobState] = []
         async for index, events in batches:
             if events is not None:
+                shape = None if shapes is None else shapes[index]
                 # A backlog goes out as one write: the same chunks, fewer frames.
-                frame = b"".join(data({**head, "choices": [choice(index, e.text, None)]})
-                                 for e in events if e.text)
+                frame = b"".join(
+                    data({**head, "choices": [_with(choice(index, e.text, None), e, shape)]})
+                    for e in events if e.text or shape)
                 if frame:
                     yield frame
                 continue
@@ -313,6 +331,19 @@ async def chunks(client: AsyncFleetClient, job_ids: list[str], head: dict[str, A
         if include_usage:
             yield data({**head, "choices": [], "usage": usage(states)})
         yield b"data: [DONE]\n\n"
+
+
+def _with(choice: dict[str, Any], event: TokenEvent, logprobs: Logprobs | None
+          ) -> dict[str, Any]:
+    if logprobs is not None:
+        choice["logprobs"] = logprobs([event])
+    return choice
+
+
+async def logged(client: AsyncFleetClient, job_id: str) -> list[TokenEvent]:
+    """A finished job's token events, from its log (with their log probabilities)."""
+    async with contextlib.aclosing(client.stream_batches(job_id)) as batches:
+        return [event async for events in batches for event in events]
 
 
 @contextlib.asynccontextmanager

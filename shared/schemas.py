@@ -34,6 +34,8 @@ MAX_METADATA_DEPTH = 32
 MAX_IDEMPOTENCY_KEY = 128
 # How many tokens one request may bias (OpenAI's own bound is of this order).
 MAX_LOGIT_BIAS = 300
+# The most alternatives a token's log probabilities may list (OpenAI's chat bound).
+MAX_TOP_LOGPROBS = 20
 
 
 def _not_bool(kind: str) -> BeforeValidator:
@@ -86,6 +88,9 @@ class SamplingParams(_Wire):
     def draw_seed(self) -> int | None:
         """The seed this job's draws use (:func:`choice_seed`), None when unseeded."""
         return None if self.seed is None else choice_seed(self.seed, self.choice_index)
+    logprobs: IntNotBool | None = Field(
+        default=None, ge=0, le=MAX_TOP_LOGPROBS,
+        description="report each token's log probability and this many likeliest alternatives")
 
     @field_validator("logit_bias")
     @classmethod
@@ -343,6 +348,43 @@ class JobState(BaseModel):
         return cls.model_validate(data)
 
 
+class TopLogprob(BaseModel):
+    """One of the likeliest tokens at a position, with its log probability."""
+
+    token_id: int
+    token: str  # the token decoded alone
+    logprob: float
+
+    @model_validator(mode="before")
+    @classmethod
+    def _from_wire(cls, value: Any) -> Any:
+        # The token log holds [token_id, token, logprob]: compact, a few per token.
+        return _positional(value, ("token_id", "token", "logprob"))
+
+
+class TokenLogprob(BaseModel):
+    """A generated token's log probability under the model's own distribution
+    (the raw logits, before temperature, penalties or bias: as vLLM reports them
+    by default), and the ``SamplingParams.logprobs`` likeliest tokens there."""
+
+    token: str  # the token decoded alone (its share of the text may differ)
+    logprob: float
+    top: list[TopLogprob] = Field(default_factory=list)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _from_wire(cls, value: Any) -> Any:
+        # The token log holds [token, logprob, [top, ...]].
+        return _positional(value, ("token", "logprob", "top"))
+
+
+def _positional(value: Any, names: tuple[str, ...]) -> Any:
+    """A model's fields given as a list in ``names``' order, as a dict (else as is)."""
+    if isinstance(value, list | tuple) and len(value) == len(names):
+        return dict(zip(names, value))
+    return value
+
+
 class TokenEvent(BaseModel):
     """Tokens a job produced, in order: ``index`` is the position of the first one.
 
@@ -356,12 +398,16 @@ class TokenEvent(BaseModel):
     (held back until it decodes cleanly). ``offsets``, on an event of several
     tokens, says where the text of each token ends in ``text`` (characters), so
     the event can be cut at any token (``after``).
+
+    ``logprobs``, for a job that asked for them (``SamplingParams.logprobs``),
+    has one ``TokenLogprob`` per token id; None otherwise.
     """
 
     index: int
     token_ids: list[int]
     text: str
     offsets: list[int] | None = None
+    logprobs: list[TokenLogprob] | None = None
 
     @property
     def end(self) -> int:
@@ -377,7 +423,15 @@ class TokenEvent(BaseModel):
         cut = self.offsets[skip - 1] if self.offsets else len(self.text)
         rest = self.offsets[skip:] if self.offsets else None
         return TokenEvent(index=index, token_ids=self.token_ids[skip:], text=self.text[cut:],
-                          offsets=[o - cut for o in rest] if rest and len(rest) > 1 else None)
+                          offsets=[o - cut for o in rest] if rest and len(rest) > 1 else None,
+                          logprobs=self.logprobs[skip:] if self.logprobs is not None else None)
+
+    def token_texts(self) -> list[str]:
+        """What each token adds to the text (from ``offsets``)."""
+        if len(self.token_ids) == 1:
+            return [self.text]
+        ends = self.offsets or [len(self.text)] * len(self.token_ids)
+        return [self.text[start:end] for start, end in zip([0, *ends], ends)]
 
 
 class EndEvent(BaseModel):

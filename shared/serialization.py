@@ -22,19 +22,27 @@ def loads(data: bytes | str) -> Any:
     return orjson.loads(data)
 
 
-def token_event(index: int, token_ids: list[int], texts: list[str]) -> bytes:
+def token_event(index: int, token_ids: list[int], texts: list[str],
+                logprobs: list[Any] | None = None) -> bytes:
     """The event of tokens ``token_ids`` from ``index`` on, ``texts`` the text
     each one adds: one text, and where each token's part of it ends when
-    there are several (see :class:`TokenEvent`)."""
+    there are several (see :class:`TokenEvent`); ``logprobs`` in their wire
+    form (:class:`TokenLogprob`), one per token, when the job asked for them."""
+    event: dict[str, Any] = {"k": "tok", "index": index, "token_ids": token_ids}
     if len(texts) == 1:
-        return orjson.dumps({"k": "tok", "index": index, "token_ids": token_ids,
-                             "text": texts[0]})
-    offsets, at = [], 0
-    for text in texts:
-        at += len(text)
-        offsets.append(at)
-    return orjson.dumps({"k": "tok", "index": index, "token_ids": token_ids,
-                         "text": "".join(texts), "offsets": offsets})
+        event["text"] = texts[0]
+    else:
+        offsets, at = [], 0
+        for text in texts:
+            at += len(text)
+            offsets.append(at)
+        event["text"] = "".join(texts)
+        event["offsets"] = offsets
+    if logprobs is None:
+        return orjson.dumps(event)
+    event["logprobs"] = logprobs
+    # numpy float32 values as the shortest text that reads back as the same float32.
+    return orjson.dumps(event, option=orjson.OPT_SERIALIZE_NUMPY)
 
 
 @lru_cache(maxsize=256)  # most jobs end alike: one encoding serves them all

@@ -70,6 +70,10 @@ class TextStream:
         self._rust = rust_tokenizer(tokenizer)
         self._stream: Any = None if self._rust is None else DecodeStream(skip_special_tokens=True)
 
+    @property
+    def tokenizer(self) -> Any:
+        return self._tokenizer
+
     def _decode(self, ids: list[int]) -> str:
         if self._rust is not None:
             return self._rust.decode(ids, skip_special_tokens=True)  # type: ignore[no-any-return]

@@ -110,8 +110,14 @@ class Engine(ABC):
     - ``stats``: the worker's figures; an engine that fails a step and goes on
       counts it in ``stats.failed_steps``;
     - ``last_batch``: what the last step's forward pass held (``BatchShape``),
-      set by the engine's ``_run`` at every step.
+      set by the engine's ``_run`` at every step;
+    - ``reports_logprobs``: whether it computes the log probabilities a job
+      asks for (``SamplingParams.logprobs``): it puts each token's in
+      ``Sequence.made_logprobs`` under the token's index before ``_run``
+      returns it. An engine without them refuses such jobs.
     """
+
+    reports_logprobs = False
 
     def __init__(self, eos_token_ids: Iterable[int], max_model_len: int,
                  clock: Callable[[], float] = time.time, vocab_size: int | None = None) -> None:
@@ -152,7 +158,11 @@ class Engine(ABC):
         cannot run fails at once with a reason that names the field and the
         limit, instead of holding a slot. Called from any thread (the feeder's):
         it may read only what is fixed once the engine is built. By default an
-        engine takes every request the fleet's own validation lets through."""
+        engine takes every request the fleet's own validation lets through,
+        but for log probabilities it does not report."""
+        if seq.sampling.logprobs is not None and not self.reports_logprobs:
+            return (f"logprobs: the {type(self).__name__} engine does not report log "
+                    "probabilities; leave logprobs unset")
         return None
 
     # -- the engine thread ------------------------------------------------------

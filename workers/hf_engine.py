@@ -64,6 +64,8 @@ class ModelRunner(Runner, Protocol):
 class HFEngine(Engine):
     """Owned by the engine thread, but for ``add`` and ``abort`` (see ``Engine``)."""
 
+    reports_logprobs = True  # the runners sample with tokenfleet.workers.sampler
+
     def __init__(self, scheduler: Scheduler, runner: Runner, max_failed_steps: int = 5,
                  clock: Callable[[], float] = time.time, vocab_size: int | None = None) -> None:
         super().__init__(scheduler.eos_token_ids, scheduler.max_model_len, clock, vocab_size)

@@ -63,6 +63,7 @@ from tokenfleet.shared.worker_scripts import (
     finish,
     requeue,
 )
+from tokenfleet.workers.logprobs import Logprobs, wire
 from tokenfleet.workers.sequence import SeqOutput
 from tokenfleet.workers.sequence import Sequence
 
@@ -110,6 +111,7 @@ class Held:
     since: float  # the step before the first one (the publisher's clock)
     token_ids: list[int] = field(default_factory=list)
     texts: list[str] = field(default_factory=list)  # what each token adds to the text
+    logprobs: list[Logprobs | None] = field(default_factory=list)  # when the job asked
 
     @property
     def end(self) -> int:
@@ -223,6 +225,7 @@ class Publisher:
                 held = self.held[job_id] = Held(o.seq, o.index, since=before)
             held.token_ids.append(o.token_id)  # type: ignore[arg-type]
             held.texts.append(o.text)
+            held.logprobs.append(o.logprobs)
         horizon = now + next_step - self.window_s + 1e-6  # a microsecond: the window reached
         for job_id, held in list(self.held.items()):
             if (held.index == 0 or job_id in ended or len(held.token_ids) >= self.max_tokens
@@ -344,7 +347,8 @@ class Publisher:
     def _emit(self, events: list[Held]) -> ScriptCall[Emitted]:
         return emit(self.keys, result_ttl_s=self.settings.result_ttl_s,
                     now=self.fleet_clock.now(), events=[LogEvent(e.seq.job_id, e.seq.attempt, e.index, len(e.token_ids),
-                                     token_event(e.index, e.token_ids, e.texts))
+                                     token_event(e.index, e.token_ids, e.texts,
+                                                 wire(e.seq, e.token_ids, e.logprobs)))
                             for e in events])
 
     def _finish(self, endings: list[Ending]) -> ScriptCall[Finished]:

@@ -15,6 +15,10 @@ and the index of the token being drawn, so its tokens depend neither on
 the other rows of the batch nor on any generator state: a job resumed elsewhere,
 or prefilled again after a failed step, draws the same tokens without replaying
 anything.
+
+Log probabilities (``tokenfleet.workers.logprobs``) are taken from the raw
+logits, before any adjustment, for the rows that ask, and come back in the
+same copy as the tokens.
 """
 
 from __future__ import annotations
@@ -27,12 +31,19 @@ from itertools import chain
 import torch
 
 from tokenfleet.shared.schemas import SamplingParams
+from tokenfleet.workers.logprobs import StepLogprobs, asking
 from tokenfleet.workers.sequence import Sequence
 
 
 def sample(logits: torch.Tensor, seqs: Seq[Sequence]) -> list[int]:
-    """One token id per row of ``logits`` ([batch, vocab])."""
-    return sample_ids(logits, seqs).tolist()  # type: ignore[no-any-return]
+    """One token id per row of ``logits`` ([batch, vocab]); the rows whose job
+    asked for log probabilities get them in ``Sequence.made_logprobs``."""
+    rows = asking(seqs)
+    if not rows:
+        return sample_ids(logits, seqs).tolist()  # type: ignore[no-any-return]
+    # From the logits as the model gave them.
+    logprobs = StepLogprobs(logits, seqs, rows, _to_device(torch.tensor(rows), logits.device))
+    return logprobs.attach(sample_ids(logits, seqs), seqs)
 
 
 def sample_ids(logits: torch.Tensor, seqs: Seq[Sequence]) -> torch.Tensor:

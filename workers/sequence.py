@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from tokenfleet.shared.schemas import FinishReason, JobStatus, SamplingParams
 from tokenfleet.workers.detokenizer import TextStream
+from tokenfleet.workers.logprobs import Logprobs
 
 
 class SeqStatus(enum.IntEnum):
@@ -45,6 +46,11 @@ class Sequence:
     failures: int = 0  # forward passes that raised with this sequence in them
     isolate: bool = False  # run alone until it passes a step (after a failed batch)
     num_computed: int = 0  # tokens in the runner's KV cache (a chunked prefill's progress)
+    # Log probabilities an engine computed for tokens it is about to hand over,
+    # by the token's index; ``append`` takes each with its token. By index, not
+    # in a queue: a step that fails after sampling leaves nothing that a later
+    # token could pick up (the retry computes the same index again).
+    made_logprobs: dict[int, Logprobs] = field(default_factory=dict)
 
     @property
     def num_tokens(self) -> int:
@@ -89,7 +95,7 @@ class Sequence:
             end = FinishReason.LENGTH
         if end is not None:
             self.status = SeqStatus.FINISHED
-        return Made(self, index, token_id, end)
+        return Made(self, index, token_id, end, logprobs=self.made_logprobs.pop(index, None))
 
     # -- the output side: text and the job's end -----------------------------------
 
@@ -124,7 +130,8 @@ class Sequence:
             reason = FinishReason.STOP
         if reason is not None:
             text += self.finish(reason, made.error)
-        return SeqOutput(self, made.index, made.token_id, text, reason is not None)
+        return SeqOutput(self, made.index, made.token_id, text, reason is not None,
+                         made.logprobs)
 
 
 @dataclass(slots=True)
@@ -139,6 +146,7 @@ class Made:
     token_id: int | None
     end: FinishReason | None = None
     error: str | None = None
+    logprobs: Logprobs | None = None  # when the job asked for them
 
 
 @dataclass(slots=True)
@@ -150,3 +158,4 @@ class SeqOutput:
     token_id: int | None
     text: str
     finished: bool
+    logprobs: Logprobs | None = None  # when the job asked for them

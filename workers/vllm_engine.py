@@ -22,12 +22,15 @@ import logging
 import os
 from typing import Any
 
+import numpy as np
+
 from tokenfleet.shared import models
 from tokenfleet.shared.schemas import FinishReason
 from tokenfleet.shared.settings import Settings
 from tokenfleet.workers import budget
 from tokenfleet.workers.engine import BatchShape, DeviceFailure, Engine, is_fatal_device_error
 from tokenfleet.workers.engines import BuiltEngine
+from tokenfleet.workers.logprobs import Logprobs
 from tokenfleet.workers.sequence import Sequence
 
 log = logging.getLogger(__name__)
@@ -44,6 +47,11 @@ def build_vllm(settings: Settings) -> BuiltEngine:
 class VLLMEngine(Engine):
     """Owned by the engine thread, but for ``add`` and ``abort`` (see ``Engine``):
     vLLM is called from that thread only."""
+
+    # vLLM's own, from its sampler's step; its default logprobs_mode
+    # (raw_logprobs) is the built-in engine's choice too: the model's
+    # distribution before any adjustment.
+    reports_logprobs = True
 
     def __init__(self, llm: Any, eos_token_ids: set[int], max_model_len: int, max_batch: int,
                  vllm: Any, vocab_size: int | None = None) -> None:
@@ -106,6 +114,9 @@ class VLLMEngine(Engine):
         """What vLLM's ``SamplingParams`` refuse (it checks its arguments when
         built: a ``temperature`` above 2, say), in vLLM's words, which name the
         field and its range. Building them reads nothing of the engine's."""
+        why = super().refusal(seq)
+        if why is not None:
+            return why
         try:
             self._sampling(seq, max(1, self._budget(seq)))
         except Exception as exc:  # VLLMValidationError, or ValueError in older vLLMs
@@ -134,7 +145,7 @@ class VLLMEngine(Engine):
             max_tokens=budget, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
             seed=s.draw_seed, repetition_penalty=s.repetition_penalty,
             presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty,
-            min_p=s.min_p, logit_bias=dict(s.logit_bias) or None,
+            min_p=s.min_p, logit_bias=dict(s.logit_bias) or None, logprobs=s.logprobs,
             # vLLM stops on these too, so it never runs past a job's end; stop
             # strings are the fleet's (they match on the text every consumer sees).
             stop_token_ids=sorted(self.eos_token_ids), detokenize=False,
@@ -167,6 +178,8 @@ class VLLMEngine(Engine):
             if live is None:
                 continue
             made.extend((live, int(t)) for t in out.outputs[0].token_ids)
+            if live.sampling.logprobs is not None:
+                _take_logprobs(live, out.outputs[0], live.sampling.logprobs)
             if out.finished:
                 self._gone(out.request_id)
                 self._ended_by_vllm.append(live)
@@ -182,3 +195,16 @@ class VLLMEngine(Engine):
         seq = self._live.pop(request_id)
         if self._request.get(seq.job_id) == request_id:
             del self._request[seq.job_id]
+
+
+def _take_logprobs(seq: Sequence, output: Any, wanted: int) -> None:
+    """vLLM's log probabilities of a step's new tokens (a dict per token: the
+    sampled token's and the top ``wanted``, each with its rank) into
+    ``Sequence.made_logprobs``, by index, before ``_apply`` appends them."""
+    base = len(seq.generated)
+    for k, (token_id, ranked) in enumerate(zip(output.token_ids, output.logprobs or [])):
+        top = sorted(((lp.rank, i, lp.logprob) for i, lp in ranked.items()
+                      if lp.rank is not None and lp.rank <= wanted))[:wanted]
+        seq.made_logprobs[base + k] = Logprobs(
+            np.float32(ranked[int(token_id)].logprob), [int(i) for _, i, _ in top],
+            np.array([lp for _, _, lp in top], dtype=np.float32))

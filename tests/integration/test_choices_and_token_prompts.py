@@ -120,7 +120,7 @@ FIELDS = [
     ("n", {"n": 17}, 400, "TOKENFLEET_MAX_N"),
     ("n", {"n": 1.5}, 400, "integer"),
     ("best_of", {"best_of": 2, "n": 2}, 200, None),
-    ("best_of", {"best_of": 3, "n": 2}, 400, "logprobs"),
+    ("best_of", {"best_of": 3, "n": 2}, 400, "not ranked by likelihood"),
     ("best_of", {"best_of": 1, "n": 2}, 400, "at least n"),
     ("echo", {"echo": True}, 200, None),
     ("echo", {"echo": 1}, 400, "boolean"),
@@ -137,7 +137,9 @@ FIELDS = [
     ("prompt", {"prompt": [[1], [2]]}, 400, "batched prompts"),
     ("prompt", {"prompt": ["a", "b"]}, 400, "batched prompts"),
     ("prompt", {"prompt": []}, 400, "empty"),
-    ("logprobs", {"logprobs": 1}, 400, "logprobs"),
+    ("logprobs", {"logprobs": 1, "n": 2}, 200, None),
+    ("logprobs", {"logprobs": 6}, 400, "less than or equal to 5"),
+    ("echo", {"echo": True, "logprobs": 1}, 400, "prompt's log probabilities"),
 ]
 
 

@@ -203,14 +203,14 @@ def test_openai_fields_the_gateway_cannot_honour_are_400_naming_them(
 ) -> None:
     http = gateway()
     refused = {"presence_penalty": 2.5, "frequency_penalty": -3, "suffix": 3,
-               "logit_bias": {"50": -101}, "echo": 1, "logprobs": 0, "best_of": 2,
+               "logit_bias": {"50": -101}, "echo": 1, "logprobs": 6, "best_of": 2,
                "n": 0, "nonsense": 1, "stream_options": {"include_obfuscation": True}}
     for field, value in refused.items():
         response = http.post("/v1/completions", json={"prompt": "hi", field: value})
         assert response.status_code == 400, (field, response.text)
         err = response.json()["error"]
         assert err["param"] == field and field in err["message"], err
-    chat = {"tools": [{"type": "function", "function": {"name": "f"}}], "logprobs": True,
+    chat = {"tools": [{"type": "function", "function": {"name": "f"}}], "top_logprobs": 21,
             "response_format": {"type": "json_object"}, "presence_penalty": 2.5, "n": 17,
             "tool_choice": "auto", "store": True, "audio": {"voice": "x"}}
     for field, value in chat.items():

@@ -320,3 +320,42 @@ def test_seeded_choices_each_equal_the_single_request_with_that_choice_index(
     texts = [client.wait(j, timeout=60).text for j in choices]
     assert texts == [client.wait(j, timeout=60).text for j in singles]
     assert len(set(texts)) > 1  # vLLM draws each choice with its own seed
+
+
+@pytest.mark.slow
+def test_greedy_logprobs_equal_transformers_log_softmax_as_the_built_in_engines_do(
+        engine: Any, loaded_tiny: Any) -> None:
+    # Both engines report the raw distribution (vLLM's default logprobs_mode), so
+    # a penalised row's values are still transformers' log_softmax of its tokens.
+    import torch
+
+    from tokenfleet.shared.schemas import SamplingParams
+    from tokenfleet.workers.detokenizer import TextStream
+    from tokenfleet.workers.sequence import Sequence
+
+    vllm_engine, tok = engine
+    model, _ = loaded_tiny
+    asks = [dict(logprobs=3), dict(logprobs=0, frequency_penalty=1.5), dict()]
+    seqs = [Sequence(str(i), tok(PROMPTS[i])["input_ids"],
+                     SamplingParams(max_new_tokens=8, temperature=0.0, **ask),
+                     TextStream(tok)) for i, ask in enumerate(asks)]
+    for seq in seqs:
+        vllm_engine.add(seq)
+    made: dict[str, list[Any]] = {s.job_id: [] for s in seqs}
+    while vllm_engine.has_work:
+        for out in vllm_engine.step():
+            if out.token_id is not None:
+                made[out.seq.job_id].append(out.logprobs)
+    for seq in seqs:
+        if seq.sampling.logprobs is None:
+            assert made[seq.job_id] == [None] * len(seq.generated)
+            continue
+        with torch.inference_mode():
+            logits = model(torch.tensor([seq.all_ids])).logits[0].float()
+        expected = torch.log_softmax(logits, dim=-1)[len(seq.prompt_ids) - 1:-1]
+        assert len(made[seq.job_id]) == len(seq.generated) == 8
+        for position, (token_id, lp) in enumerate(zip(seq.generated, made[seq.job_id])):
+            assert abs(float(lp.logprob) - float(expected[position, token_id])) < 1e-4
+            top = expected[position].topk(seq.sampling.logprobs)
+            assert lp.top_ids == top.indices.tolist()
+            assert lp.top_logprobs.tolist() == pytest.approx(top.values.tolist(), abs=1e-4)
