@@ -69,6 +69,12 @@ class Metrics:
                          ["queue", "priority"], registry=r)
         self.pending = Gauge("tokenfleet_pending_entries", "Entries read but not acknowledged",
                              ["queue", "priority"], registry=r)
+        self.tenant_queued = Gauge("tokenfleet_tenant_queued_jobs", "Jobs of a tenant waiting "
+                                   "in the queue for a worker to take them", ["queue", "tenant"],
+                                   registry=r)
+        self.tenant_running = Gauge("tokenfleet_tenant_running_jobs", "Jobs of a tenant that "
+                                    "workers have taken and not yet ended", ["queue", "tenant"],
+                                    registry=r)
         self.backlog = Gauge("tokenfleet_backlog_tokens", "Queued work in tokens (prompt "
                              "estimate plus max_new_tokens)", ["queue"], registry=r)
         self.running = Gauge("tokenfleet_running_sequences", "Sequences in the running batch",
@@ -117,9 +123,14 @@ class Metrics:
         for at, n in last_at.items():
             self._itl.observe(now - at, n)
 
-    def queue_state(self, levels: dict[str, dict[str, Any]], backlog: int, running: int) -> None:
+    def queue_state(self, levels: dict[str, dict[str, Any]], backlog: int, running: int,
+                    tenants: dict[str, dict[str, int]] | None = None) -> None:
         """``levels``: each priority level's stream length (``depth``: an entry
-        stays until its job ends), pending entries and group lag."""
+        stays until its job ends), pending entries and group lag; ``tenants``:
+        each tenant's depth and pending entries, all levels together."""
+        for tenant, info in (tenants or {}).items():
+            self.tenant_queued.labels(self.queue, tenant).set(max(0, info["depth"] - info["pending"]))
+            self.tenant_running.labels(self.queue, tenant).set(info["pending"])
         for priority, info in levels.items():
             # A taken entry stays pending until its job ends: what is not pending waits.
             self.depth.labels(self.queue, priority).set(max(0, info["depth"] - info["pending"]))
