@@ -94,6 +94,11 @@ class FleetClient:
         prompt's tokens are counted here where the queue's model is on this
         machine (``tokenfleet.prompt_tokens``), or given as ``prompt_tokens``;
         else the worker counts them (and fails an over-long job).
+
+        ``tenant`` names who the job is for (``InvalidRequest`` unless 1 to 64
+        letters, digits, '.', '_' or '-', starting with a letter or digit; none:
+        the tenant "default"): workers share the fleet fairly among tenants with
+        queued work, by tokens served.
         """
         request = build_request(prompt, kwargs, self.settings)
         if prompt_tokens is None:

@@ -149,7 +149,9 @@ def repair_fleet(client: Any, page: int = 500) -> Repaired:
                     error=EXPIRED_ERROR).run(r)
                 expired += verdict is ExpireVerdict.EXPIRED
     forgotten = [model for model in models
-                 if forget_queue(keys, model=model, live_since=since).run(r)]
+                 if forget_queue(keys, model=model, live_since=since,
+                                 tenants=[t.decode() for t in r.smembers(keys.tenants(model))]
+                                 ).run(r)]
     return Repaired(expired, forgotten)
 
 

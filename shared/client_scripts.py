@@ -171,13 +171,16 @@ def _forgotten(reply: object) -> bool:
     return integer(reply) == 1
 
 
-def forget_queue(keys: Keys, *, model: str, live_since: float) -> ScriptCall[bool]:
+def forget_queue(keys: Keys, *, model: str, live_since: float,
+                 tenants: Sequence[str] = ()) -> ScriptCall[bool]:
     """Delete the keys of a queue nobody uses; True when it was forgotten, False
-    when it is in use (something queued, a consumer group, a live worker)."""
+    when it is in use (something queued, a consumer group, a live worker, a
+    tenant not in ``tenants``: the queue's named tenants as the caller read them)."""
+    named = sorted({t for t in tenants if named_tenant(t) is not None})
     return ScriptCall(
         script("forget_queue"),
-        (*(keys.queue(level_queue(model, p)) for p in PRIORITIES), keys.backlog(model),
-         keys.queue_workers(model)),
-        (repr(live_since),),
+        (keys.backlog(model), keys.queue_workers(model), keys.tenants(model),
+         *(keys.fair(model, p) for p in PRIORITIES), *model_streams(keys, model, named)),
+        (repr(live_since), *named),
         _forgotten,
     )

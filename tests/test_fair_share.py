@@ -8,10 +8,16 @@ from typing import Any
 
 import pytest
 import redis
+from prometheus_client import generate_latest
 
 from tokenfleet import FleetClient, InvalidRequest, QueueFull
+from tokenfleet.fleet import repair_fleet
 from tokenfleet.shared.keys import Keys, level_queue
+from tokenfleet.shared.schemas import FinishReason, SamplingParams
 from tokenfleet.workers.fair_share import TenantStreams
+from tokenfleet.workers.metrics import Metrics
+from tokenfleet.workers.sequence import SeqOutput, Sequence
+from tokenfleet.workers.stats import WorkerStats
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -98,3 +104,31 @@ def test_an_idle_tenant_comes_back_ahead_by_the_burst_only(
     queue_jobs(client, "b", 10)
     # b banked two jobs' worth while idle, not the ten a ran: two first, then turns.
     assert dealt(streams, 10) == {"a": 4, "b": 6}
+
+
+def test_forgetting_a_queue_takes_its_tenants_streams_too(
+        client: FleetClient, r: redis.Redis, settings: Any) -> None:
+    keys = Keys(settings.namespace)
+    job_id, = queue_jobs(client, "acme", 1)
+    assert client.cancel(job_id)  # nothing queued, no consumer group, no worker
+    assert repair_fleet(client).forgotten == ["default"]
+    assert not r.exists(keys.queue(level_queue("default", "normal", "acme")),
+                        keys.tenants("default"))
+
+
+def test_each_tenants_jobs_and_tokens_show_in_the_metrics() -> None:
+    stats = WorkerStats()
+    metrics = Metrics("q", stats)
+    seq = Sequence(job_id="q:1", prompt_ids=[1], sampling=SamplingParams(),
+                   text=None, queue=level_queue("q", "high", "acme"))  # type: ignore[arg-type]
+    seq.generated = [5, 6, 7]
+    seq.finish_reason = FinishReason.LENGTH
+    stats.record_outputs([SeqOutput(seq, 2, 7, "", True)])
+    metrics.queue_state({}, backlog=0, running=0,
+                        tenants={"acme": {"depth": 5, "pending": 2}, "default": {"depth": 1,
+                                                                                "pending": 1}})
+    text = generate_latest(metrics.registry).decode()
+    assert 'tokenfleet_tenant_tokens_generated_total{queue="q",tenant="acme"} 3.0' in text
+    assert 'tokenfleet_tenant_queued_jobs{queue="q",tenant="acme"} 3.0' in text
+    assert 'tokenfleet_tenant_running_jobs{queue="q",tenant="acme"} 2.0' in text
+    assert 'tokenfleet_tenant_queued_jobs{queue="q",tenant="default"} 0.0' in text

@@ -154,10 +154,12 @@ class StatsCounters(Collector):
     def collect(self) -> Iterator[CounterMetricFamily]:
         s = self._stats
         # dict() copies in one call, atomic under the GIL: the engine thread adds to it.
-        yield from self._families(dict(s.jobs), s.tokens, s.failed_steps, s.store_retries)
+        yield from self._families(dict(s.jobs), s.tokens, s.failed_steps, s.store_retries,
+                                  dict(s.tenant_tokens))
 
     def _families(self, jobs: dict[str, int], tokens: int, failed_steps: int,
-                  store_retries: int) -> Iterator[CounterMetricFamily]:
+                  store_retries: int, tenant_tokens: dict[str, int] | None = None
+                  ) -> Iterator[CounterMetricFamily]:
         created = self._stats.started_at
         family = CounterMetricFamily("tokenfleet_jobs", "Jobs that ended here, by final status",
                                      labels=["queue", "status"])
@@ -167,6 +169,12 @@ class StatsCounters(Collector):
         family = CounterMetricFamily("tokenfleet_tokens_generated", "Tokens generated",
                                      labels=["queue"])
         family.add_metric([self._queue], tokens, created=created)
+        yield family
+        family = CounterMetricFamily("tokenfleet_tenant_tokens_generated",
+                                     "Tokens of a tenant's jobs that ended here",
+                                     labels=["queue", "tenant"])
+        for tenant, n in sorted((tenant_tokens or {}).items()):
+            family.add_metric([self._queue, tenant], n, created=created)
         yield family
         yield CounterMetricFamily("tokenfleet_failed_steps", "Engine steps that raised",
                                   failed_steps, created=created)
