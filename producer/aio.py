@@ -17,6 +17,8 @@ from tokenfleet.protocol import (
     EventCursor,
     as_read,
     build_request,
+    CANCEL_FIELDS,
+    KnownTenants,
     cancel_call,
     cancel_verdict,
     check_deadline,
@@ -65,6 +67,7 @@ class AsyncFleetClient:
         self._background: set[asyncio.Task[Any]] = set()  # strong references, awaited by close()
         # Deadlines and liveness are judged on Redis's clock, not this host's.
         self.clock = FleetClock()
+        self._tenants = KnownTenants()  # of each queue, for submit's depth
 
     async def __aenter__(self) -> AsyncFleetClient:
         return self
@@ -91,10 +94,15 @@ class AsyncFleetClient:
             if queue is not None:  # tokenizing a long prompt takes a while: off the loop
                 prompt_tokens = await asyncio.to_thread(count_prompt_tokens, request,
                                                         queue.models)
-        sub = submission(request, self.keys, self.settings,
-                         require_worker_for(require_worker, self.settings),
-                         await self.clock.aread(self.redis), prompt_tokens)
-        job_id = submitted_id(await sub.call.run_async(self.redis), request, self.settings)
+        now = await self.clock.aread(self.redis)
+        while True:  # again only when a tenant new to this client queued meanwhile
+            sub = submission(request, self.keys, self.settings,
+                             require_worker_for(require_worker, self.settings),
+                             now, prompt_tokens, self._tenants.of(request.model))
+            result = await sub.call.run_async(self.redis)
+            if not self._tenants.heard(request.model, result):
+                break
+        job_id = submitted_id(result, request, self.settings)
         if job_id is None:
             raise NoWorker(request.model, await self.served_queues())
         return job_id
@@ -158,11 +166,10 @@ class AsyncFleetClient:
         """See ``FleetClient.cancel``: True only if the job ended ``cancelled``; a
         running job is waited for up to ``timeout`` seconds."""
         # The queue's key goes to the script with the others (declared keys only).
-        model, priority = await self.redis.hmget(self.keys.job(job_id), ["model", "priority"])
-        if model is None:
+        record = await self.redis.hmget(self.keys.job(job_id), CANCEL_FIELDS)
+        if record[0] is None:
             raise JobNotFound(job_id)
-        call = cancel_call(job_id, model.decode(), (priority or b"normal").decode(),
-                           self.keys, self.settings, await self.clock.aread(self.redis))
+        call = cancel_call(job_id, record, self.keys, self.settings, await self.clock.aread(self.redis))
         verdict = cancel_verdict(await call.run_async(self.redis), job_id)
         if verdict is not CancelVerdict.REQUESTED:
             return verdict is CancelVerdict.CANCELLED

@@ -28,10 +28,10 @@ from typing import Any
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector, CollectorRegistry
 
-from tokenfleet.fleet import queue_models
+from tokenfleet.fleet import level_streams, queue_models
 from tokenfleet.shared.clock import redis_now
 from tokenfleet.shared.declared import declared_queues
-from tokenfleet.shared.keys import PRIORITIES, Keys, level_queue
+from tokenfleet.shared.keys import Keys, level_queue
 from tokenfleet.shared.liveness import live_since
 
 
@@ -49,10 +49,12 @@ class QueueBacklog(Collector):
         floors = {d.queue: d.min_workers for d in declared_queues(r, keys)}
         models = sorted({*queue_models(r, keys), *floors})
         since = live_since(redis_now(r))
+        # Every tenant's streams of a level count (fair share keeps one per tenant).
+        streams = {model: level_streams(r, keys, model) for model in models}
         pipe = r.pipeline(transaction=False)
         for model in models:
-            for priority in PRIORITIES:
-                pipe.xlen(keys.queue(level_queue(model, priority)))
+            for priority, tenant in streams[model]:
+                pipe.xlen(keys.queue(level_queue(model, priority, tenant)))
             pipe.get(keys.backlog(model))
             pipe.zcount(keys.queue_workers(model), since, "+inf")
         replies = iter(pipe.execute() if models else [])
@@ -60,8 +62,8 @@ class QueueBacklog(Collector):
         tokens: dict[str, int] = {}
         workers: dict[str, int] = {}
         for model in models:
-            for priority in PRIORITIES:
-                jobs[(model, priority)] = int(next(replies))
+            for priority, _ in streams[model]:
+                jobs[(model, priority)] = jobs.get((model, priority), 0) + int(next(replies))
             tokens[model] = int(next(replies) or 0)
             workers[model] = int(next(replies))
         yield from _families(jobs, tokens, workers, floors)

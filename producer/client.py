@@ -19,6 +19,8 @@ from tokenfleet.protocol import (
     EventCursor,
     as_read,
     build_request,
+    CANCEL_FIELDS,
+    KnownTenants,
     cancel_call,
     cancel_verdict,
     check_deadline,
@@ -61,6 +63,7 @@ class FleetClient:
         self._pubsubs = PubSubPool(self.redis)  # kept from one wait() or stream() to the next
         # Deadlines and liveness are judged on Redis's clock, not this host's.
         self.clock = FleetClock()
+        self._tenants = KnownTenants()  # of each queue, for submit's depth
 
     def __enter__(self) -> FleetClient:
         return self
@@ -94,14 +97,24 @@ class FleetClient:
         prompt's tokens are counted here where the queue's model is on this
         machine (``tokenfleet.prompt_tokens``), or given as ``prompt_tokens``;
         else the worker counts them (and fails an over-long job).
+
+        ``tenant`` names who the job is for (``InvalidRequest`` unless 1 to 64
+        letters, digits, '.', '_' or '-', starting with a letter or digit; none:
+        the tenant "default"): workers share the fleet fairly among tenants with
+        queued work, by tokens served.
         """
         request = build_request(prompt, kwargs, self.settings)
         if prompt_tokens is None:
             prompt_tokens = self._count_prompt_tokens(request)
-        sub = submission(request, self.keys, self.settings,
-                         require_worker_for(require_worker, self.settings),
-                         self.clock.read(self.redis), prompt_tokens)
-        job_id = submitted_id(sub.call.run(self.redis), request, self.settings)
+        now = self.clock.read(self.redis)
+        while True:  # again only when a tenant new to this client queued meanwhile
+            sub = submission(request, self.keys, self.settings,
+                             require_worker_for(require_worker, self.settings),
+                             now, prompt_tokens, self._tenants.of(request.model))
+            result = sub.call.run(self.redis)
+            if not self._tenants.heard(request.model, result):
+                break
+        job_id = submitted_id(result, request, self.settings)
         if job_id is None:
             raise NoWorker(request.model, self.served_queues())
         return job_id
@@ -180,11 +193,10 @@ class FleetClient:
         ``timeout=0`` asks and returns at once.
         """
         # The queue's key goes to the script with the others (declared keys only).
-        model, priority = self.redis.hmget(self.keys.job(job_id), ["model", "priority"])
-        if model is None:
+        record = self.redis.hmget(self.keys.job(job_id), CANCEL_FIELDS)
+        if record[0] is None:
             raise JobNotFound(job_id)
-        call = cancel_call(job_id, model.decode(), (priority or b"normal").decode(),
-                           self.keys, self.settings, self.clock.read(self.redis))
+        call = cancel_call(job_id, record, self.keys, self.settings, self.clock.read(self.redis))
         verdict = cancel_verdict(call.run(self.redis), job_id)
         if verdict is not CancelVerdict.REQUESTED:
             return verdict is CancelVerdict.CANCELLED

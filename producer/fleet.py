@@ -14,7 +14,8 @@ from redis.exceptions import ResponseError
 from tokenfleet.shared.client_scripts import ExpireVerdict, expire, forget_queue
 from tokenfleet.shared.clock import redis_now
 from tokenfleet.shared.declared import declared_queues
-from tokenfleet.shared.keys import GROUP, PRIORITIES, Keys, level_queue, model_of
+from tokenfleet.shared.keys import (DEFAULT_TENANT, GROUP, PRIORITIES, Keys, level_queue,
+                                    model_of)
 from tokenfleet.shared.liveness import live_since
 from tokenfleet.shared.schemas import (
     EXPIRED_ERROR,
@@ -144,16 +145,20 @@ def repair_fleet(client: Any, page: int = 500) -> Repaired:
     for model in models:
         if r.zcount(keys.queue_workers(model), since, "+inf"):
             continue
-        for priority in PRIORITIES:
-            for entry in _overdue(r, keys.queue(level_queue(model, priority)), page, now):
+        for priority, tenant in level_streams(r, keys, model):
+            stream = keys.queue(level_queue(model, priority, tenant))
+            for entry in _overdue(r, stream, page, now):
                 verdict = expire(
-                    keys, job_id=entry.job_id, model=model, priority=priority, now=now,
+                    keys, job_id=entry.job_id, model=model, priority=priority, tenant=tenant,
+                    now=now,
                     result_ttl_s=client.settings.result_ttl_s,
                     end_event=end_event(JobStatus.EXPIRED, FinishReason.DEADLINE, EXPIRED_ERROR),
                     error=EXPIRED_ERROR).run(r)
                 expired += verdict is ExpireVerdict.EXPIRED
     forgotten = [model for model in models
-                 if forget_queue(keys, model=model, live_since=since).run(r)]
+                 if forget_queue(keys, model=model, live_since=since,
+                                 tenants=[t.decode() for t in r.smembers(keys.tenants(model))]
+                                 ).run(r)]
     return Repaired(expired, forgotten)
 
 
@@ -173,16 +178,25 @@ def _overdue(r: Any, stream: str, page: int, now: float) -> list[QueueEntry]:
     return found
 
 
+def level_streams(r: Any, keys: Keys, model: str) -> list[tuple[str, str]]:
+    """(priority, tenant) of each stream of a model: the default tenant's and each
+    named tenant's, at every level."""
+    named = sorted(t.decode() for t in r.smembers(keys.tenants(model)))
+    return [(p, t) for p in PRIORITIES for t in (DEFAULT_TENANT, *named)]
+
+
 def _queue(r: Any, keys: Any, model: str, now: float) -> dict[str, Any]:
-    """One model's queue: its priority levels added up."""
+    """One model's queue: its priority levels and tenants added up."""
     info: dict[str, Any] = {"queue": model, "depth": 0, "lag": 0, "pending": 0,
-                            "oldest_wait_s": None, "levels": {},
+                            "oldest_wait_s": None, "levels": dict.fromkeys(PRIORITIES, 0),
+                            "tenants": {},
                             "backlog_tokens": int(r.get(keys.backlog(model)) or 0),
                             "dead_letters": r.xlen(keys.dlq(model))}
-    for priority in PRIORITIES:
-        stream = keys.queue(level_queue(model, priority))
+    for priority, tenant in level_streams(r, keys, model):
+        stream = keys.queue(level_queue(model, priority, tenant))
         depth = r.xlen(stream)
-        info["levels"][priority] = depth
+        info["levels"][priority] += depth
+        info["tenants"][tenant] = info["tenants"].get(tenant, 0) + depth
         info["depth"] += depth
         lag, pending = depth, 0
         try:

@@ -86,15 +86,16 @@ def require_worker_for(require_worker: bool | None, settings: Settings) -> bool:
 
 
 def submission(request: GenerationRequest, keys: Keys, settings: Settings,
-               require_worker: bool, now: float, prompt_tokens: int | None = None
-               ) -> Submission:
+               require_worker: bool, now: float, prompt_tokens: int | None = None,
+               tenants: tuple[str, ...] = ()) -> Submission:
     """The submit.lua call for one request, made at ``now`` (Redis's clock: the
     one its deadline and the workers' heartbeats are judged by). With
     ``require_worker`` the script refuses a queue no live worker serves
     (``NoWorker``). The script holds the request to the strictest of this
     client's limits and its queue's workers'; its prompt's tokens only where the
     caller counted them (``prompt_tokens``), else the worker that takes it
-    counts them."""
+    counts them. ``tenants``: the queue's named tenants as the caller last
+    heard (the script answers TENANTS when it misses one: call again)."""
     if request.prompt_token_ids is not None:
         prompt_tokens = len(request.prompt_token_ids)  # counted as given
     job_id = new_job_id(request.model, uuid.uuid4().hex)
@@ -113,9 +114,12 @@ def submission(request: GenerationRequest, keys: Keys, settings: Settings,
     }
     if deadline_at is not None:
         record["deadline_at"] = repr(deadline_at)
+    if request.tenant is not None:
+        record["tenant"] = request.tenant
     idem = request.idempotency_key
     return Submission(job_id, client_scripts.submit(
         keys, job_id=job_id, model=request.model, priority=request.priority,
+        tenant=request.tenant, tenants=tenants,
         entry_json=entry.model_dump_json(), record=record, weight=backlog_weight(request),
         limits=client_limits(settings),
         asked=Asked(new_tokens=request.sampling.max_new_tokens,
@@ -124,6 +128,25 @@ def submission(request: GenerationRequest, keys: Keys, settings: Settings,
         idempotency_ttl_s=settings.idempotency_ttl_s,
         fingerprint=request.fingerprint() if idem else "",
         live_since=live_since(now) if require_worker else None))
+
+
+class KnownTenants:
+    """The named tenants of each queue as a client last heard them from
+    ``submit.lua``: its depth counts every tenant's streams, so the call names
+    them all. Tenants are only ever added, so asking again converges."""
+
+    def __init__(self) -> None:
+        self._of: dict[str, tuple[str, ...]] = {}
+
+    def of(self, model: str) -> tuple[str, ...]:
+        return self._of.get(model, ())
+
+    def heard(self, model: str, result: Submitted) -> bool:
+        """True when ``result`` asks for a call naming more tenants (now known)."""
+        if result.admission is not Admission.TENANTS:
+            return False
+        self._of[model] = tuple(sorted({*self.of(model), *result.tenants}))
+        return True
 
 
 def backlog_weight(request: GenerationRequest) -> int:
@@ -159,14 +182,22 @@ def served_queues(names: list[bytes], live_counts: list[int], keys: Keys) -> lis
     return sorted(keys.served_model(name.decode()) for name, n in zip(names, live_counts) if n)
 
 
-def cancel_call(job_id: str, model: str, priority: str, keys: Keys,
+def cancel_call(job_id: str, record: list[bytes | None], keys: Keys,
                 settings: Settings, now: float) -> ScriptCall[CancelVerdict]:
-    """The cancel.lua call for a job of queue ``model`` at level ``priority``,
-    at ``now`` (Redis's clock)."""
+    """The cancel.lua call for a job whose record has ``CANCEL_FIELDS``
+    (``record``, as HMGET gives them; model first, which is never None), at
+    ``now`` (Redis's clock)."""
+    model, priority, tenant = (None if v is None else v.decode() for v in record)
     return client_scripts.cancel(
-        keys, job_id=job_id, model=model, priority=priority, now=now,
+        keys, job_id=job_id, model=model or "", priority=priority or "normal", tenant=tenant,
+        now=now,
         result_ttl_s=settings.result_ttl_s,
         end_event=end_event(JobStatus.CANCELLED, FinishReason.CANCELLED, None))
+
+
+# What cancel reads of a record first: its stream's key goes to cancel.lua
+# with the others (declared keys only).
+CANCEL_FIELDS = ["model", "priority", "tenant"]
 
 
 def cancel_verdict(verdict: CancelVerdict, job_id: str) -> CancelVerdict:

@@ -10,12 +10,13 @@ with ``run_async``.
 from __future__ import annotations
 
 import enum
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 
 import orjson
 
-from tokenfleet.shared.keys import GROUP, PRIORITIES, Keys, level_queue
+from tokenfleet.shared.keys import (GROUP, PRIORITIES, Keys, level_queue, model_streams,
+                                    named_tenant)
 from tokenfleet.shared.schemas import Limit, QueueLimits
 from tokenfleet.shared.scripts import Arg, ScriptCall, integer, items, script, text
 
@@ -29,6 +30,7 @@ class Admission(enum.Enum):
     NO_WORKER = "noworker"  # no live worker serves the queue: nothing written
     FULL = "full"  # the queue holds its limit of jobs: nothing written
     OVER_LIMIT = "over"  # the request is over a limit of the queue: nothing written
+    TENANTS = "tenants"  # the call missed a tenant's streams: ask again naming ``tenants``
 
 
 @dataclass(frozen=True)
@@ -43,6 +45,7 @@ class Submitted:
     name: str | None = None
     value: int | None = None
     limit: Limit | None = None
+    tenants: tuple[str, ...] = ()  # TENANTS: the queue's named tenants
 
 
 @dataclass(frozen=True)
@@ -68,13 +71,16 @@ def _submitted(reply: object) -> Submitted:
         name, value, limit, by, why = values
         return Submitted(admission, name=name, value=int(value),
                          limit=Limit(value=int(limit), by=by, why=why))
+    if admission is Admission.TENANTS:
+        return Submitted(admission, tenants=tuple(values))
     return Submitted(admission)
 
 
 def submit(keys: Keys, *, job_id: str, model: str, priority: str, entry_json: str,
            record: Mapping[str, Arg], weight: int, limits: QueueLimits, asked: Asked,
            idempotency_key: str | None, idempotency_ttl_s: int, fingerprint: str,
-           live_since: float | None) -> ScriptCall[Submitted]:
+           live_since: float | None, tenant: str | None = None,
+           tenants: Sequence[str] = ()) -> ScriptCall[Submitted]:
     """Admit one job: ``record`` is its hash's fields, ``entry_json`` its stream
     entry, ``weight`` its tokens in the backlog. With ``live_since`` (the
     heartbeat score a live worker has at least) a queue no live worker serves
@@ -82,20 +88,23 @@ def submit(keys: Keys, *, job_id: str, model: str, priority: str, entry_json: st
     queues ahead of the workers. ``fingerprint`` (of the
     request) tells a retry from another request under the same key. The
     request (``asked``) is held to the strictest of ``limits`` (the client's)
-    and those the queue's workers published."""
+    and those the queue's workers published. ``tenants``: the queue's named
+    tenants as the caller last heard (TENANTS when one is missing)."""
+    named = named_tenant(tenant)
+    known = sorted({*tenants, *([named] if named else [])})
     submitted = orjson.dumps({
         "limits": limits.model_dump(mode="json"),
         "asked": {k: v for k, v in asdict(asked).items() if v is not None}})
     return ScriptCall(
         script("submit"),
-        (keys.queue(level_queue(model, priority)), keys.job(job_id),
+        (keys.queue(level_queue(model, priority, tenant)), keys.job(job_id),
          keys.idempotency(model, idempotency_key or "-"),
-         *(keys.queue(level_queue(model, p)) for p in PRIORITIES),
          keys.backlog(model), keys.queue_workers(model), keys.limits(model),
-         keys.declared(model)),
+         keys.tenants(model), keys.declared(model), *model_streams(keys, model, known)),
         (job_id, entry_json, submitted, idempotency_ttl_s, "1" if idempotency_key else "0",
          weight, fingerprint,
          "" if live_since is None else repr(live_since),
+         named or "", len(known), *known,
          *(x for pair in record.items() for x in pair)),
         _submitted,
     )
@@ -115,13 +124,15 @@ def _cancel_verdict(reply: object) -> CancelVerdict:
 
 
 def cancel(keys: Keys, *, job_id: str, model: str, priority: str, now: float,
-           result_ttl_s: int, end_event: bytes) -> ScriptCall[CancelVerdict]:
-    """Cancel a job of queue ``model`` at level ``priority`` (the queue's key
-    goes to the script with the others: declared keys only)."""
+           result_ttl_s: int, end_event: bytes,
+           tenant: str | None = None) -> ScriptCall[CancelVerdict]:
+    """Cancel a job of queue ``model`` at level ``priority`` for ``tenant`` (its
+    stream's key goes to the script with the others: declared keys only)."""
     return ScriptCall(
         script("cancel"),
         (keys.job(job_id), keys.out(job_id), keys.events(job_id),
-         keys.queue(level_queue(model, priority)), keys.backlog(model), keys.ends(job_id)),
+         keys.queue(level_queue(model, priority, tenant)), keys.backlog(model),
+         keys.ends(job_id)),
         (repr(now), result_ttl_s, end_event, keys.cancels, job_id, GROUP),
         _cancel_verdict,
     )
@@ -143,12 +154,15 @@ def _expire_verdict(reply: object) -> ExpireVerdict:
 
 
 def expire(keys: Keys, *, job_id: str, model: str, priority: str, now: float,
-           result_ttl_s: int, end_event: bytes, error: str) -> ScriptCall[ExpireVerdict]:
-    """End a job still queued at ``now`` past its deadline, and take it off its queue."""
+           result_ttl_s: int, end_event: bytes, error: str,
+           tenant: str | None = None) -> ScriptCall[ExpireVerdict]:
+    """End a job still queued at ``now`` past its deadline, and take it off its
+    queue (the stream of its level and ``tenant``)."""
     return ScriptCall(
         script("expire"),
         (keys.job(job_id), keys.out(job_id), keys.events(job_id),
-         keys.queue(level_queue(model, priority)), keys.backlog(model), keys.ends(job_id)),
+         keys.queue(level_queue(model, priority, tenant)), keys.backlog(model),
+         keys.ends(job_id)),
         (repr(now), result_ttl_s, end_event, GROUP, error),
         _expire_verdict,
     )
@@ -158,13 +172,16 @@ def _forgotten(reply: object) -> bool:
     return integer(reply) == 1
 
 
-def forget_queue(keys: Keys, *, model: str, live_since: float) -> ScriptCall[bool]:
+def forget_queue(keys: Keys, *, model: str, live_since: float,
+                 tenants: Sequence[str] = ()) -> ScriptCall[bool]:
     """Delete the keys of a queue nobody uses; True when it was forgotten, False
-    when it is in use (something queued, a consumer group, a live worker)."""
+    when it is in use (something queued, a consumer group, a live worker, a
+    tenant not in ``tenants``: the queue's named tenants as the caller read them)."""
+    named = sorted({t for t in tenants if named_tenant(t) is not None})
     return ScriptCall(
         script("forget_queue"),
-        (*(keys.queue(level_queue(model, p)) for p in PRIORITIES), keys.backlog(model),
-         keys.queue_workers(model)),
-        (repr(live_since),),
+        (keys.backlog(model), keys.queue_workers(model), keys.tenants(model),
+         *(keys.fair(model, p) for p in PRIORITIES), *model_streams(keys, model, named)),
+        (repr(live_since), *named),
         _forgotten,
     )

@@ -14,6 +14,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from functools import lru_cache
+from collections.abc import Iterable
 from typing import NamedTuple
 
 # The consumer group every worker of a queue joins.
@@ -35,9 +36,46 @@ def is_queue_name(name: str) -> bool:
     return QUEUE_NAME.fullmatch(name) is not None
 
 
-def level_queue(model: str, priority: str) -> str:
-    """The queue name of one priority level of a model: ``default``, ``default:high``."""
+# A tenant's name (``submit(tenant=...)``, an API key's tenant). No ':' in it:
+# a tenant's streams are named '<level>:<tenant>' (``level_queue``).
+TENANT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+TENANT_NAME_RULE = "1 to 64 letters, digits, '.', '_' or '-', starting with a letter or digit"
+# A job with no tenant is this tenant's; its streams are the level streams a
+# fleet without tenants has always had.
+DEFAULT_TENANT = "default"
+
+
+def named_tenant(tenant: str | None) -> str | None:
+    """The tenant whose streams are its own, or None for the default tenant."""
+    return None if tenant in (None, DEFAULT_TENANT) else tenant
+
+
+def level_queue(model: str, priority: str, tenant: str | None = None) -> str:
+    """The queue name of one priority level of a model: ``default``, ``default:high``;
+    of a named tenant's share of it: ``default:normal:acme``, ``default:high:acme``."""
+    tenant = named_tenant(tenant)
+    if tenant is not None:
+        return f"{model}:{priority}:{tenant}"
     return model if priority == "normal" else f"{model}:{priority}"
+
+
+def level_priority(level: str) -> str:
+    """The priority of a level's queue name (``level_queue``'s inverse)."""
+    parts = level.split(":")
+    return parts[1] if len(parts) > 1 else "normal"
+
+
+def level_tenant(level: str) -> str:
+    """The tenant of a level's queue name (``level_queue``'s inverse)."""
+    parts = level.split(":")
+    return parts[2] if len(parts) == 3 else DEFAULT_TENANT
+
+
+def model_streams(keys: Keys, model: str, tenants: Iterable[str]) -> list[str]:
+    """Every stream of a model: each level's, the default tenant's and then each
+    named tenant's (``tenants``, as ``Keys.tenants`` lists them)."""
+    named = [t for t in tenants if named_tenant(t) is not None]
+    return [keys.queue(level_queue(model, p, t)) for p in PRIORITIES for t in (None, *named)]
 
 
 def model_of(level: str) -> str:
@@ -176,6 +214,16 @@ class Keys:
     def served_model(self, key: str) -> str:
         """The model of a ``queue_workers`` key."""
         return _untagged(key.removeprefix(f"{self.namespace}:served:"))
+
+    def tenants(self, model: str) -> str:
+        """Set: the named tenants that have streams in a model's queue (submit
+        adds a tenant with its first job), for the feeder and the depth."""
+        return f"{self.namespace}:tenants:{{{model}}}"
+
+    def fair(self, model: str, priority: str) -> str:
+        """Hash: tenant -> virtual tokens served at one level of a model, by
+        every worker of the queue (weighted fair share, ``fair.lua``)."""
+        return f"{self.namespace}:fair:{{{model}}}:{priority}"
 
     def idempotency(self, model: str, key: str) -> str:
         """String with a TTL: '<job id> <fingerprint of the request>' of a key.

@@ -24,7 +24,7 @@ from pydantic import (
     model_validator,
 )
 
-from tokenfleet.shared.keys import QUEUE_NAME_RULE, is_queue_name
+from tokenfleet.shared.keys import QUEUE_NAME_RULE, TENANT_NAME, TENANT_NAME_RULE, is_queue_name
 from tokenfleet.shared.settings import Settings, get_settings
 
 # How deep metadata may nest (orjson itself stops at 255; a bound here keeps the
@@ -168,12 +168,22 @@ class GenerationRequest(_Wire):
     idempotency_key: str | None = Field(default=None, min_length=1,
                                         max_length=MAX_IDEMPOTENCY_KEY)
     metadata: dict[str, Any] = Field(default_factory=dict)
+    # Who the job is for: the fleet shares its slots fairly among tenants with
+    # queued work (docs/how-it-works.md). None: the tenant "default".
+    tenant: str | None = None
 
     @field_validator("model")
     @classmethod
     def _queue_name(cls, value: str) -> str:
         if not is_queue_name(value):
             raise ValueError(f"model (the queue name) must be {QUEUE_NAME_RULE}, got {value!r}")
+        return value
+
+    @field_validator("tenant")
+    @classmethod
+    def _tenant_name(cls, value: str | None) -> str | None:
+        if value is not None and TENANT_NAME.fullmatch(value) is None:
+            raise ValueError(f"tenant must be {TENANT_NAME_RULE}, got {value[:80]!r}")
         return value
 
     @field_validator("metadata")
@@ -324,6 +334,7 @@ class JobState(BaseModel):
     status: JobStatus
     model: str = "default"
     priority: Priority = "normal"
+    tenant: str | None = None
     text: str = ""
     token_ids: list[int] = Field(default_factory=list)
     finish_reason: FinishReason | None = None

@@ -178,6 +178,20 @@ class Settings(BaseSettings):
         "Gateway: seconds a request waits for a free Redis connection before a 503 that says "
         "the fleet is busy, with Retry-After."))
 
+    # Fair share among tenants (workers/fair_share.py): within each priority
+    # level a worker's free slots go to the tenant with queued work that has
+    # been served the fewest tokens, over its weight. Every worker of a queue
+    # should have the same weights: they deal from the same counters.
+    fair_share: bool = Field(default=True, description=(
+        "Whether a worker shares its free slots among tenants by tokens served (weighted fair "
+        "queuing within each priority level); false: tenants are read in turn, default first."))
+    tenant_weights: dict[str, float] = Field(default_factory=dict, description=(
+        'Weights of tenants in the fair share, as JSON ({"acme": 2}: acme gets twice the '
+        "tokens of a tenant of weight 1 when both have work); unnamed tenants weigh 1."))
+    fair_share_burst_tokens: int = Field(default=4096, ge=0, description=(
+        "How many tokens ahead of the busiest tenants a tenant coming back from idle starts, "
+        "so a short burst runs at once; it banks no more than this while idle."))
+
     # Reliability.
     max_attempts: int = Field(default=3, ge=1, description=(
         "How many times a job may be started before it ends failed and goes to the dead letters."))
@@ -213,6 +227,14 @@ class Settings(BaseSettings):
         "Seconds a finished job's record and token log stay readable."))
     idempotency_ttl_s: int = Field(default=24 * 3600, ge=1, description=(
         "Seconds an idempotency key keeps naming its job."))
+
+    @field_validator("tenant_weights")
+    @classmethod
+    def _positive_weights(cls, value: dict[str, float]) -> dict[str, float]:
+        bad = {t: w for t, w in value.items() if not w > 0 or w == float("inf")}
+        if bad:
+            raise ValueError(f"tenant weights must be positive finite numbers, got {bad}")
+        return value
 
     @field_validator("queue")
     @classmethod

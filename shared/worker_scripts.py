@@ -268,3 +268,50 @@ def requeue(keys: Keys, *, queue: str, job_id: str, entry_id: str, attempt: int,
         (entry_id, attempt, entry_json, GROUP, "1" if counts_as_attempt else ""),
         _handed_back,
     )
+
+
+# -- fair.lua: a read shared among tenants ---------------------------------------------
+
+
+class FairLevel(NamedTuple):
+    """One priority level of a fair read: its counters, credits and tenants'
+    streams, each with its tenant's name and weight."""
+
+    counters: str
+    credits: int
+    streams: Sequence[tuple[str, str, float]]  # (stream key, tenant, weight)
+
+
+StreamEntries = list[tuple[bytes, dict[bytes, bytes] | None]]
+
+
+def _entry(reply: object) -> tuple[bytes, dict[bytes, bytes] | None]:
+    """One stream entry as XREADGROUP answers it in a script: [id, [field, value, ...]]."""
+    entry_id, fields = items(reply)
+    # As bytes, undecoded: a value that is not UTF-8 is the intake's to dead-letter.
+    flat = [x if isinstance(x, bytes) else text(x).encode() for x in items(fields)]
+    return text(entry_id).encode(), dict(zip(flat[::2], flat[1::2]))
+
+
+def fair(levels: Sequence[FairLevel], *, consumer: str,
+         burst: float) -> ScriptCall[list[tuple[str, StreamEntries]]]:
+    """Read credits at each level, dealt among its tenants by weighted virtual
+    tokens served; a level's shortfall goes to the others, in ``levels``' order.
+    The reply: (stream key, its entries as XREADGROUP's) per stream that gave some."""
+    keys: list[str] = []
+    args: list[Arg] = [GROUP, consumer, repr(float(burst)), len(levels)]
+    for level in levels:
+        keys.append(level.counters)
+        args += [level.credits, len(level.streams)]
+        for stream, tenant, weight in level.streams:
+            keys.append(stream)
+            args += [tenant, repr(float(weight))]
+
+    def read(reply: object) -> list[tuple[str, StreamEntries]]:
+        out = []
+        for one in items(reply):
+            index, entries = items(one)
+            out.append((keys[integer(index) - 1], [_entry(e) for e in items(entries)]))
+        return out
+
+    return ScriptCall(script("fair"), tuple(keys), tuple(args), read)

@@ -62,8 +62,10 @@ def run_demo(
     console = console or Console()
     with embedded_redis() if redis_url is None else _given(redis_url) as url:
         # require_worker=False: the submits may come before the worker's first heartbeat.
+        # Fair share off on the embedded fakeredis: its Lua runs no XREADGROUP
+        # (fair.lua's read), and the demo has one tenant anyway.
         settings = Settings(redis_url=url, namespace="tokenfleet-demo", block_ms=50,
-                            require_worker=False)
+                            require_worker=False, fair_share=redis_url is not None)
         from tokenfleet.workers.build import build_worker
 
         started = time.perf_counter()

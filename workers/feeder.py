@@ -6,11 +6,17 @@ engine never waits on Redis for its next prefill. On start it first re-reads
 its own pending entries (a restarted process resumes what it had), and now and
 then it reclaims entries that a dead consumer left idle for ``claim_idle_s``.
 
-Priorities: each level (high, normal, low) is a stream of its own. Credits are
+Priorities: each level (high, normal, low) has streams of its own. Credits are
 dealt in turns from the cycle ``TURNS``: of every 7 jobs a busy worker takes, 4
 come from high, 2 from normal and 1 from low, so a flood of high-priority work
 slows the lower levels but never stops them. A level with nothing waiting
 leaves its turns to the others, highest first.
+
+Tenants: within a level, each named tenant has a stream of its own
+(``tokenfleet.workers.fair_share``). With fair share on, a level's credits go
+to its tenants by weighted virtual tokens served, counted fleet-wide in Redis
+(``fair.lua``); off, the default tenant's stream is read first and the others'
+in turn after it.
 
 What it reads goes to the intake (``tokenfleet.workers.intake``), which owns,
 checks and hands over each entry.
@@ -26,9 +32,10 @@ from typing import Any
 
 from redis.exceptions import ConnectionError, ResponseError, TimeoutError
 
-from tokenfleet.shared.keys import GROUP, PRIORITIES, Keys, level_queue
+from tokenfleet.shared.keys import GROUP, PRIORITIES, Keys
 from tokenfleet.shared.settings import Settings
 from tokenfleet.workers.admission import Admission
+from tokenfleet.workers.fair_share import TenantStreams
 from tokenfleet.workers.intake import Intake
 from tokenfleet.workers.publisher import Publisher
 from tokenfleet.workers.sequence import Sequence
@@ -71,10 +78,7 @@ class Feeder:
         self.settings = settings
         self.consumer = consumer
         self.queue = queue
-        # (queue name of the level, its stream), highest priority first
-        self.levels = [(level_queue(queue, p), keys.queue(level_queue(queue, p)))
-                       for p in PRIORITIES]
-        self.streams = {stream: name for name, stream in self.levels}
+        self.tenant_streams = TenantStreams(redis, keys, settings, queue, consumer)
         self.turns = Turns()
         # Fewer credits than this: wait for more. Below half the prefetch, every
         # free batch slot still has a job waiting for it, so reading in pairs
@@ -89,15 +93,14 @@ class Feeder:
         self.paused = threading.Event()  # set: read nothing new (drain)
         self._last_reclaim = 0.0
 
+    @property
+    def levels(self) -> list[tuple[str, str]]:
+        """(queue name, stream) of every level and tenant, highest priority first."""
+        return self.tenant_streams.levels()
+
     def ensure_group(self) -> None:
-        for _name, stream in self.levels:
-            try:
-                # From the beginning: finished entries are deleted, so whatever
-                # is still in the stream is waiting for a worker.
-                self.redis.xgroup_create(stream, GROUP, id="0", mkstream=True)
-            except ResponseError as exc:
-                if "BUSYGROUP" not in str(exc):
-                    raise
+        self.tenant_streams.ensure_groups()
+        self.tenant_streams.refresh(force=True)
 
     def run(self, stop: threading.Event) -> None:
         backoff = 0.05
@@ -142,12 +145,30 @@ class Feeder:
             self._last_reclaim = now
             if self._reclaim(credits):
                 return
+        self.tenant_streams.refresh()
         shares = self.turns.deal(credits)
-        asked = {self.streams_of(p): n for p, n in shares.items() if n}
+        if self.settings.fair_share:
+            got = 0
+            for stream, entries in self.tenant_streams.read_fair(shares):
+                self.take(self.keys.queue_of(stream), entries)
+                got += len(entries)
+        else:
+            got = self._read_in_turn(shares, credits)
+        if not got:
+            # Nothing anywhere: block on every stream at once until something comes.
+            # A tenant new to the queue is not in that read: look for one after it.
+            taken = self._read({stream: 1 for _name, stream in self.levels},
+                               block=self.settings.block_ms)
+            if not any(taken.values()):
+                self.tenant_streams.refresh(force=True)
+
+    def _read_in_turn(self, shares: dict[str, int], credits: int) -> int:
+        """Fair share off: each level's share from its default tenant's stream,
+        then the shortfall from every stream, highest level first (one read each)."""
+        asked = {self.tenant_streams.streams_of(p)[0]: n for p, n in shares.items() if n}
         got = self._read(asked)
         short = credits - sum(got.values())
-        # A level that gave less than its turns is empty now; the rest of the
-        # credits go to the other levels, highest first (one read each).
+        # A stream that gave less than it was asked is empty now.
         for _name, stream in self.levels:
             if short <= 0:
                 break
@@ -156,13 +177,7 @@ class Feeder:
             taken = self._read({stream: short})
             got[stream] = got.get(stream, 0) + taken[stream]
             short -= taken[stream]
-        if not any(got.values()):
-            # Nothing anywhere: block on every level at once until something comes.
-            self._read({stream: 1 for _name, stream in self.levels},
-                       block=self.settings.block_ms)
-
-    def streams_of(self, priority: str) -> str:
-        return self.keys.queue(level_queue(self.queue, priority))
+        return sum(got.values())
 
     def _read(self, counts: dict[str, int], block: int | None = None) -> dict[str, int]:
         """XREADGROUP ``count`` new entries from each stream; hand them over;
@@ -181,7 +196,7 @@ class Feeder:
                                             count=count, block=block) or []
         for raw_stream, entries in replies:
             stream = raw_stream.decode()
-            self.take(self.streams[stream], entries)
+            self.take(self.keys.queue_of(stream), entries)
             taken[stream] += len(entries)
         return taken
 

@@ -65,6 +65,12 @@ class Metrics:
                          ["queue", "priority"], registry=r)
         self.pending = Gauge("tokenfleet_pending_entries", "Entries read but not acknowledged",
                              ["queue", "priority"], registry=r)
+        self.tenant_queued = Gauge("tokenfleet_tenant_queued_jobs", "Jobs of a tenant waiting "
+                                   "in the queue for a worker to take them", ["queue", "tenant"],
+                                   registry=r)
+        self.tenant_running = Gauge("tokenfleet_tenant_running_jobs", "Jobs of a tenant that "
+                                    "workers have taken and not yet ended", ["queue", "tenant"],
+                                    registry=r)
         self.backlog = Gauge("tokenfleet_backlog_tokens", "Queued work in tokens (prompt "
                              "estimate plus max_new_tokens)", ["queue"], registry=r)
         self.running = Gauge("tokenfleet_running_sequences", "Sequences in the running batch",
@@ -98,9 +104,14 @@ class Metrics:
         for at, n in last_at.items():
             self._itl.observe(now - at, n)
 
-    def queue_state(self, levels: dict[str, dict[str, Any]], backlog: int, running: int) -> None:
+    def queue_state(self, levels: dict[str, dict[str, Any]], backlog: int, running: int,
+                    tenants: dict[str, dict[str, int]] | None = None) -> None:
         """``levels``: each priority level's stream length (``depth``: an entry
-        stays until its job ends), pending entries and group lag."""
+        stays until its job ends), pending entries and group lag; ``tenants``:
+        each tenant's depth and pending entries, all levels together."""
+        for tenant, info in (tenants or {}).items():
+            self.tenant_queued.labels(self.queue, tenant).set(max(0, info["depth"] - info["pending"]))
+            self.tenant_running.labels(self.queue, tenant).set(info["pending"])
         for priority, info in levels.items():
             # A taken entry stays pending until its job ends: what is not pending waits.
             self.depth.labels(self.queue, priority).set(max(0, info["depth"] - info["pending"]))
@@ -124,10 +135,12 @@ class StatsCounters(Collector):
     def collect(self) -> Iterator[CounterMetricFamily]:
         s = self._stats
         # dict() copies in one call, atomic under the GIL: the engine thread adds to it.
-        yield from self._families(dict(s.jobs), s.tokens, s.failed_steps, s.store_retries)
+        yield from self._families(dict(s.jobs), s.tokens, s.failed_steps, s.store_retries,
+                                  dict(s.tenant_tokens))
 
     def _families(self, jobs: dict[str, int], tokens: int, failed_steps: int,
-                  store_retries: int) -> Iterator[CounterMetricFamily]:
+                  store_retries: int, tenant_tokens: dict[str, int] | None = None
+                  ) -> Iterator[CounterMetricFamily]:
         created = self._stats.started_at
         family = CounterMetricFamily("tokenfleet_jobs", "Jobs that ended here, by final status",
                                      labels=["queue", "status"])
@@ -137,6 +150,12 @@ class StatsCounters(Collector):
         family = CounterMetricFamily("tokenfleet_tokens_generated", "Tokens generated",
                                      labels=["queue"])
         family.add_metric([self._queue], tokens, created=created)
+        yield family
+        family = CounterMetricFamily("tokenfleet_tenant_tokens_generated",
+                                     "Tokens of a tenant's jobs that ended here",
+                                     labels=["queue", "tenant"])
+        for tenant, n in sorted((tenant_tokens or {}).items()):
+            family.add_metric([self._queue, tenant], n, created=created)
         yield family
         yield CounterMetricFamily("tokenfleet_failed_steps", "Engine steps that raised",
                                   failed_steps, created=created)

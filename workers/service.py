@@ -41,7 +41,7 @@ from redis.exceptions import RedisError
 
 from tokenfleet.shared import liveness
 from tokenfleet.shared.clock import FleetClock
-from tokenfleet.shared.keys import GROUP, PRIORITIES, Keys
+from tokenfleet.shared.keys import GROUP, PRIORITIES, Keys, level_priority, level_tenant
 from tokenfleet.shared.limits import worker_limits
 from tokenfleet.shared.redis_cluster import reread_slot_map
 from tokenfleet.shared.redis_conn import connect, node_client
@@ -539,27 +539,34 @@ class Worker:
         }
 
     def _observe_queue(self) -> None:
-        """Queue gauges for the metrics: depth, lag and pending per level, backlog."""
-        levels: dict[str, dict[str, Any]] = {}
+        """Queue gauges for the metrics: depth, lag and pending per level and
+        per tenant, backlog."""
+        streams = self.feeder.levels
         pipe = self.redis.pipeline(transaction=False)
-        for _name, stream in self.feeder.levels:
+        for _name, stream in streams:
             pipe.xlen(stream)
             pipe.xinfo_groups(stream)
         pipe.get(self.keys.backlog(self.queue))
         replies = pipe.execute(raise_on_error=False)
-        for i, priority in enumerate(PRIORITIES):
+        levels = {p: {"depth": 0, "pending": 0, "lag": 0} for p in PRIORITIES}
+        tenants: dict[str, dict[str, int]] = {}
+        for i, (name, _stream) in enumerate(streams):
             depth, groups = replies[2 * i], replies[2 * i + 1]
+            depth = depth if isinstance(depth, int) else 0
             group: dict[str, Any] = next(
                 (g for g in groups if g["name"] == GROUP.encode()), {}
             ) if isinstance(groups, list) else {}
             pending = int(group.get("pending") or 0)
             lag = group.get("lag")
-            levels[priority] = {"depth": depth if isinstance(depth, int) else 0,
-                                "pending": pending,
-                                "lag": lag if lag is not None else max(0, int(depth or 0) - pending)}
+            one = {"depth": depth, "pending": pending,
+                   "lag": lag if lag is not None else max(0, depth - pending)}
+            for into in (levels[level_priority(name)],
+                         tenants.setdefault(level_tenant(name), {"depth": 0, "pending": 0})):
+                for k in into:
+                    into[k] += one[k]
         backlog = replies[-1]
         self.metrics.queue_state(levels, int(backlog or 0) if not isinstance(backlog, Exception)
-                                 else 0, self.engine.num_running)
+                                 else 0, self.engine.num_running, tenants)
 
     def _beat(self) -> None:
         if self.settings.metrics_port:

@@ -7,6 +7,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
+from tokenfleet.shared.keys import level_tenant
 from tokenfleet.workers.sequence import SeqOutput
 
 
@@ -16,6 +17,8 @@ class WorkerStats:
     prefill_steps: int = 0
     tokens: int = 0
     jobs: dict[str, int] = field(default_factory=dict)  # final status -> count
+    # tenant -> tokens of its jobs that ended here (counted at the end: once a job)
+    tenant_tokens: dict[str, int] = field(default_factory=dict)
     peak_batch: int = 0  # most sequences that ever decoded in one step
     last_batch: int = 0
     busy_s: float = 0.0  # time in engine steps (forward passes and their bookkeeping)
@@ -51,6 +54,8 @@ class WorkerStats:
             if o.finished:
                 status = o.seq.final_status.value
                 self.jobs[status] = self.jobs.get(status, 0) + 1
+                tenant = level_tenant(o.seq.queue)  # the stream it came from names it
+                self.tenant_tokens[tenant] = self.tenant_tokens.get(tenant, 0) + len(o.seq.generated)
         self.tokens += made
         self._recent.append((time.monotonic(), made))
 

@@ -12,10 +12,12 @@
 -- Returns 1 when handed back, 0 when the job is no longer the caller's.
 local cur = redis.call('HMGET', KEYS[2], 'status', 'attempts')
 if cur[1] ~= 'running' or cur[2] ~= ARGV[2] then return 0 end
-local entry = redis.call('XADD', KEYS[1], '*', 'data', ARGV[3])
+local weight = redis.call('HGET', KEYS[2], 'weight') or 0
+-- 'w': the weight fair.lua charges the job's tenant, as submit.lua writes it.
+local entry = redis.call('XADD', KEYS[1], '*', 'data', ARGV[3], 'w', weight)
 redis.call('XACK', KEYS[1], ARGV[4], ARGV[1])
 redis.call('XDEL', KEYS[1], ARGV[1])
 redis.call('HSET', KEYS[2], 'status', 'queued', 'worker', '', 'entry', entry)
 if ARGV[5] ~= '1' then redis.call('HINCRBY', KEYS[2], 'handbacks', 1) end
-redis.call('INCRBY', KEYS[3], redis.call('HGET', KEYS[2], 'weight') or 0)
+redis.call('INCRBY', KEYS[3], weight)
 return 1
