@@ -132,3 +132,14 @@ def test_each_tenants_jobs_and_tokens_show_in_the_metrics() -> None:
     assert 'tokenfleet_tenant_queued_jobs{queue="q",tenant="acme"} 3.0' in text
     assert 'tokenfleet_tenant_running_jobs{queue="q",tenant="acme"} 2.0' in text
     assert 'tokenfleet_tenant_queued_jobs{queue="q",tenant="default"} 0.0' in text
+
+
+def test_the_backlog_exporter_counts_every_tenants_jobs(
+        client: FleetClient, r: redis.Redis, settings: Any) -> None:
+    # What an autoscaler reads must see a tenant's jobs as well as the default's.
+    from tokenfleet.backlog_metrics import registry
+
+    queue_jobs(client, "acme", 2)
+    queue_jobs(client, None, 1)
+    text = generate_latest(registry(r, Keys(settings.namespace))).decode()
+    assert 'tokenfleet_queue_backlog{priority="normal",queue="default"} 3.0' in text, text
