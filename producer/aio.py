@@ -77,12 +77,13 @@ class AsyncFleetClient:
 
     async def submit(self, prompt: str | GenerationRequest | None = None, /, *,
                      require_worker: bool | None = None,
-                     prompt_tokens: int | None = None, **kwargs: Any) -> str:
+                     prompt_tokens: int | None = None, tenant: str | None = None,
+                     **kwargs: Any) -> str:
         """See ``FleetClient.submit``: ``NoWorker`` unless a live worker serves the
-        queue or ``require_worker=False``; ``IdempotencyConflict``; ``QueueFull``;
+        queue or ``require_worker=False``; ``IdempotencyConflict``; ``QueueFull``; ``tenant``;
         ``LimitExceeded`` (``PromptTooLong``: the prompt's tokens counted here
         where the queue's model is on this machine)."""
-        request = build_request(prompt, kwargs, self.settings)
+        request = build_request(prompt, kwargs, self.settings, tenant)
         if prompt_tokens is None and worth_counting(request, self.settings):
             queue = await served(self, request.model)
             if queue is not None:  # tokenizing a long prompt takes a while: off the loop

@@ -71,7 +71,7 @@ class FleetClient:
 
     def submit(self, prompt: str | GenerationRequest | None = None, /, *,
                require_worker: bool | None = None, prompt_tokens: int | None = None,
-               **kwargs: Any) -> str:
+               tenant: str | None = None, **kwargs: Any) -> str:
         """Validate, then enqueue atomically; returns the job id.
 
         Keyword arguments are the fields of ``SamplingParams`` and of
@@ -91,8 +91,13 @@ class FleetClient:
         prompt's tokens are counted here where the queue's model is on this
         machine (``tokenfleet.prompt_tokens``), or given as ``prompt_tokens``;
         else the worker counts them (and fails an over-long job).
+
+        ``tenant`` names whose job it is (``InvalidRequest`` naming ``tenant``
+        for a bad name): the job counts against that tenant's share and is
+        visible through the gateway to that tenant's keys only. None is the
+        tenant ``default``.
         """
-        request = build_request(prompt, kwargs, self.settings)
+        request = build_request(prompt, kwargs, self.settings, tenant)
         if prompt_tokens is None:
             prompt_tokens = self._count_prompt_tokens(request)
         sub = submission(request, self.keys, self.settings,

@@ -20,6 +20,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError, field_validator, mo
 
 from tokenfleet import sse
 from tokenfleet.aio import AsyncFleetClient
+from tokenfleet.key_limits import submit_as_caller
 from tokenfleet.openai_compat import (
     ONE_CHOICE,
     PARAMS,
@@ -193,7 +194,8 @@ async def chat(client: AsyncFleetClient, body: bytes, request: Request,
             f"model {job.model!r} has no chat template (its tokenizer defines none), so it "
             "cannot take messages: send a prompt to /v1/completions instead, or serve a model "
             "with a chat template", param="model")
-    job_id = await client.submit(job)  # the app maps the fleet's errors to statuses
+    # As its API key allows (the app maps the fleet's errors to statuses).
+    job_id = await submit_as_caller(request, client, job)
     head = {"id": f"chatcmpl-{job_id}", "created": int(time.time()), "model": job.model}
     if ask.stream:
         stream = {**head, "object": "chat.completion.chunk"}

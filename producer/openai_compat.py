@@ -31,6 +31,7 @@ from redis.exceptions import RedisError
 
 from tokenfleet import sse
 from tokenfleet.aio import AsyncFleetClient
+from tokenfleet.key_limits import submit_as_caller
 from tokenfleet.openai_errors import (
     INVALID_JSON,
     INVALID_VALUE,
@@ -197,7 +198,8 @@ async def complete(client: AsyncFleetClient, body: bytes, request: Request,
         job = ask.generation(client.settings)
     except ValidationError as exc:
         return invalid(exc, PARAMS)
-    job_id = await client.submit(job)  # the app maps the fleet's errors to statuses
+    # As its API key allows (the app maps the fleet's errors to statuses).
+    job_id = await submit_as_caller(request, client, job)
     head = {"id": f"cmpl-{job_id}", "object": "text_completion", "created": int(time.time()),
             "model": job.model}
     if ask.stream:

@@ -23,7 +23,7 @@ from pydantic import (
     model_validator,
 )
 
-from tokenfleet.shared.keys import QUEUE_NAME_RULE, is_queue_name
+from tokenfleet.shared.keys import QUEUE_NAME_RULE, TENANT_NAME_RULE, is_queue_name, is_tenant_name
 from tokenfleet.shared.settings import Settings, get_settings
 
 # How deep metadata may nest (orjson itself stops at 255; a bound here keeps the
@@ -131,12 +131,22 @@ class GenerationRequest(_Wire):
                                             description="seconds from submit")
     idempotency_key: str | None = Field(default=None, min_length=1, max_length=128)
     metadata: dict[str, Any] = Field(default_factory=dict)
+    # Whose job it is: a trusted backend passes it, the gateway takes it from the
+    # API key. None is the tenant "default" for limits and ownership.
+    tenant: str | None = None
 
     @field_validator("model")
     @classmethod
     def _queue_name(cls, value: str) -> str:
         if not is_queue_name(value):
             raise ValueError(f"model (the queue name) must be {QUEUE_NAME_RULE}, got {value!r}")
+        return value
+
+    @field_validator("tenant")
+    @classmethod
+    def _tenant_name(cls, value: str | None) -> str | None:
+        if value is not None and not is_tenant_name(value):
+            raise ValueError(f"tenant must be {TENANT_NAME_RULE}, got {value!r}")
         return value
 
     @field_validator("metadata")
@@ -288,6 +298,7 @@ class JobState(BaseModel):
     worker: str | None = None
     num_prompt_tokens: int | None = None
     metadata: dict[str, Any] = Field(default_factory=dict)
+    tenant: str | None = None  # None: the tenant "default"
     created_at: float | None = None
     started_at: float | None = None
     first_token_at: float | None = None
@@ -383,3 +394,24 @@ class QueueEntry(BaseModel):
     request: GenerationRequest
     created_at: float
     deadline_at: float | None = None
+
+
+class ApiKey(BaseModel):
+    """One gateway API key as stored: its tenant and limits, never the key
+    itself (its record is found by the key's SHA-256). A limit left None is no
+    limit."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    key_id: str  # public: what ``keys list`` shows and ``keys revoke`` takes
+    tenant: str
+    rpm: int | None = Field(default=None, ge=1)  # requests per minute
+    tpm: int | None = Field(default=None, ge=1)  # tokens per minute (prompt + max new)
+    queues: list[str] | None = None  # the queues (models) it may use; None: every one
+    max_queued: int | None = Field(default=None, ge=1)  # the tenant's jobs waiting or running
+    created_at: float
+
+    @property
+    def limited(self) -> bool:
+        """Whether requests made with it are counted (it has a rate limit)."""
+        return self.rpm is not None or self.tpm is not None

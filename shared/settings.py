@@ -169,6 +169,16 @@ class Settings(BaseSettings):
         "Gateway: seconds a request waits for a free Redis connection before a 503 that says "
         "the fleet is busy, with Retry-After."))
 
+    # The gateway's API keys (tokenfleet keys create): "auto" asks for one once
+    # any key exists, "on" always, "off" never (a private network only).
+    gateway_auth: Literal["auto", "on", "off"] = Field(default="auto", description=(
+        "Gateway: API keys (Authorization: Bearer). auto: required once any key exists "
+        "(tokenfleet keys create), on: always, off: never (a private network; a WARNING at "
+        "start)."))
+    gateway_key_cache_s: float = Field(default=0.5, ge=0, le=1.0, description=(
+        "Gateway: seconds a gateway keeps what it read of an API key; a new or revoked key holds "
+        "on every gateway within this time."))
+
     # Reliability.
     max_attempts: int = Field(default=3, ge=1, description=(
         "How many times a job may be started before it ends failed and goes to the dead letters."))

@@ -1,0 +1,122 @@
+"""What API keys cost at the gateway: the time a key's checks (lookup, rate
+limits, ownership) add to a request.
+
+Two gateways in this process serve one namespace of one Redis, one with keys
+off, one asking for a key with rpm and tpm limits (set too high to refuse).
+Requests alternate between them on keep-alive connections, so both see the
+same load and drift; the difference of their medians is the checks' cost.
+Two routes: ``POST /v1/jobs`` (a submit: lookup, ``rate_take.lua`` counting
+the request and its tokens) and ``GET /v1/jobs/{id}`` (a read: lookup, the
+limits' headers, ownership). The jobs go to a queue a pretend worker "serves"
+and never reads; the namespace is deleted at the end.
+
+    python -m tokenfleet.workers.bench.key_checks --requests 2000
+"""
+
+from __future__ import annotations
+
+import socket
+import statistics
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+import click
+import httpx
+import redis
+import uvicorn
+
+from tokenfleet.gateway import server_config
+from tokenfleet.shared.api_keys import create_key, new_key
+from tokenfleet.shared.keys import Keys
+from tokenfleet.shared.redis_conn import connect
+from tokenfleet.shared.schemas import ApiKey
+from tokenfleet.shared.settings import Settings, get_settings
+
+QUEUE = "keybench"
+
+
+@contextmanager
+def _gateway(settings: Settings) -> Iterator[httpx.Client]:
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(server_config(settings, log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.01)
+    with httpx.Client(base_url=f"http://127.0.0.1:{sock.getsockname()[1]}") as http:
+        yield http
+    server.should_exit = True
+    thread.join(20)
+
+
+def _timed(call: Callable[[], httpx.Response]) -> float:
+    start = time.perf_counter()
+    response = call()
+    elapsed = time.perf_counter() - start
+    if response.status_code >= 300:
+        raise click.ClickException(f"{response.status_code}: {response.text}")
+    return elapsed * 1000
+
+
+def _p99(values: list[float]) -> float:
+    return statistics.quantiles(values, n=100)[98]
+
+
+def _row(name: str, off: list[float], on: list[float]) -> str:
+    p50_off, p50_on = statistics.median(off), statistics.median(on)
+    return (f"{name:<22} off p50 {p50_off:6.3f} ms p99 {_p99(off):6.3f} | key p50 {p50_on:6.3f} "
+            f"ms p99 {_p99(on):6.3f} | added p50 {p50_on - p50_off:+.3f} ms")
+
+
+@click.command()
+@click.option("--requests", default=2000, show_default=True, help="requests per route and side")
+@click.option("--redis-url", default=None, help="Redis URL (default: $TOKENFLEET_REDIS_URL)")
+def main(requests: int, redis_url: str | None) -> None:
+    base = get_settings()
+    settings = base.model_copy(update={"namespace": f"keybench{uuid.uuid4().hex[:8]}",
+                                       "redis_url": redis_url or base.redis_url,
+                                       "max_queue": 4 * requests + 10})
+    r: redis.Redis = connect(settings.redis_url)
+    keys = Keys(settings.namespace)
+    r.zadd(keys.queue_workers(QUEUE), {"pretend@bench": time.time() + 3600})
+    key, key_id = new_key()
+    create_key(r, keys, ApiKey(key_id=key_id, tenant="bench", rpm=10**9, tpm=10**12,
+                               created_at=time.time()), key)
+    body = {"prompt": "a prompt of a few words", "model": QUEUE,
+            "sampling": {"max_new_tokens": 16}}
+    auth = {"Authorization": f"Bearer {key}"}
+    try:
+        with (_gateway(settings.model_copy(update={"gateway_auth": "off"})) as off,
+              _gateway(settings.model_copy(update={"gateway_auth": "on"})) as on):
+            for http, headers in ((off, {}), (on, auth)):  # warm: connections, scripts, cache
+                for _ in range(50):
+                    http.post("/v1/jobs", json=body, headers=headers)
+            posts: dict[str, list[float]] = {"off": [], "on": []}
+            ids: dict[str, list[str]] = {"off": [], "on": []}
+            for _ in range(requests):
+                for side, http, headers in (("off", off, {}), ("on", on, auth)):
+                    start = time.perf_counter()
+                    response = http.post("/v1/jobs", json=body, headers=headers)
+                    posts[side].append((time.perf_counter() - start) * 1000)
+                    ids[side].append(response.json()["id"])
+            gets: dict[str, list[float]] = {"off": [], "on": []}
+            for i in range(requests):
+                gets["off"].append(_timed(lambda: off.get(f"/v1/jobs/{ids['off'][i]}")))
+                gets["on"].append(_timed(lambda: on.get(f"/v1/jobs/{ids['on'][i]}",
+                                                        headers=auth)))
+        click.echo(f"{requests} requests per route and side, alternating; keyed: rpm and tpm set")
+        click.echo(_row("POST /v1/jobs", posts["off"], posts["on"]))
+        click.echo(_row("GET /v1/jobs/{id}", gets["off"], gets["on"]))
+    finally:
+        names = list(r.scan_iter(match=f"{settings.namespace}:*", count=1000))
+        for name in names:
+            r.delete(name)
+        r.close()
+
+
+if __name__ == "__main__":
+    main()
