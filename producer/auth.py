@@ -15,10 +15,12 @@ always, ``off`` never. The key is never logged: only its id is ever named.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from redis.exceptions import RedisError
 from starlette.datastructures import Headers
 from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -97,6 +99,14 @@ class Authenticate:
 
         async def send_with_limits(message: Message) -> None:
             if message["type"] == "http.response.start":
+                peeking = state.pop("peeking", None)
+                if peeking is not None:
+                    try:
+                        await peeking
+                    except (RedisError, OSError, TimeoutError) as exc:
+                        # The response goes out without the key's headers.
+                        log.info("the rate limits of key %s were not read: %s", key_id,
+                                 type(exc).__name__)
                 extra = state.get("rate_headers")
                 if extra:
                     message = {**message, "headers": [
@@ -104,7 +114,12 @@ class Authenticate:
                         *((k.encode(), v.encode()) for k, v in extra.items())]}
             await send(message)
 
-        await self.app(scope, receive, send_with_limits)
+        key_id = state["api_key"].key_id if "api_key" in state else "-"
+        try:
+            await self.app(scope, receive, send_with_limits)
+        finally:
+            if "peeking" in state:  # no response started (the client left)
+                state.pop("peeking").cancel()
 
     async def _authenticate(self, scope: Scope) -> Response | None:
         """None to go on (``state.api_key`` set where a key was read), or the refusal."""
@@ -119,9 +134,12 @@ class Authenticate:
         key = await book.lookup(presented)
         if key is None:
             return self.error(scope, INCORRECT)
-        scope.setdefault("state", {})["api_key"] = key
+        state = scope.setdefault("state", {})
+        state["api_key"] = key
         if key.limited:
-            await self.peek(scope, key)
+            # Read while the route runs: its headers are wanted only when the
+            # response starts, so the read adds no round trip of its own.
+            state["peeking"] = asyncio.ensure_future(self.peek(scope, key))
         return None
 
 

@@ -4,22 +4,16 @@ jobs waiting or running.
 
 Every count lives in Redis (``gateway_scripts``), so every gateway of a fleet
 spends one budget. Tokens are counted at admission as the prompt (estimated
-at 4 bytes a token) plus ``max_new_tokens``; when the job ends, a watcher of
-this gateway corrects the charge to the prompt's tokens and the tokens made,
-and takes the job off its tenant's count. A job whose gateway stopped before
-its end keeps its charge (an over-count: it leaves the window within a
-minute) and leaves the tenant's count when a later admission at the cap
-finds it ended.
+at 4 bytes a token) plus ``max_new_tokens``; when the job ends, this gateway
+corrects the charge to the prompt's tokens and the tokens made, and takes the
+job off its tenant's count (``tokenfleet.settlement``).
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
-import logging
 import math
 import uuid
-from typing import Any
 
 from fastapi import Request
 from redis.exceptions import RedisError
@@ -28,14 +22,13 @@ from starlette.types import Scope
 from tokenfleet.aio import AsyncFleetClient
 from tokenfleet.auth import caller
 from tokenfleet.protocol import backlog_weight
+from tokenfleet.settlement import Charge, Settlement
 from tokenfleet.shared import gateway_scripts
-from tokenfleet.shared.errors import (InvalidRequest, JobNotFound, OverTokenRate,
+from tokenfleet.shared.errors import (InvalidRequest, OverTokenRate,
                                       QueueNotAllowed, RateLimited, TenantQueueFull,
                                       TokenRateLimited)
 from tokenfleet.shared.gateway_scripts import RateState, RateVerdict
 from tokenfleet.shared.schemas import ApiKey, GenerationRequest, JobStatus
-
-log = logging.getLogger("tokenfleet.gateway")
 
 # The routes that submit a job: they count a request (and its tokens); the
 # others only report the key's state in their headers.
@@ -87,7 +80,7 @@ class KeyLimits:
 
     def __init__(self, client: AsyncFleetClient) -> None:
         self.client = client
-        self._watchers: set[asyncio.Task[None]] = set()
+        self.settlement = Settlement(client)
 
     async def peek(self, scope: Scope, key: ApiKey) -> None:
         """The key's headers on a request that submits nothing (counted nowhere)."""
@@ -113,7 +106,8 @@ class KeyLimits:
             state = await self._take(key, request_id, requests=1, tokens=tokens)
             request.state.rate_headers = rate_headers(key, state)
             _refuse(key, state, tokens)
-        reservation = await self._reserve(key) if key.max_queued is not None else None
+        reservation = (await self._reserve(key.tenant, key.max_queued)
+                       if key.max_queued is not None else None)
         try:
             job_id = await self.client.submit(job)
         except Exception:
@@ -129,14 +123,14 @@ class KeyLimits:
             await self.client.redis.zadd(jobs, {job_id: await self._now()})
             await self.client.redis.zrem(jobs, reservation)
         if tokens or reservation is not None:
-            self._watch(key, job_id, request_id, tokens, job.sampling.max_new_tokens)
+            self.settlement.watch(job_id, Charge(
+                key_id=key.key_id, tenant=key.tenant, request_id=request_id, tokens=tokens,
+                max_new_tokens=job.sampling.max_new_tokens, counted=reservation is not None))
         return job_id
 
     async def close(self) -> None:
-        """Stop the watchers (their jobs keep their charges: see the module)."""
-        for task in self._watchers:
-            task.cancel()
-        await asyncio.gather(*self._watchers, return_exceptions=True)
+        """Stop settling (the jobs still open keep their charges: see ``settlement``)."""
+        await self.settlement.close()
 
     async def _now(self) -> float:
         return await self.client.clock.aread(self.client.redis)
@@ -148,22 +142,21 @@ class KeyLimits:
             rpm=key.rpm, tpm=key.tpm, requests=requests, tokens=tokens)
         return await call.run_async(self.client.redis)
 
-    async def _reserve(self, key: ApiKey) -> str:
+    async def _reserve(self, tenant: str, cap: int) -> str:
         """A place among the tenant's jobs, or ``TenantQueueFull``; at the cap,
         ended jobs and stale reservations are dropped first and it tries again."""
-        assert key.max_queued is not None
         reservation = f"reserved:{uuid.uuid4().hex}"
         for attempt in range(2):
             admitted = await gateway_scripts.tenant_admit(
-                self.client.keys, tenant=key.tenant, cap=key.max_queued,
-                reservation=reservation, now=await self._now()).run_async(self.client.redis)
+                self.client.keys, tenant=tenant, cap=cap, reservation=reservation,
+                now=await self._now()).run_async(self.client.redis)
             if admitted.reserved:
                 return reservation
             if attempt == 0:
-                # Tried again even if nothing was dropped here: a watcher may
-                # have taken an ended job off since the count was read.
-                await self._prune(key.tenant)
-        raise TenantQueueFull(key.tenant, admitted.jobs, key.max_queued)
+                # Tried again even if nothing was dropped here: the settlement
+                # may have taken an ended job off since the count was read.
+                await self._prune(tenant)
+        raise TenantQueueFull(tenant, admitted.jobs, cap)
 
     async def _prune(self, tenant: str) -> None:
         """Drop ended jobs and stale reservations from a tenant's count."""
@@ -191,36 +184,6 @@ class KeyLimits:
             await gateway_scripts.rate_settle(
                 self.client.keys, key_id=key.key_id, request_id=request_id, charged=tokens,
                 used=0).run_async(self.client.redis)
-
-    def _watch(self, key: ApiKey, job_id: str, request_id: str, charged: int,
-               max_new_tokens: int) -> None:
-        task = asyncio.get_running_loop().create_task(
-            self._settle_at_end(key, job_id, request_id, charged, max_new_tokens))
-        self._watchers.add(task)
-        task.add_done_callback(self._watchers.discard)
-
-    async def _settle_at_end(self, key: ApiKey, job_id: str, request_id: str, charged: int,
-                             max_new_tokens: int) -> None:
-        """Wait for the job's end; then correct its charge and take it off its
-        tenant's count. Redis out of reach leaves both to the fallbacks."""
-        try:
-            try:
-                state: Any = await self.client.wait(job_id)
-            except JobNotFound:
-                state = None
-            if key.max_queued is not None:
-                await self.client.redis.zrem(self.client.keys.tenant_jobs(key.tenant), job_id)
-            if charged and state is not None:
-                prompt = state.num_prompt_tokens
-                if prompt is None:  # it never started: the estimate stands for it
-                    prompt = charged - max_new_tokens
-                await gateway_scripts.rate_settle(
-                    self.client.keys, key_id=key.key_id, request_id=request_id,
-                    charged=charged, used=prompt + len(state.token_ids),
-                ).run_async(self.client.redis)
-        except (RedisError, OSError, TimeoutError) as exc:
-            log.info("job %s: its key's charge was not corrected (%s)", job_id,
-                     type(exc).__name__)
 
 
 def _refuse(key: ApiKey, state: RateState, tokens: int) -> None:

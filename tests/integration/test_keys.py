@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -105,10 +105,11 @@ def test_a_revoked_key_fails_within_a_second_on_both_gateways(fleet: Any) -> Non
     result = CliRunner().invoke(cli, ["keys", "revoke", record.key_id], env=env)
     assert result.exit_code == 0, result.output
     revoked_at = time.monotonic()
+    # The bound under test, not a wait for an event: any request sent a second
+    # after the revoke is refused, though both gateways had just read the key.
+    time.sleep(max(0.0, revoked_at + 1.0 - time.monotonic()))
     for http in gateways_:
-        wait_until(lambda h=http: h.get("/v1/models", headers=bearer(key)).status_code == 401,
-                   timeout=5, what="the revoked key to be refused")
-    assert time.monotonic() - revoked_at < 1.0
+        assert http.get("/v1/models", headers=bearer(key)).status_code == 401
 
 
 def test_keys_cli_prints_the_key_once_and_lists_no_secret(fleet: Any) -> None:

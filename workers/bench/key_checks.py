@@ -15,6 +15,7 @@ and never reads; the namespace is deleted at the end.
 
 from __future__ import annotations
 
+import asyncio
 import socket
 import statistics
 import threading
@@ -72,6 +73,42 @@ def _row(name: str, off: list[float], on: list[float]) -> str:
             f"ms p99 {_p99(on):6.3f} | added p50 {p50_on - p50_off:+.3f} ms")
 
 
+async def _components(settings: Settings, key: str, record: ApiKey, n: int) -> list[str]:
+    """The checks' own work, timed alone on one asyncio client: a cached key
+    lookup, one ``rate_take.lua`` (what a keyed request adds), a PING beside it."""
+    from tokenfleet.shared.api_keys import KeyBook
+    from tokenfleet.shared.gateway_scripts import rate_take
+    from tokenfleet.shared.redis_conn import connect_async
+
+    client = connect_async(settings.redis_url)
+    keys = Keys(settings.namespace)
+    book = KeyBook(client, keys, settings.gateway_key_cache_s)
+    await book.lookup(key)
+
+    async def ping() -> None:
+        await client.ping()
+
+    async def lookup() -> None:
+        await book.lookup(key)
+
+    async def take() -> None:
+        await rate_take(keys, key_id=record.key_id, request_id=uuid.uuid4().hex,
+                        now=time.time(), rpm=record.rpm, tpm=record.tpm, requests=1,
+                        tokens=20).run_async(client)
+
+    rows = []
+    for name, call in (("PING (a round trip)", ping), ("key lookup (cached)", lookup),
+                       ("rate_take.lua", take)):
+        times = []
+        for _ in range(n):
+            start = time.perf_counter()
+            await call()
+            times.append((time.perf_counter() - start) * 1000)
+        rows.append(f"{name:<22} p50 {statistics.median(times):6.3f} ms p99 {_p99(times):6.3f}")
+    await client.aclose()
+    return rows
+
+
 @click.command()
 @click.option("--requests", default=2000, show_default=True, help="requests per route and side")
 @click.option("--redis-url", default=None, help="Redis URL (default: $TOKENFLEET_REDIS_URL)")
@@ -84,8 +121,8 @@ def main(requests: int, redis_url: str | None) -> None:
     keys = Keys(settings.namespace)
     r.zadd(keys.queue_workers(QUEUE), {"pretend@bench": time.time() + 3600})
     key, key_id = new_key()
-    create_key(r, keys, ApiKey(key_id=key_id, tenant="bench", rpm=10**9, tpm=10**12,
-                               created_at=time.time()), key)
+    record = ApiKey(key_id=key_id, tenant="bench", rpm=10**9, tpm=10**12, created_at=time.time())
+    create_key(r, keys, record, key)
     body = {"prompt": "a prompt of a few words", "model": QUEUE,
             "sampling": {"max_new_tokens": 16}}
     auth = {"Authorization": f"Bearer {key}"}
@@ -111,6 +148,9 @@ def main(requests: int, redis_url: str | None) -> None:
         click.echo(f"{requests} requests per route and side, alternating; keyed: rpm and tpm set")
         click.echo(_row("POST /v1/jobs", posts["off"], posts["on"]))
         click.echo(_row("GET /v1/jobs/{id}", gets["off"], gets["on"]))
+        click.echo("the checks alone (no HTTP), same Redis:")
+        for line in asyncio.run(_components(settings, key, record, requests)):
+            click.echo(line)
     finally:
         names = list(r.scan_iter(match=f"{settings.namespace}:*", count=1000))
         for name in names:
