@@ -2,12 +2,13 @@
 limits, ownership) add to a request.
 
 Two gateways in this process serve one namespace of one Redis, one with keys
-off, one asking for a key with rpm and tpm limits (set too high to refuse).
-Requests alternate between them on keep-alive connections, so both see the
+off, one asking for a key. Requests alternate between three sides on
+keep-alive connections (no key on the first gateway; a key without limits and
+a key with rpm and tpm, set too high to refuse, on the second), so all see the
 same load and drift; the difference of their medians is the checks' cost.
 Two routes: ``POST /v1/jobs`` (a submit: lookup, ``rate_take.lua`` counting
 the request and its tokens) and ``GET /v1/jobs/{id}`` (a read: lookup, the
-limits' headers, ownership). The jobs go to a queue a pretend worker "serves"
+limits' headers, ownership). Then the checks alone, without HTTP. The jobs go to a queue a pretend worker "serves"
 and never reads; the namespace is deleted at the end.
 
     python -m tokenfleet.workers.bench.key_checks --requests 2000
@@ -69,7 +70,7 @@ def _p99(values: list[float]) -> float:
 
 def _row(name: str, off: list[float], on: list[float]) -> str:
     p50_off, p50_on = statistics.median(off), statistics.median(on)
-    return (f"{name:<22} off p50 {p50_off:6.3f} ms p99 {_p99(off):6.3f} | key p50 {p50_on:6.3f} "
+    return (f"{name:<26} off p50 {p50_off:6.3f} ms p99 {_p99(off):6.3f} | key p50 {p50_on:6.3f} "
             f"ms p99 {_p99(on):6.3f} | added p50 {p50_on - p50_off:+.3f} ms")
 
 
@@ -104,7 +105,7 @@ async def _components(settings: Settings, key: str, record: ApiKey, n: int) -> l
             start = time.perf_counter()
             await call()
             times.append((time.perf_counter() - start) * 1000)
-        rows.append(f"{name:<22} p50 {statistics.median(times):6.3f} ms p99 {_p99(times):6.3f}")
+        rows.append(f"{name:<26} p50 {statistics.median(times):6.3f} ms p99 {_p99(times):6.3f}")
     await client.aclose()
     return rows
 
@@ -120,34 +121,40 @@ def main(requests: int, redis_url: str | None) -> None:
     r: redis.Redis = connect(settings.redis_url)
     keys = Keys(settings.namespace)
     r.zadd(keys.queue_workers(QUEUE), {"pretend@bench": time.time() + 3600})
+    plain_key, plain_id = new_key()
+    create_key(r, keys, ApiKey(key_id=plain_id, tenant="bench", created_at=time.time()), plain_key)
     key, key_id = new_key()
     record = ApiKey(key_id=key_id, tenant="bench", rpm=10**9, tpm=10**12, created_at=time.time())
     create_key(r, keys, record, key)
     body = {"prompt": "a prompt of a few words", "model": QUEUE,
             "sampling": {"max_new_tokens": 16}}
-    auth = {"Authorization": f"Bearer {key}"}
     try:
         with (_gateway(settings.model_copy(update={"gateway_auth": "off"})) as off,
               _gateway(settings.model_copy(update={"gateway_auth": "on"})) as on):
-            for http, headers in ((off, {}), (on, auth)):  # warm: connections, scripts, cache
+            sides: tuple[tuple[str, httpx.Client, dict[str, str]], ...] = (
+                ("off", off, {}), ("key", on, {"Authorization": f"Bearer {plain_key}"}),
+                ("limited", on, {"Authorization": f"Bearer {key}"}))
+            for _, http, headers in sides:  # warm: connections, scripts, cache
                 for _ in range(50):
                     http.post("/v1/jobs", json=body, headers=headers)
-            posts: dict[str, list[float]] = {"off": [], "on": []}
-            ids: dict[str, list[str]] = {"off": [], "on": []}
+            posts: dict[str, list[float]] = {side: [] for side, _, _ in sides}
+            ids: dict[str, list[str]] = {side: [] for side, _, _ in sides}
             for _ in range(requests):
-                for side, http, headers in (("off", off, {}), ("on", on, auth)):
+                for side, http, headers in sides:
                     start = time.perf_counter()
                     response = http.post("/v1/jobs", json=body, headers=headers)
                     posts[side].append((time.perf_counter() - start) * 1000)
                     ids[side].append(response.json()["id"])
-            gets: dict[str, list[float]] = {"off": [], "on": []}
+            gets: dict[str, list[float]] = {side: [] for side, _, _ in sides}
             for i in range(requests):
-                gets["off"].append(_timed(lambda: off.get(f"/v1/jobs/{ids['off'][i]}")))
-                gets["on"].append(_timed(lambda: on.get(f"/v1/jobs/{ids['on'][i]}",
-                                                        headers=auth)))
-        click.echo(f"{requests} requests per route and side, alternating; keyed: rpm and tpm set")
-        click.echo(_row("POST /v1/jobs", posts["off"], posts["on"]))
-        click.echo(_row("GET /v1/jobs/{id}", gets["off"], gets["on"]))
+                for side, http, headers in sides:
+                    gets[side].append(_timed(lambda: http.get(f"/v1/jobs/{ids[side][i]}",
+                                                              headers=headers)))
+        click.echo(f"{requests} requests per route and side, alternating: no key (keys off), "
+                   "a key without limits, a key with rpm and tpm")
+        for route, times in (("POST /v1/jobs", posts), ("GET /v1/jobs/{id}", gets)):
+            click.echo(_row(f"{route}, key", times["off"], times["key"]))
+            click.echo(_row(f"{route}, limits", times["off"], times["limited"]))
         click.echo("the checks alone (no HTTP), same Redis:")
         for line in asyncio.run(_components(settings, key, record, requests)):
             click.echo(line)
