@@ -33,11 +33,11 @@ def new_key() -> tuple[str, str]:
 
 
 def create_key(redis: Any, keys: Keys, record: ApiKey, key: str) -> None:
-    """Store ``key``'s record. The lookup record goes first: a key listed is
-    always usable; a crash in between leaves a usable key ``keys list`` misses
-    (revoke it by creating no other: its id is in the record)."""
-    redis.set(keys.api_key(digest(key)), record.model_dump_json())
+    """Store ``key``'s record. The listing goes first: a crash in between
+    leaves a listed key that does not work yet (``keys revoke`` clears it),
+    never a usable key that ``keys list`` does not show."""
     redis.hset(keys.api_keys, record.key_id, digest(key))
+    redis.set(keys.api_key(digest(key)), record.model_dump_json())
 
 
 def list_keys(redis: Any, keys: Keys) -> list[ApiKey]:
