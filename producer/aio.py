@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncGenerator, Coroutine
+from collections.abc import AsyncGenerator, Awaitable, Callable, Coroutine
 from typing import Any, Literal, overload
 
 from redis.exceptions import RedisError
@@ -83,12 +83,13 @@ class AsyncFleetClient:
 
     async def submit(self, prompt: str | GenerationRequest | None = None, /, *,
                      require_worker: bool | None = None,
-                     prompt_tokens: int | None = None, **kwargs: Any) -> str:
+                     prompt_tokens: int | None = None, tenant: str | None = None,
+                     **kwargs: Any) -> str:
         """See ``FleetClient.submit``: ``NoWorker`` unless a live worker serves the
-        queue or ``require_worker=False``; ``IdempotencyConflict``; ``QueueFull``;
+        queue or ``require_worker=False``; ``IdempotencyConflict``; ``QueueFull``; ``tenant``;
         ``LimitExceeded`` (``PromptTooLong``: the prompt's tokens counted here
         where the queue's model is on this machine)."""
-        request = build_request(prompt, kwargs, self.settings)
+        request = build_request(prompt, kwargs, self.settings, tenant)
         if prompt_tokens is None and worth_counting(request, self.settings):
             queue = await served(self, request.model)
             if queue is not None:  # tokenizing a long prompt takes a while: off the loop
@@ -114,10 +115,19 @@ class AsyncFleetClient:
         queued whole or not at all."""
         check_n(n, self.settings)
         request = build_request(prompt, kwargs, self.settings)
+
+        async def submit(choice: GenerationRequest) -> str:
+            return await self.submit(choice, require_worker=require_worker)
+        return await self.submit_whole(choice_requests(request, n), submit)
+
+    async def submit_whole(self, requests: list[GenerationRequest],
+                           submit: Callable[[GenerationRequest], Awaitable[str]]) -> list[str]:
+        """Each of ``requests`` through ``submit``, in order: all queued, or (one
+        refused, or the caller cancelled) none left running."""
         job_ids: list[str] = []
         try:
-            for choice in choice_requests(request, n):
-                job_ids.append(await self.submit(choice, require_worker=require_worker))
+            for request in requests:
+                job_ids.append(await submit(request))
         except BaseException:
             # Shielded: a cancelled caller must not leave the earlier choices running.
             await asyncio.shield(self.in_background(self._cancel_all(job_ids)))

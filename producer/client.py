@@ -77,7 +77,7 @@ class FleetClient:
 
     def submit(self, prompt: str | GenerationRequest | None = None, /, *,
                require_worker: bool | None = None, prompt_tokens: int | None = None,
-               **kwargs: Any) -> str:
+               tenant: str | None = None, **kwargs: Any) -> str:
         """Validate, then enqueue atomically; returns the job id.
 
         Keyword arguments are the fields of ``SamplingParams`` and of
@@ -98,12 +98,13 @@ class FleetClient:
         machine (``tokenfleet.prompt_tokens``), or given as ``prompt_tokens``;
         else the worker counts them (and fails an over-long job).
 
-        ``tenant`` names who the job is for (``InvalidRequest`` unless 1 to 64
-        letters, digits, '.', '_' or '-', starting with a letter or digit; none:
-        the tenant "default"): workers share the fleet fairly among tenants with
-        queued work, by tokens served.
+        ``tenant`` names whose job it is (``InvalidRequest`` naming ``tenant``
+        unless 1 to 64 letters, digits, '.', '_' or '-', starting with a letter
+        or digit; none: the tenant "default"): workers share the fleet fairly
+        among tenants with queued work, by tokens served, and the job is visible
+        through the gateway to that tenant's keys only.
         """
-        request = build_request(prompt, kwargs, self.settings)
+        request = build_request(prompt, kwargs, self.settings, tenant)
         if prompt_tokens is None:
             prompt_tokens = self._count_prompt_tokens(request)
         now = self.clock.read(self.redis)

@@ -10,6 +10,11 @@
   ``GET /v1/models/{id}`` (the queues live workers serve, and the declared ones);
 - ``GET /healthz`` (live) and ``GET /readyz`` (ready): ``tokenfleet.gateway_health``.
 
+Every route but ``/healthz`` asks for an API key once any exists
+(``tokenfleet.auth``); a key's tenant owns the jobs made with it, and another
+tenant's ids read as missing (``tokenfleet.shared.ownership``); its limits
+apply where a job is submitted (``tokenfleet.key_limits``).
+
 Event streams send a keep-alive comment every ``sse_keepalive_s`` while nothing
 else goes out; the server bounds the time a client takes to send a request's head
 (``header_timeout_s``) and body (``body_timeout_s``): see ``tokenfleet.timeouts``.
@@ -22,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any, cast
@@ -38,8 +44,10 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from tokenfleet import openai_chat, openai_compat, sse
 from tokenfleet.aio import AsyncFleetClient
+from tokenfleet.auth import Authenticate, announce, caller, unauthorized
 from tokenfleet.gateway_health import HEALTH_TIMEOUT_S, GatewayServer
 from tokenfleet.gateway_health import router as health_router
+from tokenfleet.key_limits import KeyLimits, submit_as_caller
 from tokenfleet.openai_errors import (
     BODY_TIMEOUT,
     FLEET_ERRORS,
@@ -51,6 +59,7 @@ from tokenfleet.openai_errors import (
     Refusal,
 )
 from tokenfleet.served import listed, listed_queues, served, served_queues
+from tokenfleet.shared.api_keys import KeyBook
 from tokenfleet.shared.compat.uvicorn_h11 import MAX_HEAD_BYTES
 from tokenfleet.shared.errors import (
     JobNotFound,
@@ -59,10 +68,13 @@ from tokenfleet.shared.errors import (
     RedisUnavailable,
     TokenfleetError,
 )
+from tokenfleet.shared.ownership import owns
 from tokenfleet.shared.redis_pool import PoolBound
 from tokenfleet.shared.schemas import GenerationRequest, JobState
 from tokenfleet.shared.settings import Settings, get_settings
 from tokenfleet.timeouts import BodyDeadline, BodyTimeout, head_deadline_protocol
+
+log = logging.getLogger("tokenfleet.gateway")
 
 router = APIRouter()
 
@@ -131,15 +143,30 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         with contextlib.suppress(RedisError, OSError, TimeoutError):
             async with asyncio.timeout(HEALTH_TIMEOUT_S):
                 await app.state.fleet.redis.ping()
+        app.state.keybook = KeyBook(app.state.fleet.redis, app.state.fleet.keys,
+                                    settings.gateway_key_cache_s)
+        app.state.limits = KeyLimits(app.state.fleet)
+        try:
+            async with asyncio.timeout(HEALTH_TIMEOUT_S):
+                await announce(settings.gateway_auth, app.state.keybook)
+        except (RedisError, OSError, TimeoutError):
+            log.warning("could not read the API keys (Redis does not answer): each request "
+                        "reads them again (TOKENFLEET_GATEWAY_AUTH=%s)", settings.gateway_auth)
         try:
             yield
         finally:
+            await app.state.limits.close()
             await app.state.fleet.close()
 
     app = FastAPI(title="tokenfleet gateway", lifespan=lifespan)
     app.include_router(router)
     app.include_router(health_router)
     app.add_middleware(BodyDeadline, timeout_s=settings.body_timeout_s)
+    app.add_middleware(
+        Authenticate, mode=settings.gateway_auth,
+        error=lambda scope, message: unauthorized(_openai_path(scope["path"]), message),
+        peek=lambda scope, key: scope["app"].state.limits.peek(scope, key),
+        failed=_handled)
     app.add_exception_handler(RedisConnectionError, _redis_unreachable)
     # Redis is up, the pool is full: these classes are more specific than the
     # ConnectionError above, so their handler is the one used.
@@ -171,15 +198,29 @@ def server_config(settings: Settings | None = None, *, host: str = "127.0.0.1",
 
 def serve(host: str = "127.0.0.1", port: int = 8000, *, settings: Settings | None = None,
           header_timeout_s: float | None = None, body_timeout_s: float | None = None,
-          sse_keepalive_s: float | None = None) -> None:
-    """Serve the gateway until interrupted; a limit left None keeps the settings' value."""
+          sse_keepalive_s: float | None = None, auth: str | None = None,
+          ssl_keyfile: str | None = None, ssl_certfile: str | None = None) -> None:
+    """Serve the gateway until interrupted; a limit left None keeps the settings'
+    value. ``auth`` overrides ``TOKENFLEET_GATEWAY_AUTH``; with ``ssl_keyfile``
+    and ``ssl_certfile`` (PEM) it serves HTTPS only."""
     settings = settings or get_settings()
     given = {"header_timeout_s": header_timeout_s, "body_timeout_s": body_timeout_s,
-             "sse_keepalive_s": sse_keepalive_s}
+             "sse_keepalive_s": sse_keepalive_s, "gateway_auth": auth}
     overrides = {name: value for name, value in given.items() if value is not None}
     if overrides:
         settings = Settings.model_validate({**settings.model_dump(), **overrides})
-    GatewayServer(server_config(settings, host=host, port=port)).run()
+    GatewayServer(server_config(settings, host=host, port=port, ssl_keyfile=ssl_keyfile,
+                                ssl_certfile=ssl_certfile)).run()
+
+
+async def _handled(scope: Any, exc: Exception) -> Response:
+    """The app's handler's answer to ``exc`` (raised outside the routes: the
+    keys' middleware), found as Starlette finds it: by the class's MRO."""
+    handlers = scope["app"].exception_handlers
+    for cls in type(exc).__mro__:
+        if cls in handlers:
+            return cast(Response, await handlers[cls](Request(scope), exc))
+    raise exc
 
 
 def _openai_path(path: str) -> bool:
@@ -216,7 +257,10 @@ async def _fleet_error(request: Request, exc: Exception) -> Response:
     param = None
     if name == "PromptTooLong":
         param = "messages" if request.url.path == "/v1/chat/completions" else "prompt"
-    return _error(request, refusal, message, param=param)
+    elif name == "QueueNotAllowed":
+        param = "model"
+    # A rate limit's own Retry-After: when the same request would pass.
+    return _error(request, refusal, message, param=param, headers=getattr(exc, "headers", None))
 
 
 async def _model_not_found(request: Request, model: str, served_now: list[str] | None
@@ -254,18 +298,19 @@ async def submit_job(request: Request) -> Response:
         if queue is not None and queue.chat is False:
             raise HTTPException(400, f"model {job.model!r} has no chat template, so it cannot "
                                 "take messages: send a prompt instead")
-    job_id = await client.submit(job)
+    job_id, = await submit_as_caller(request, client, job)
     return JSONResponse({"id": job_id, "status": "queued"}, status_code=202,
                         headers={"Location": f"/v1/jobs/{job_id}"})
 
 
 @router.get("/v1/jobs/{job_id}")
 async def get_job(job_id: str, request: Request) -> Response:
-    return json_response(await _state(fleet(request), job_id))
+    return json_response(await _state(request, job_id))
 
 
 @router.delete("/v1/jobs/{job_id}")
 async def cancel_job(job_id: str, request: Request) -> dict[str, Any]:
+    await _state(request, job_id)  # another tenant's job: 404, nothing cancelled
     try:
         done = await fleet(request).cancel(job_id)
     except JobNotFound as exc:
@@ -281,7 +326,7 @@ async def job_events(
     of its last token), then ``event: end`` with the final job state.
     ``Last-Event-ID: n`` resumes after the token of index ``n``."""
     client = fleet(request)
-    await _state(client, job_id)  # 404 now, before the stream has started
+    await _state(request, job_id)  # 404 now, before the stream has started
     after = -1
     if last_event_id:
         try:
@@ -305,11 +350,16 @@ async def _job_events(client: AsyncFleetClient, job_id: str, after: int) -> Asyn
     yield sse.event((await client.status(job_id)).model_dump_json(), name="end")
 
 
-async def _state(client: AsyncFleetClient, job_id: str) -> JobState:
+async def _state(request: Request, job_id: str) -> JobState:
+    """The job's state, or a 404: no such job, or another tenant's (told the same)."""
     try:
-        return await client.status(job_id)
+        state = await fleet(request).status(job_id)
     except JobNotFound as exc:
         raise HTTPException(404, str(exc)) from exc
+    key = caller(request.state)
+    if key is not None and not owns(key.tenant, state):
+        raise HTTPException(404, str(JobNotFound(job_id)))
+    return state
 
 
 @router.post("/v1/completions")

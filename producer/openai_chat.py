@@ -30,6 +30,7 @@ from pydantic import (
 
 from tokenfleet import sse
 from tokenfleet.aio import AsyncFleetClient
+from tokenfleet.key_limits import submit_as_caller
 from tokenfleet.openai_compat import (
     PARAMS,
     Sampling,
@@ -212,7 +213,8 @@ async def chat(client: AsyncFleetClient, body: bytes, request: Request,
             f"model {job.model!r} has no chat template (its tokenizer defines none), so it "
             "cannot take messages: send a prompt to /v1/completions instead, or serve a model "
             "with a chat template", param="model")
-    job_ids = await client.submit_choices(job, n=n)  # the app maps the fleet's errors
+    # As its API key allows (the app maps the fleet's errors to statuses).
+    job_ids = await submit_as_caller(request, client, job, n=n)
     head = {"id": f"chatcmpl-{job_ids[0]}", "created": int(time.time()), "model": job.model}
     if ask.stream:
         stream = {**head, "object": "chat.completion.chunk"}

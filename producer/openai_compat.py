@@ -34,6 +34,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError, 
 
 from tokenfleet import sse
 from tokenfleet.aio import AsyncFleetClient
+from tokenfleet.key_limits import submit_as_caller
 from tokenfleet.openai_errors import (
     INVALID_JSON,
     INVALID_VALUE,
@@ -261,7 +262,8 @@ async def complete(client: AsyncFleetClient, body: bytes, request: Request,
         queue = await served(client, job.model)
         if queue is not None and queue.fim is False:  # None: a worker that does not say
             return UNSUPPORTED.response(f"model {job.model!r} {NO_FIM}", param="suffix")
-    job_ids = await client.submit_choices(job, n=n)  # the app maps the fleet's errors
+    # As its API key allows (the app maps the fleet's errors to statuses).
+    job_ids = await submit_as_caller(request, client, job, n=n)
     head = {"id": f"cmpl-{job_ids[0]}", "object": "text_completion",
             "created": int(time.time()), "model": job.model}
     echo = ask.prompt if ask.echo and isinstance(ask.prompt, str) else ""

@@ -99,6 +99,35 @@ TOO_LARGE = Refusal(
     413, INVALID, "request_too_large", False, "the body is over the payload limit",
     "request body is larger than this gateway's limit of <n> bytes "
     "(TOKENFLEET_MAX_PAYLOAD_BYTES): send a shorter prompt or raise the limit")
+INVALID_API_KEY = Refusal(
+    401, INVALID, "invalid_api_key", False,
+    "no API key, or one that does not exist (revoked) on a gateway with keys",
+    "missing API key: send 'Authorization: Bearer <key>' (tokenfleet keys create makes one); "
+    "or: incorrect API key provided")
+QUEUE_NOT_ALLOWED = Refusal(
+    403, "permission_error", "model_not_allowed", False,
+    "a model (queue) the API key may not use (its --queues)",
+    "this API key may not use the model '<model>' (its queues: <queues>); nothing was enqueued")
+RATE_LIMITED = Refusal(
+    429, "requests", "rate_limit_exceeded", True,
+    "the API key used its requests per minute (rpm)",
+    "rate limit reached for requests: <n> in the last minute, limit <rpm> (rpm); retry after "
+    "<s> s (Retry-After)")
+TOKEN_RATE_LIMITED = Refusal(
+    429, "tokens", "rate_limit_exceeded", True,
+    "the API key used its tokens per minute (tpm: prompt and max_tokens of each request)",
+    "rate limit reached for tokens: <n> used in the last minute, this request <m>, limit <tpm> "
+    "(tpm); retry after <s> s (Retry-After)")
+OVER_TOKEN_RATE = Refusal(
+    429, "tokens", "rate_limit_exceeded", False,
+    "one request counts more tokens than the key's tpm: it can never pass",
+    "this request counts <n> tokens (its prompt and max_tokens), more than the API key's "
+    "limit of <tpm> tokens per minute (tpm): lower max_tokens or the prompt")
+TENANT_QUEUE_FULL = Refusal(
+    429, "requests", "rate_limit_exceeded", True,
+    "the tenant has its key's max_queued jobs waiting or running",
+    "tenant '<tenant>' has <n> jobs waiting or running, the API key's limit (max_queued <n>); "
+    "nothing was enqueued: retry when some have ended")
 QUEUE_FULL = Refusal(
     429, "requests", "rate_limit_exceeded", True, "the model's queue is full",
     "queue '<model>' is full (<n> jobs waiting or running, limit <limit>); nothing was "
@@ -126,9 +155,10 @@ REDIS_BUSY = Refusal(
 
 # In the order the docs list them.
 REFUSALS = (INVALID_JSON, UNRECOGNIZED, INVALID_VALUE, UNSUPPORTED, CONTEXT_LENGTH, OVER_LIMIT,
-            NO_CHAT_TEMPLATE, MODEL_NOT_FOUND, JOB_NOT_FOUND, BODY_TIMEOUT,
-            IDEMPOTENCY_CONFLICT, TOO_LARGE, QUEUE_FULL, JOB_REFUSED, JOB_FAILED, REDIS_REFUSED,
-            REDIS_DOWN, REDIS_BUSY)
+            NO_CHAT_TEMPLATE, INVALID_API_KEY, QUEUE_NOT_ALLOWED, MODEL_NOT_FOUND, JOB_NOT_FOUND,
+            BODY_TIMEOUT, IDEMPOTENCY_CONFLICT, TOO_LARGE, RATE_LIMITED, TOKEN_RATE_LIMITED,
+            OVER_TOKEN_RATE, TENANT_QUEUE_FULL, QUEUE_FULL, JOB_REFUSED, JOB_FAILED,
+            REDIS_REFUSED, REDIS_DOWN, REDIS_BUSY)
 
 # The fleet's own errors, by class name: an error class that a newer client adds
 # maps the same whether or not this module could import it.
@@ -136,4 +166,7 @@ FLEET_ERRORS = {"QueueFull": QUEUE_FULL, "NoWorker": MODEL_NOT_FOUND,
                 "IdempotencyConflict": IDEMPOTENCY_CONFLICT, "JobNotFound": JOB_NOT_FOUND,
                 "PromptTooLong": CONTEXT_LENGTH, "LimitExceeded": OVER_LIMIT,
                 "InvalidRequest": INVALID_VALUE, "RedisBusy": REDIS_BUSY,
-                "RedisUnavailable": REDIS_DOWN, "RedisAuthFailed": REDIS_REFUSED}
+                "RedisUnavailable": REDIS_DOWN, "RedisAuthFailed": REDIS_REFUSED,
+                "QueueNotAllowed": QUEUE_NOT_ALLOWED, "RateLimited": RATE_LIMITED,
+                "TokenRateLimited": TOKEN_RATE_LIMITED, "OverTokenRate": OVER_TOKEN_RATE,
+                "TenantQueueFull": TENANT_QUEUE_FULL}

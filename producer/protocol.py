@@ -48,15 +48,22 @@ CANCEL_WAIT_S = 5.0
 
 
 def build_request(
-    prompt: str | GenerationRequest | None, kwargs: dict[str, Any], settings: Settings
+    prompt: str | GenerationRequest | None, kwargs: dict[str, Any], settings: Settings,
+    tenant: str | None = None,
 ) -> GenerationRequest:
     """Validate what the caller gave: ``InvalidRequest`` (a ``TokenfleetError``
-    with JSON-ready ``errors``) if it is wrong."""
+    with JSON-ready ``errors``) if it is wrong. ``tenant``, when given, is the
+    job's tenant (over one the request names)."""
     if isinstance(prompt, GenerationRequest):
         if kwargs:
             raise TypeError("pass either a GenerationRequest or keyword arguments, not both")
         # Re-validate: the object may have been built without this fleet's limits.
-        return _validated(prompt.model_dump(), settings)
+        given = prompt.model_dump()
+        if tenant is not None:
+            given["tenant"] = tenant
+        return _validated(given, settings)
+    if tenant is not None:
+        kwargs = {**kwargs, "tenant": tenant}
     unknown = set(kwargs) - SAMPLING_FIELDS - REQUEST_FIELDS
     if unknown:
         raise TypeError(f"unknown argument(s) to submit: {', '.join(sorted(unknown))}")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -81,6 +82,56 @@ class IdempotencyConflict(TokenfleetError):
             "model, prompt or parameters); nothing was enqueued: use a new key for a new request"
         )
         self.key = key
+
+
+class QueueNotAllowed(TokenfleetError):
+    """The API key may not use this queue (its ``--queues``); nothing was enqueued."""
+
+    def __init__(self, queue: str, allowed: list[str]) -> None:
+        super().__init__(f"this API key may not use the model {queue!r} (its queues: "
+                         f"{', '.join(allowed) or 'none'}); nothing was enqueued")
+        self.queue, self.allowed = queue, allowed
+
+
+class RateLimited(TokenfleetError):
+    """The API key used its requests per minute (``rpm``); nothing was enqueued.
+    ``retry_after_s``: when the same request would pass."""
+
+    limit_name = "rpm"
+
+    def __init__(self, message: str, retry_after_s: float) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+        self.headers = {"Retry-After": str(max(1, math.ceil(retry_after_s)))}
+
+
+class TokenRateLimited(RateLimited):
+    """The API key used its tokens per minute (``tpm``); nothing was enqueued."""
+
+    limit_name = "tpm"
+
+
+class OverTokenRate(TokenfleetError):
+    """One request asks more tokens than the key's ``tpm`` allows in a minute:
+    it can never pass as it is."""
+
+    def __init__(self, tokens: int, tpm: int) -> None:
+        super().__init__(
+            f"this request counts {tokens} tokens (its prompt and max_tokens), more than the "
+            f"API key's limit of {tpm} tokens per minute (tpm): lower max_tokens or the prompt")
+        self.tokens, self.tpm = tokens, tpm
+
+
+class TenantQueueFull(RateLimited):
+    """The tenant has its key's ``max_queued`` jobs waiting or running."""
+
+    limit_name = "max_queued"
+
+    def __init__(self, tenant: str, jobs: int, cap: int) -> None:
+        super().__init__(
+            f"tenant {tenant!r} has {jobs} jobs waiting or running, the API key's limit "
+            f"(max_queued {cap}); nothing was enqueued: retry when some have ended", 1.0)
+        self.tenant, self.jobs, self.cap = tenant, jobs, cap
 
 
 class InvalidRequest(TokenfleetError, ValueError):

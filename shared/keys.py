@@ -36,13 +36,18 @@ def is_queue_name(name: str) -> bool:
     return QUEUE_NAME.fullmatch(name) is not None
 
 
-# A tenant's name (``submit(tenant=...)``, an API key's tenant). No ':' in it:
-# a tenant's streams are named '<level>:<tenant>' (``level_queue``).
+# A tenant's name (``submit(tenant=...)``, an API key's tenant), checked with
+# fullmatch. No ':' in it: a tenant's streams are named '<level>:<tenant>'
+# (``level_queue``).
 TENANT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 TENANT_NAME_RULE = "1 to 64 letters, digits, '.', '_' or '-', starting with a letter or digit"
-# A job with no tenant is this tenant's; its streams are the level streams a
-# fleet without tenants has always had.
+# A job with no tenant is this tenant's (for fair share, limits and ownership);
+# its streams are the level streams a fleet without tenants has always had.
 DEFAULT_TENANT = "default"
+
+
+def is_tenant_name(name: str) -> bool:
+    return TENANT_NAME.fullmatch(name) is not None
 
 
 def named_tenant(tenant: str | None) -> str | None:
@@ -229,6 +234,38 @@ class Keys:
         """String with a TTL: '<job id> <fingerprint of the request>' of a key.
         A key is the queue's: the same key on two queues names two jobs."""
         return f"{self.namespace}:idem:{{{model}}}:{key}"
+
+    def api_key(self, digest: str) -> str:
+        """String: one API key's record (``ApiKey`` JSON), under the SHA-256 of
+        the key (hex): the key itself is never stored."""
+        return f"{self.namespace}:apikey:{digest}"
+
+    @property
+    def api_keys(self) -> str:
+        """Hash: every API key, key id -> the SHA-256 its record is under (for
+        ``keys list`` and ``keys revoke``; a gateway reads ``api_key`` alone)."""
+        return f"{self.namespace}:apikeys"
+
+    def rate_requests(self, key_id: str) -> str:
+        """Sorted set: the requests of one key in the last minute (member the
+        request id, score its time); tagged by the key id, as is ``rate_tokens``,
+        so ``rate_take.lua`` touches one slot."""
+        return f"{self.namespace}:rate:{{{key_id}}}:requests"
+
+    def rate_tokens(self, key_id: str) -> str:
+        """Sorted set: one key's token charges of the last minute (member
+        '<request id> <tokens>', score its time)."""
+        return f"{self.namespace}:rate:{{{key_id}}}:tokens"
+
+    def rate_token_total(self, key_id: str) -> str:
+        """Counter: the sum of ``rate_tokens``' charges, kept with them."""
+        return f"{self.namespace}:rate:{{{key_id}}}:total"
+
+    def tenant_jobs(self, tenant: str) -> str:
+        """Sorted set: a tenant's jobs queued or running (and reservations for
+        jobs being submitted), scored by when they were admitted, for a key's
+        ``max_queued``."""
+        return f"{self.namespace}:tenant:{{{tenant}}}:jobs"
 
     @property
     def cancels(self) -> str:

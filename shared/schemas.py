@@ -24,7 +24,7 @@ from pydantic import (
     model_validator,
 )
 
-from tokenfleet.shared.keys import QUEUE_NAME_RULE, TENANT_NAME, TENANT_NAME_RULE, is_queue_name
+from tokenfleet.shared.keys import QUEUE_NAME_RULE, TENANT_NAME_RULE, is_queue_name, is_tenant_name
 from tokenfleet.shared.settings import Settings, get_settings
 
 # How deep metadata may nest (orjson itself stops at 255; a bound here keeps the
@@ -168,8 +168,9 @@ class GenerationRequest(_Wire):
     idempotency_key: str | None = Field(default=None, min_length=1,
                                         max_length=MAX_IDEMPOTENCY_KEY)
     metadata: dict[str, Any] = Field(default_factory=dict)
-    # Who the job is for: the fleet shares its slots fairly among tenants with
-    # queued work (docs/how-it-works.md). None: the tenant "default".
+    # Whose job it is: a trusted backend passes it, the gateway takes it from the
+    # API key. The fleet shares its slots fairly among tenants with queued work
+    # (docs/how-it-works.md). None: the tenant "default".
     tenant: str | None = None
 
     @field_validator("model")
@@ -182,7 +183,7 @@ class GenerationRequest(_Wire):
     @field_validator("tenant")
     @classmethod
     def _tenant_name(cls, value: str | None) -> str | None:
-        if value is not None and TENANT_NAME.fullmatch(value) is None:
+        if value is not None and not is_tenant_name(value):
             raise ValueError(f"tenant must be {TENANT_NAME_RULE}, got {value[:80]!r}")
         return value
 
@@ -334,7 +335,6 @@ class JobState(BaseModel):
     status: JobStatus
     model: str = "default"
     priority: Priority = "normal"
-    tenant: str | None = None
     text: str = ""
     token_ids: list[int] = Field(default_factory=list)
     finish_reason: FinishReason | None = None
@@ -343,6 +343,7 @@ class JobState(BaseModel):
     worker: str | None = None
     num_prompt_tokens: int | None = None
     metadata: dict[str, Any] = Field(default_factory=dict)
+    tenant: str | None = None  # None: the tenant "default"
     created_at: float | None = None
     started_at: float | None = None
     first_token_at: float | None = None
@@ -487,3 +488,24 @@ class QueueEntry(BaseModel):
     request: GenerationRequest
     created_at: float
     deadline_at: float | None = None
+
+
+class ApiKey(BaseModel):
+    """One gateway API key as stored: its tenant and limits, never the key
+    itself (its record is found by the key's SHA-256). A limit left None is no
+    limit."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    key_id: str  # public: what ``keys list`` shows and ``keys revoke`` takes
+    tenant: str
+    rpm: int | None = Field(default=None, ge=1)  # requests per minute
+    tpm: int | None = Field(default=None, ge=1)  # tokens per minute (prompt + max new)
+    queues: list[str] | None = None  # the queues (models) it may use; None: every one
+    max_queued: int | None = Field(default=None, ge=1)  # the tenant's jobs waiting or running
+    created_at: float
+
+    @property
+    def limited(self) -> bool:
+        """Whether requests made with it are counted (it has a rate limit)."""
+        return self.rpm is not None or self.tpm is not None

@@ -191,6 +191,15 @@ class Settings(BaseSettings):
     fair_share_burst_tokens: int = Field(default=4096, ge=0, description=(
         "How many tokens ahead of the busiest tenants a tenant coming back from idle starts, "
         "so a short burst runs at once; it banks no more than this while idle."))
+    # The gateway's API keys (tokenfleet keys create): "auto" asks for one once
+    # any key exists, "on" always, "off" never (a private network only).
+    gateway_auth: Literal["auto", "on", "off"] = Field(default="auto", description=(
+        "Gateway: API keys (Authorization: Bearer). auto: required once any key exists "
+        "(tokenfleet keys create), on: always, off: never (a private network; a WARNING at "
+        "start)."))
+    gateway_key_cache_s: float = Field(default=0.5, ge=0, le=1.0, description=(
+        "Gateway: seconds a gateway keeps what it read of an API key; a new or revoked key holds "
+        "on every gateway within this time."))
 
     # Reliability.
     max_attempts: int = Field(default=3, ge=1, description=(

@@ -60,6 +60,8 @@ READ_BY: dict[str, str] = {
     "sse_keepalive_s": GATEWAY,
     "gateway_redis_connections": GATEWAY,
     "gateway_redis_wait_s": GATEWAY,
+    "gateway_auth": GATEWAY,
+    "gateway_key_cache_s": GATEWAY,
     "max_attempts": WORKER,
     "claim_idle_s": WORKER,
     "heartbeat_s": WORKER,

@@ -5,6 +5,7 @@ Import the ``gateway`` fixture into a test module (``from gateway_server import 
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import threading
 import time
@@ -36,26 +37,39 @@ class _Server(uvicorn.Server):
 def gateway(settings: Any) -> Iterator[Callable[..., httpx.Client]]:
     """Start the gateway (with settings overrides) on a free port; returns an HTTP
     client whose ``base_url`` is the gateway."""
+    with gateways(settings) as start:
+        yield start
+
+
+@contextlib.contextmanager
+def gateways(settings: Any) -> Iterator[Callable[..., httpx.Client]]:
+    """What the ``gateway`` fixture gives, for a fixture of any scope: ``start(
+    **overrides)`` serves a gateway until the block ends. ``uvicorn_options``
+    (a dict) go to uvicorn (TLS files, say); ``scheme`` and ``verify`` to the client."""
     running: list[tuple[_Server, threading.Thread, httpx.Client]] = []
 
-    def start(**overrides: Any) -> httpx.Client:
+    def start(*, uvicorn_options: dict[str, Any] | None = None, scheme: str = "http",
+              verify: Any = True, **overrides: Any) -> httpx.Client:
         sock = socket.socket()
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-        config = server_config(settings.model_copy(update=overrides), log_level="warning")
+        config = server_config(settings.model_copy(update=overrides), log_level="warning",
+                               **(uvicorn_options or {}))
         server = _Server(config)
         thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
         thread.start()
         assert server.ready.wait(20), "the gateway did not start"
-        http = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60)
+        http = httpx.Client(base_url=f"{scheme}://127.0.0.1:{port}", timeout=60, verify=verify)
         running.append((server, thread, http))
         return http
 
-    yield start
-    for server, thread, http in running:
-        http.close()
-        server.should_exit = True
-        thread.join(20)
+    try:
+        yield start
+    finally:
+        for server, thread, http in running:
+            http.close()
+            server.should_exit = True
+            thread.join(20)
 
 
 def port_of(http: httpx.Client) -> int:

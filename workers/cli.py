@@ -426,10 +426,21 @@ def repair(redis_url: str | None) -> None:
 @click.option("--sse-keepalive", type=click.FloatRange(min=0, min_open=True), default=None,
               help="seconds between keep-alive comments on idle event streams "
                    "($TOKENFLEET_SSE_KEEPALIVE_S, default 15)")
+@click.option("--no-auth", is_flag=True,
+              help="serve without API keys, even if some exist: a private network only "
+                   "($TOKENFLEET_GATEWAY_AUTH=off)")
+@click.option("--ssl-keyfile", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="serve HTTPS: the server's private key (PEM); with --ssl-certfile")
+@click.option("--ssl-certfile", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="serve HTTPS: the server's certificate chain (PEM); with --ssl-keyfile")
 @redis_option
 def gateway(host: str, port: int, header_timeout: float | None, body_timeout: float | None,
-            sse_keepalive: float | None, redis_url: str | None) -> None:
-    """Serve the HTTP gateway: jobs, token streams (SSE), OpenAI-style completions and chat."""
+            sse_keepalive: float | None, no_auth: bool, ssl_keyfile: str | None,
+            ssl_certfile: str | None, redis_url: str | None) -> None:
+    """Serve the HTTP gateway: jobs, token streams (SSE), OpenAI-style completions and chat.
+
+    API keys (tokenfleet keys create) are asked for on every route but /healthz
+    once any exists; --no-auth turns them off."""
     from tokenfleet.workers.preflight import need_extra, need_free_port
 
     need_extra("gateway", "gateway")
@@ -437,8 +448,11 @@ def gateway(host: str, port: int, header_timeout: float | None, body_timeout: fl
 
     _apply_env(redis_url=redis_url)
     need_free_port(host, port, f"--port {port}")
+    if (ssl_keyfile is None) != (ssl_certfile is None):
+        raise click.UsageError("give both --ssl-keyfile and --ssl-certfile, or neither")
     serve(host, port, header_timeout_s=header_timeout, body_timeout_s=body_timeout,
-          sse_keepalive_s=sse_keepalive)
+          sse_keepalive_s=sse_keepalive, auth="off" if no_auth else None,
+          ssl_keyfile=ssl_keyfile, ssl_certfile=ssl_certfile)
 
 
 def _int_list(ctx: click.Context, param: click.Parameter, value: str | None) -> list[int] | None:
@@ -594,11 +608,14 @@ def export_model(name: str, directory: Path) -> None:
     click.echo(f"wrote {name} to {out}")
 
 
-# Kept in a module of their own; registered here, after the group they join.
+# Kept in modules of their own; registered here, after the group they join (a
+# command's module imports this one's helpers when it runs).
 from tokenfleet.workers.cli_queue import metrics_exporter, queue  # noqa: E402
+from tokenfleet.workers.keys_cli import keys  # noqa: E402
 
 main.add_command(queue)
 main.add_command(metrics_exporter)
+main.add_command(keys)
 
 if __name__ == "__main__":
     main()

@@ -1,0 +1,208 @@
+"""An API key's limits, applied where a job is submitted through the gateway:
+the queues it may use, its requests and tokens per minute, and its tenant's
+jobs waiting or running.
+
+Every count lives in Redis (``gateway_scripts``), so every gateway of a fleet
+spends one budget. Tokens are counted at admission as the prompt (estimated
+at 4 bytes a token) plus ``max_new_tokens``; when the job ends, this gateway
+corrects the charge to the prompt's tokens and the tokens made, and takes the
+job off its tenant's count (``tokenfleet.settlement``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import uuid
+
+from fastapi import Request
+from redis.exceptions import RedisError
+from starlette.types import Scope
+
+from tokenfleet.aio import AsyncFleetClient
+from tokenfleet.auth import caller
+from tokenfleet.choices import choice_requests
+from tokenfleet.protocol import backlog_weight
+from tokenfleet.settlement import Charge, Settlement
+from tokenfleet.shared import gateway_scripts
+from tokenfleet.shared.errors import (InvalidRequest, OverTokenRate,
+                                      QueueNotAllowed, RateLimited, TenantQueueFull,
+                                      TokenRateLimited)
+from tokenfleet.shared.gateway_scripts import RateState, RateVerdict
+from tokenfleet.shared.schemas import ApiKey, GenerationRequest, JobStatus
+
+# The routes that submit a job: they count a request (and its tokens); the
+# others only report the key's state in their headers.
+SUBMITTING = frozenset({"/v1/jobs", "/v1/completions", "/v1/chat/completions"})
+# A reservation older than this belongs to a submit that never finished (its
+# gateway died in between): a later admission at the cap drops it.
+RESERVATION_S = 60.0
+
+
+def duration(seconds: float) -> str:
+    """A time as OpenAI's ``x-ratelimit-reset-*`` headers write it: ``20ms``,
+    ``1s``, ``1.5s``, ``6m0s``, ``1h2m3s``."""
+    if seconds < 1:
+        return f"{math.ceil(seconds * 1000)}ms"
+    if seconds < 60:
+        return f"{round(seconds, 3):g}s"
+    whole = math.ceil(seconds)
+    hours, rest = divmod(whole, 3600)
+    minutes, secs = divmod(rest, 60)
+    return (f"{hours}h" if hours else "") + f"{minutes}m{secs}s"
+
+
+def rate_headers(key: ApiKey, state: RateState) -> dict[str, str]:
+    """OpenAI's ``x-ratelimit-*`` headers for the limits the key has."""
+    headers: dict[str, str] = {}
+    if key.rpm is not None:
+        headers["x-ratelimit-limit-requests"] = str(key.rpm)
+        headers["x-ratelimit-remaining-requests"] = str(max(0, key.rpm - state.requests))
+        headers["x-ratelimit-reset-requests"] = duration(state.requests_reset_s)
+    if key.tpm is not None:
+        headers["x-ratelimit-limit-tokens"] = str(key.tpm)
+        headers["x-ratelimit-remaining-tokens"] = str(max(0, key.tpm - state.tokens))
+        headers["x-ratelimit-reset-tokens"] = duration(state.tokens_reset_s)
+    return headers
+
+
+async def submit_as_caller(request: Request, client: AsyncFleetClient,
+                           job: GenerationRequest, n: int = 1) -> list[str]:
+    """Submit the ``n`` choices of ``job`` for the request's caller: through the
+    app's ``KeyLimits`` where it has one (the gateway), else as they are. Each
+    choice is a job: it counts as a request and its tokens against the key."""
+    limits: KeyLimits | None = getattr(request.app.state, "limits", None)
+    if limits is None:
+        return await client.submit_choices(job, n=n)
+    keyed: KeyLimits = limits
+
+    async def submit(choice: GenerationRequest) -> str:
+        return await keyed.submit(request, choice)
+    return await client.submit_whole(choice_requests(job, n), submit)
+
+
+class KeyLimits:
+    """One gateway's side of the keys' limits (one per app, closed at shutdown)."""
+
+    def __init__(self, client: AsyncFleetClient) -> None:
+        self.client = client
+        self.settlement = Settlement(client)
+
+    async def peek(self, scope: Scope, key: ApiKey) -> None:
+        """The key's headers on a request that submits nothing (counted nowhere)."""
+        if scope["method"] == "POST" and scope["path"] in SUBMITTING:
+            return  # ``submit`` counts it and sets them
+        state = await self._take(key, "-", requests=0, tokens=0)
+        scope.setdefault("state", {})["rate_headers"] = rate_headers(key, state)
+
+    async def submit(self, request: Request, job: GenerationRequest) -> str:
+        """Submit ``job`` as the request's key allows, as its tenant's job."""
+        key = caller(request.state)
+        if key is None:
+            return await self.client.submit(job)
+        if job.tenant is not None and job.tenant != key.tenant:
+            raise InvalidRequest(f"invalid 'tenant': {job.tenant!r} is not this API key's "
+                                 "tenant; leave it out: the key sets it")
+        job = job.model_copy(update={"tenant": key.tenant})
+        if key.queues is not None and job.model not in key.queues:
+            raise QueueNotAllowed(job.model, key.queues)
+        request_id = uuid.uuid4().hex
+        tokens = backlog_weight(job) if key.tpm is not None else 0
+        if key.limited:
+            state = await self._take(key, request_id, requests=1, tokens=tokens)
+            request.state.rate_headers = rate_headers(key, state)
+            _refuse(key, state, tokens)
+        reservation = (await self._reserve(key.tenant, key.max_queued)
+                       if key.max_queued is not None else None)
+        try:
+            job_id = await self.client.submit(job)
+        except Exception:
+            # Nothing was enqueued: the tokens and the place are given back
+            # (the request itself stays counted, as OpenAI counts refused ones).
+            with contextlib.suppress(RedisError, OSError):
+                await self._undo(key, request_id, tokens, reservation)
+            raise
+        if reservation is not None:
+            # The job takes the reservation's place: added first, so the count
+            # never dips below the jobs there are.
+            jobs = self.client.keys.tenant_jobs(key.tenant)
+            await self.client.redis.zadd(jobs, {job_id: await self._now()})
+            await self.client.redis.zrem(jobs, reservation)
+        if tokens or reservation is not None:
+            self.settlement.watch(job_id, Charge(
+                key_id=key.key_id, tenant=key.tenant, request_id=request_id, tokens=tokens,
+                max_new_tokens=job.sampling.max_new_tokens, counted=reservation is not None))
+        return job_id
+
+    async def close(self) -> None:
+        """Stop settling (the jobs still open keep their charges: see ``settlement``)."""
+        await self.settlement.close()
+
+    async def _now(self) -> float:
+        return await self.client.clock.aread(self.client.redis)
+
+    async def _take(self, key: ApiKey, request_id: str, *, requests: int,
+                    tokens: int) -> RateState:
+        call = gateway_scripts.rate_take(
+            self.client.keys, key_id=key.key_id, request_id=request_id, now=await self._now(),
+            rpm=key.rpm, tpm=key.tpm, requests=requests, tokens=tokens)
+        return await call.run_async(self.client.redis)
+
+    async def _reserve(self, tenant: str, cap: int) -> str:
+        """A place among the tenant's jobs, or ``TenantQueueFull``; at the cap,
+        ended jobs and stale reservations are dropped first and it tries again."""
+        reservation = f"reserved:{uuid.uuid4().hex}"
+        for attempt in range(2):
+            admitted = await gateway_scripts.tenant_admit(
+                self.client.keys, tenant=tenant, cap=cap, reservation=reservation,
+                now=await self._now()).run_async(self.client.redis)
+            if admitted.reserved:
+                return reservation
+            if attempt == 0:
+                # Tried again even if nothing was dropped here: the settlement
+                # may have taken an ended job off since the count was read.
+                await self._prune(tenant)
+        raise TenantQueueFull(tenant, admitted.jobs, cap)
+
+    async def _prune(self, tenant: str) -> None:
+        """Drop ended jobs and stale reservations from a tenant's count."""
+        redis, keys = self.client.redis, self.client.keys
+        members = await redis.zrange(keys.tenant_jobs(tenant), 0, -1, withscores=True)
+        stale_before = await self._now() - RESERVATION_S
+        names = [m.decode() for m, _ in members]
+        job_ids = [n for n in names if not n.startswith("reserved:")]
+        pipe = redis.pipeline(transaction=False)
+        for job_id in job_ids:
+            pipe.hget(keys.job(job_id), "status")
+        statuses = await pipe.execute() if job_ids else []
+        gone = [j for j, s in zip(job_ids, statuses)
+                if s is None or JobStatus(s.decode()).is_terminal]
+        gone += [n for n, (_, at) in zip(names, members)
+                 if n.startswith("reserved:") and at < stale_before]
+        if gone:
+            await redis.zrem(keys.tenant_jobs(tenant), *gone)
+
+    async def _undo(self, key: ApiKey, request_id: str, tokens: int,
+                    reservation: str | None) -> None:
+        if reservation is not None:
+            await self.client.redis.zrem(self.client.keys.tenant_jobs(key.tenant), reservation)
+        if tokens:
+            await gateway_scripts.rate_settle(
+                self.client.keys, key_id=key.key_id, request_id=request_id, charged=tokens,
+                used=0).run_async(self.client.redis)
+
+
+def _refuse(key: ApiKey, state: RateState, tokens: int) -> None:
+    """Raise the refusal ``rate_take.lua`` decided, if any."""
+    retry = state.retry_after_s
+    if state.verdict is RateVerdict.REQUESTS:
+        raise RateLimited(
+            f"rate limit reached for requests: {state.requests} in the last minute, limit "
+            f"{key.rpm} (rpm); retry after {math.ceil(retry)} s (Retry-After)", retry)
+    if state.verdict is RateVerdict.TOKENS:
+        raise TokenRateLimited(
+            f"rate limit reached for tokens: {state.tokens} used in the last minute, this "
+            f"request {tokens}, limit {key.tpm} (tpm); retry after {math.ceil(retry)} s "
+            "(Retry-After)", retry)
+    if state.verdict is RateVerdict.OVERSIZE:
+        raise OverTokenRate(tokens, key.tpm or 0)

@@ -1,0 +1,83 @@
+"""The pieces of API keys' limits on their own: the rate script's window on a real
+redis-server, OpenAI's reset durations, the ownership rule, a job's tenant."""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+import pytest
+import redis
+
+from tokenfleet import FleetClient, InvalidRequest
+from tokenfleet.key_limits import duration
+from tokenfleet.shared import gateway_scripts
+from tokenfleet.shared.gateway_scripts import RateVerdict
+from tokenfleet.shared.keys import Keys
+from tokenfleet.shared.ownership import owns
+from tokenfleet.shared.schemas import JobState, JobStatus
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def take(r: redis.Redis, keys: Keys, now: float, *, rpm: int | None = None,
+         tpm: int | None = None, tokens: int = 0, requests: int = 1) -> Any:
+    return gateway_scripts.rate_take(keys, key_id="k1", request_id=uuid.uuid4().hex, now=now,
+                                     rpm=rpm, tpm=tpm, requests=requests,
+                                     tokens=tokens).run(r)
+
+
+def test_the_window_slides_and_retry_after_says_when_a_request_fits(r: redis.Redis) -> None:
+    keys = Keys(f"t{uuid.uuid4().hex[:8]}")
+    for i in range(3):
+        assert take(r, keys, 1000.0 + i, rpm=3).verdict is RateVerdict.OK
+    refused = take(r, keys, 1010.0, rpm=3)
+    assert refused.verdict is RateVerdict.REQUESTS and refused.requests == 3
+    assert refused.retry_after_s == pytest.approx(50.0)  # the first leaves at 1060
+    assert refused.requests_reset_s == pytest.approx(52.0)  # the last leaves at 1062
+    assert take(r, keys, 1059.9, rpm=3).verdict is RateVerdict.REQUESTS
+    assert take(r, keys, 1060.0, rpm=3).verdict is RateVerdict.OK
+    # A read counts nothing.
+    assert take(r, keys, 1060.5, rpm=3, requests=0).requests == 3
+
+
+def test_tokens_are_refused_past_tpm_and_a_settled_charge_frees_them(r: redis.Redis) -> None:
+    keys = Keys(f"t{uuid.uuid4().hex[:8]}")
+    first = gateway_scripts.rate_take(keys, key_id="k1", request_id="a", now=1000.0, rpm=None,
+                                      tpm=100, requests=1, tokens=80).run(r)
+    assert first.verdict is RateVerdict.OK and first.tokens == 80
+    refused = take(r, keys, 1001.0, tpm=100, tokens=30)
+    assert refused.verdict is RateVerdict.TOKENS and refused.retry_after_s == pytest.approx(59.0)
+    assert gateway_scripts.rate_settle(keys, key_id="k1", request_id="a", charged=80,
+                                       used=10).run(r)
+    assert take(r, keys, 1002.0, tpm=100, tokens=30).tokens == 40
+    assert take(r, keys, 1003.0, tpm=100, tokens=101).verdict is RateVerdict.OVERSIZE
+    # The corrected charge leaves the window when the original would have.
+    assert take(r, keys, 1060.5, tpm=100, requests=0).tokens == 30
+
+
+def test_reset_durations_read_as_openai_writes_them() -> None:
+    assert duration(0.02) == "20ms"
+    assert duration(1) == "1s"
+    assert duration(1.5) == "1.5s"
+    assert duration(59.9994) == "59.999s"
+    assert duration(360) == "6m0s"
+    assert duration(3723) == "1h2m3s"
+
+
+def test_a_job_belongs_to_its_tenant_and_none_is_default() -> None:
+    job = JobState(id="default:00", status=JobStatus.QUEUED, tenant="acme")
+    assert owns("acme", job) and not owns("other", job) and not owns(None, job)
+    anonymous = JobState(id="default:01", status=JobStatus.QUEUED)
+    assert owns(None, anonymous) and owns("default", anonymous) and not owns("acme", anonymous)
+
+
+def test_submit_stores_the_tenant_and_refuses_a_bad_name(client: FleetClient,
+                                                         r: redis.Redis) -> None:
+    job_id = client.submit("hi", max_new_tokens=2, tenant="team-a", require_worker=False)
+    assert client.status(job_id).tenant == "team-a"
+    assert r.hget(client.keys.job(job_id), "tenant") == b"team-a"
+    plain = client.submit("hi", max_new_tokens=2, require_worker=False)
+    assert r.hget(client.keys.job(plain), "tenant") is None  # omitted when none
+    with pytest.raises(InvalidRequest, match="tenant"):
+        client.submit("hi", tenant="no spaces", require_worker=False)
