@@ -1,6 +1,6 @@
 # syntax=docker/dockerfile:1
 # Images of the fleet, one target each (compose.yaml, deploy/kubernetes/):
-#   docker build --target gateway     -t tokenfleet-gateway .     # HTTP gateway, no torch
+#   docker build --target gateway     -t tokenfleet-gateway .     # HTTP gateway and metrics-exporter, no torch
 #   docker build --target worker-cpu  -t tokenfleet-worker-cpu .  # CPU torch
 #   docker build --target worker-cuda -t tokenfleet-worker-cuda . # NVIDIA CUDA torch
 #   docker build --target flower      -t tokenfleet-flower .      # Celery's monitor
@@ -28,10 +28,11 @@ RUN python -m venv /opt/venv \
 WORKDIR /app
 COPY deploy/docker/requirements.py /opt/requirements.py
 
-# -- the HTTP gateway: the client, FastAPI and uvicorn; no torch, no Celery --
+# -- the HTTP gateway and `tokenfleet metrics-exporter` (deploy/kubernetes/components/
+# metrics-exporter): the client, FastAPI, uvicorn, prometheus-client; no torch, no Celery --
 FROM python-base AS gateway
 COPY pyproject.toml ./
-RUN python /opt/requirements.py pyproject.toml gateway > /tmp/requirements.txt \
+RUN python /opt/requirements.py pyproject.toml gateway exporter > /tmp/requirements.txt \
     && pip install --no-cache-dir -r /tmp/requirements.txt
 COPY --from=source /app ./
 RUN pip install --no-cache-dir --no-deps . && rm -rf build

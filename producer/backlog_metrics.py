@@ -1,6 +1,7 @@
 """Every queue's backlog as Prometheus gauges, read from Redis at each scrape:
-what ``tokenfleet metrics-exporter`` serves, and what a KEDA ``ScaledObject``
-scales a pool on (docs/operations.md, "What to scale on").
+what ``tokenfleet metrics-exporter`` serves, for dashboards and a KEDA
+``prometheus`` trigger on the token-weighted backlog (docs/deploy.md, "What to
+scale on, and why": the pools' own triggers read the same job counts from Redis).
 
 A worker's own ``/metrics`` shows its queue too, but a pool scaled to zero has
 no worker to export anything: the signal that must wake it comes from a process

@@ -15,15 +15,33 @@ KUBE = Path(__file__).resolve().parent.parent / "deploy" / "kubernetes"
 Obj = dict[str, Any]
 
 
-def render(overlay: str) -> list[Obj]:
+def render(overlay: str, root: Path = KUBE) -> list[Obj]:
     """The overlay's objects; the test is skipped where kubectl is missing."""
     kubectl = shutil.which("kubectl")
     if kubectl is None:
         pytest.skip("no kubectl here: it renders the overlays (kubectl kustomize)")
-    result = subprocess.run([kubectl, "kustomize", str(KUBE / "overlays" / overlay)],
+    result = subprocess.run([kubectl, "kustomize", str(root / "overlays" / overlay)],
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
     return [o for o in yaml.safe_load_all(result.stdout) if o]
+
+
+def render_with_prometheus(overlay: str, workdir: Path) -> list[Obj]:
+    """The overlay with the two Prometheus components added the way
+    docs/deploy.md tells an operator to: metrics-exporter in the overlay,
+    prometheus-scaler in the queue `default`, on a copy of deploy/kubernetes."""
+    root = workdir / "kubernetes"
+    shutil.copytree(KUBE, root)
+    _add_component(root / "overlays" / overlay, "../../components/metrics-exporter")
+    _add_component(root / "base" / "queues" / "default", "../../../components/prometheus-scaler")
+    return render(overlay, root)
+
+
+def _add_component(folder: Path, component: str) -> None:
+    path = folder / "kustomization.yaml"
+    kustomization = yaml.safe_load(path.read_text())
+    kustomization["components"] = [*kustomization.get("components", []), component]
+    path.write_text(yaml.safe_dump(kustomization, sort_keys=False))
 
 
 def of_kind(objects: list[Obj], kind: str) -> list[Obj]:

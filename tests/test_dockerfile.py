@@ -77,7 +77,7 @@ def test_workers_install_torch_first_from_the_pytorch_index(
 
 
 def test_the_gateway_and_flower_images_carry_no_torch() -> None:
-    for extras in (["gateway"], ["flower"]):
+    for extras in (["gateway", "exporter"], ["flower"]):
         names = {line.split(">")[0].split("=")[0].split("[")[0] for line in
                  requirements(PROJECT, extras)}
         assert not names & {"torch", "transformers"}, (extras, names)
@@ -122,3 +122,12 @@ def test_the_build_context_holds_what_the_stages_copy(targets: dict[str, Stage])
             str(p.relative_to(ROOT)) for p in (ROOT / source).rglob("*.py")]
         assert files and not any(ignored(f, patterns) for f in files), source
     assert ignored(".venv/bin/python", patterns) and ignored("tests/conftest.py", patterns)
+
+
+def test_the_gateway_image_runs_the_metrics_exporter(targets: dict[str, Stage]) -> None:
+    """deploy/kubernetes/components/metrics-exporter runs it from the gateway image."""
+    install = next(rest for name, rest in targets["gateway"].instructions
+                   if name == "RUN" and "requirements.py" in rest)
+    assert install.split(">")[0].split()[-2:] == ["gateway", "exporter"]
+    names = {line.split(">")[0] for line in requirements(PROJECT, ["gateway", "exporter"])}
+    assert "prometheus-client" in names

@@ -66,7 +66,7 @@ def test_every_expression_names_only_exported_series_and_labels(
 def test_the_dashboard_shows_what_an_operator_scales_and_pages_on(
         dashboard: dict[str, Any]) -> None:
     text = "\n".join(expressions(dashboard))
-    for series in ("tokenfleet_queue_depth", "tokenfleet_consumer_group_lag",
+    for series in ("tokenfleet_queue_depth", "tokenfleet_running_jobs",
                    "tokenfleet_backlog_tokens", "tokenfleet_time_to_first_token_seconds_bucket",
                    "tokenfleet_inter_token_latency_seconds_bucket",
                    "tokenfleet_tokens_generated_total", "tokenfleet_jobs_total",

@@ -14,9 +14,9 @@ import jsonschema
 import kubernetes_validate
 import pytest
 
-from tests.kustomize import KUBE, Obj, env_of, named, of_kind, render
+from tests.kustomize import KUBE, Obj, env_of, named, of_kind, render, render_with_prometheus
 from tests.test_compose import options_of
-from tokenfleet.shared.keys import GROUP, PRIORITIES, Keys, level_queue
+from tokenfleet.shared.keys import PRIORITIES, Keys, level_queue
 from tokenfleet.shared.settings import Settings
 
 OVERLAYS = ("cpu", "gpu")
@@ -35,9 +35,13 @@ def crd_schemas() -> dict[str, Obj]:
     return found
 
 
-@pytest.fixture(scope="module", params=OVERLAYS)
-def rendered(request: pytest.FixtureRequest) -> list[Obj]:
-    return render(request.param)
+@pytest.fixture(scope="module", params=[*OVERLAYS, "cpu+prometheus"])
+def rendered(request: pytest.FixtureRequest,
+             tmp_path_factory: pytest.TempPathFactory) -> list[Obj]:
+    overlay, _, prometheus = request.param.partition("+")
+    if prometheus:  # the components for a cluster with Prometheus (docs/deploy.md)
+        return render_with_prometheus(overlay, tmp_path_factory.mktemp("kube"))
+    return render(overlay)
 
 
 def workers(objects: list[Obj]) -> list[Obj]:
@@ -72,22 +76,33 @@ def test_each_pool_scales_on_every_priority_level_of_its_queue(rendered: list[Ob
         worker = named(rendered, "Deployment", spec["scaleTargetRef"]["name"])
         queue = env_of(worker["spec"]["template"]["spec"]["containers"][0])["TOKENFLEET_QUEUE"]
         triggers = {t["name"]: t for t in spec["triggers"]}
-        assert set(triggers) == set(PRIORITIES)
-        for priority, trigger in triggers.items():
-            meta = trigger["metadata"]
+        assert set(triggers) - {"tokens"} == set(PRIORITIES)
+        for priority in PRIORITIES:
+            trigger, meta = triggers[priority], triggers[priority]["metadata"]
             assert trigger["type"] == "redis-streams" and set(meta) <= REDIS_STREAMS_PARAMS
             assert meta["stream"] == keys.queue(level_queue(queue, priority))
-            assert meta["consumerGroup"] == GROUP and int(meta["lagCount"]) > 0
-        # The sum of the levels' lag sizes the pool; one waiting job wakes it.
+            # No consumerGroup: KEDA reads XLEN (its streamLength mode), which
+            # counts running jobs too and needs no group (docs/deploy.md).
+            assert "consumerGroup" not in meta and int(meta["streamLength"]) > 0
+        # The sum of the levels' lengths sizes the pool; one waiting job wakes it.
         modifiers = spec["advanced"]["scalingModifiers"]
-        assert sorted(modifiers["formula"].split(" + ")) == sorted(PRIORITIES)
+        levels = " + ".join(PRIORITIES)
+        assert modifiers["formula"] == (
+            f"max({levels}, tokens / 256)" if "tokens" in triggers else levels)
         assert modifiers["activationTarget"] == "0" and spec["minReplicaCount"] == 0
         assert spec["cooldownPeriod"] > 0
+        if "tokens" in triggers:  # the prometheus-scaler component
+            meta = triggers["tokens"]["metadata"]
+            assert triggers["tokens"]["type"] == "prometheus"
+            assert meta["query"] == f'sum(tokenfleet_queue_backlog_tokens{{queue="{queue}"}})'
+            assert int(meta["threshold"]) == 256 * int(modifiers["target"])
 
 
 def test_the_scaler_reads_redis_with_the_fleets_secret(rendered: list[Obj]) -> None:
     for scaled in of_kind(rendered, "ScaledObject"):
         for trigger in scaled["spec"]["triggers"]:
+            if trigger["type"] == "prometheus":
+                continue  # the exporter's numbers, from Prometheus with no password
             auth = named(rendered, "TriggerAuthentication", trigger["authenticationRef"]["name"])
             refs = {r["parameter"]: r for r in auth["spec"]["secretTargetRef"]}
             assert set(refs) == {"address", "password"}
@@ -142,15 +157,21 @@ def test_disruption_budgets_and_the_monitor_select_real_pods(rendered: list[Obj]
         return sum(selector.items() <= labels.items() for labels in pods)
 
     budgets = of_kind(rendered, "PodDisruptionBudget")
-    assert len(budgets) == len(pods)  # one each: the gateway and every pool
+    assert len(budgets) == len(workers(rendered)) + 1  # one each: the gateway and every pool
     assert all(selects(b["spec"]["selector"]["matchLabels"]) == 1 for b in budgets)
-    [monitor] = of_kind(rendered, "ServiceMonitor")
-    [service] = [s for s in of_kind(rendered, "Service") if
-                 monitor["spec"]["selector"]["matchLabels"].items() <= s["metadata"][
-                     "labels"].items()]
-    assert selects(service["spec"]["selector"]) == len(workers(rendered))
-    assert {p["name"] for p in service["spec"]["ports"]} >= {
-        e["port"] for e in monitor["spec"]["endpoints"]}
+    exporters = [d for d in of_kind(rendered, "Deployment")
+                 if d["metadata"]["name"] == "tokenfleet-metrics-exporter"]
+    scraped = {"tokenfleet-workers": len(workers(rendered)),
+               "tokenfleet-metrics-exporter": len(exporters)}
+    monitors = of_kind(rendered, "ServiceMonitor")
+    assert {m["metadata"]["name"] for m in monitors} == {n for n, k in scraped.items() if k}
+    for monitor in monitors:
+        [service] = [s for s in of_kind(rendered, "Service") if
+                     monitor["spec"]["selector"]["matchLabels"].items() <= s["metadata"][
+                         "labels"].items()]
+        assert selects(service["spec"]["selector"]) == scraped[monitor["metadata"]["name"]]
+        assert {p["name"] for p in service["spec"]["ports"]} >= {
+            e["port"] for e in monitor["spec"]["endpoints"]}
 
 
 def test_only_the_gpu_overlay_asks_for_gpus(rendered: list[Obj]) -> None:

@@ -69,7 +69,8 @@ def exporter(settings: Any) -> Iterator[int]:
 
 def backlog(port: int, queue: str) -> dict[str, float]:
     """``tokenfleet_queue_backlog`` of ``queue`` by priority, from the text a
-    Prometheus scrape gets; the ScaledObject's query is their sum."""
+    Prometheus scrape gets: each level's stream length, which the ScaledObject's
+    triggers read from Redis and add (tests/test_keda_scaler.py)."""
     text = scrape(port)
     assert text is not None
     return {s.labels["priority"]: s.value for family in text_string_to_metric_families(text)
