@@ -75,6 +75,28 @@ def test_the_device_step_is_timed_by_batch_size_each_step_holding_the_sleep() ->
     assert engine.stats.tokens == 24
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="prctl's timer slack is Linux's")
+def test_the_device_step_ends_when_asked_not_a_timer_slack_later_on_the_engine_thread_only(
+        built: Any) -> None:
+    import ctypes
+    import threading
+
+    def slack() -> int:
+        return int(ctypes.CDLL(None).prctl(30, 0, 0, 0, 0))  # PR_GET_TIMERSLACK, in ns
+
+    before, seen = slack(), []
+    built.engine.add(sequence(built.tokenizer, "t", 2))
+
+    def engine_thread() -> None:
+        built.engine.step()
+        seen.append(slack())
+
+    thread = threading.Thread(target=engine_thread)
+    thread.start()
+    thread.join(10)
+    assert seen == [1] and slack() == before
+
+
 def test_steady_figures_are_the_full_batch_steps_of_the_run_less_the_warm_up() -> None:
     warm = {"2": {"steps": 3, "device_s": 0.03, "step_s": 0.033, "between_s": 0.003}}
     after = {"2": {"steps": 103, "device_s": 1.03, "step_s": 1.083, "between_s": 0.053},
