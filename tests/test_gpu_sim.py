@@ -16,7 +16,7 @@ import pytest
 
 from tokenfleet.shared.schemas import FinishReason, SamplingParams
 from tokenfleet.shared.settings import Settings
-from tokenfleet.workers.bench.gpu_sim_mode import figures, lines
+from tokenfleet.workers.bench.gpu_sim_mode import figures, lines, sleep_late
 from tokenfleet.workers.detokenizer import TextStream
 from tokenfleet.workers.gpu_sim import TEXT, GpuSimEngine, build_gpu_sim
 from tokenfleet.workers.sequence import Sequence
@@ -75,6 +75,28 @@ def test_the_device_step_is_timed_by_batch_size_each_step_holding_the_sleep() ->
     assert engine.stats.tokens == 24
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="prctl's timer slack is Linux's")
+def test_the_device_step_ends_when_asked_not_a_timer_slack_later_on_the_engine_thread_only(
+        built: Any) -> None:
+    import ctypes
+    import threading
+
+    def slack() -> int:
+        return int(ctypes.CDLL(None).prctl(30, 0, 0, 0, 0))  # PR_GET_TIMERSLACK, in ns
+
+    before, seen = slack(), []
+    built.engine.add(sequence(built.tokenizer, "t", 2))
+
+    def engine_thread() -> None:
+        built.engine.step()
+        seen.append(slack())
+
+    thread = threading.Thread(target=engine_thread)
+    thread.start()
+    thread.join(10)
+    assert seen == [1] and slack() == before
+
+
 def test_steady_figures_are_the_full_batch_steps_of_the_run_less_the_warm_up() -> None:
     warm = {"2": {"steps": 3, "device_s": 0.03, "step_s": 0.033, "between_s": 0.003}}
     after = {"2": {"steps": 103, "device_s": 1.03, "step_s": 1.083, "between_s": 0.053},
@@ -90,6 +112,19 @@ def test_steady_figures_are_the_full_batch_steps_of_the_run_less_the_warm_up() -
     assert steady["device_late"] == pytest.approx(0, abs=1e-3)
     assert f["whole_run"]["tokens_per_s"] == 160 and f["whole_run"]["of_ideal"] == 0.8
     assert next(lines(f)) == "gpu-sim step 10 ms batch 2: 182 tokens/s, 0.909 of ideal"
+    assert "sleep_late" not in steady  # not timed: not printed
+
+
+def test_the_machines_own_sleep_lateness_is_told_apart_from_the_fleets() -> None:
+    times = {"2": {"steps": 100, "device_s": 1.05, "step_s": 1.08, "between_s": 0.02}}
+    f = figures({}, times, batch=2, step_ms=10, jobs=2, max_new_tokens=100, tokens=200,
+                elapsed_s=1.25, sleep_late_s=0.0004)
+    # 100 sleeps each 0.4 ms late, over the 1.1 s the 100 steps took.
+    assert f["steady"]["sleep_late"] == pytest.approx(0.04 / 1.1, abs=1e-4)
+    assert f["steady"]["device_late"] == pytest.approx(0.05 / 1.1, abs=1e-4)
+    assert list(lines(f))[-1] == ("  a bare sleep of 10 ms on this machine ends late by 0.036 "
+                                  "of the same time: the machine's part, not the fleet's")
+    assert 0 < sleep_late(0.002, n=3) < 1
 
 
 @pytest.mark.timeout(180)

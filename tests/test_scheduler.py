@@ -115,6 +115,41 @@ def test_a_deadline_expires_waiting_and_running_jobs() -> None:
     assert not engine.has_work
 
 
+def test_only_jobs_past_their_deadline_expire_and_a_job_that_ended_first_keeps_its_end() -> None:
+    now = [100.0]
+    sched = Scheduler(max_batch=4, eos_token_ids=[EOS], max_model_len=512)
+    engine = HFEngine(sched, ScriptedRunner(), clock=lambda: now[0])
+    short, timed, free = seq("short", n=2), seq("timed", n=50), seq("free", n=50)
+    short.deadline_at, timed.deadline_at = 101.0, 103.0
+    outputs: list = []  # type: ignore[type-arg]
+    for s in (short, timed, free):
+        engine.add(s)
+    for _ in range(3):
+        outputs += engine.step()
+    now[0] = 102.0  # past the deadline of a job that has ended: nothing more for it
+    outputs += engine.step()
+    now[0] = 104.0
+    outputs += engine.step()
+    ends = {o.seq.job_id: o.seq.finish_reason for o in outputs if o.finished}
+    assert ends == {"short": FinishReason.LENGTH, "timed": FinishReason.DEADLINE}
+    assert len(short.generated) == 2 and engine.has_work and not free.has_ended
+    assert len(free.generated) == 5  # one token a step, none lost to the others' ends
+
+
+def test_a_job_ends_by_length_at_max_new_tokens_or_where_the_model_length_leaves_no_room() -> None:
+    sched = Scheduler(max_batch=4, eos_token_ids=[EOS], max_model_len=10)
+    engine = HFEngine(sched, ScriptedRunner())
+    long = seq("long", n=20, prompt_len=3)  # the model's 10 tokens leave room for 7
+    resumed = seq("resumed", n=4, prompt_len=3)
+    resumed.restore([65, 66])  # an earlier attempt logged 2 of its 4 tokens
+    for s in (long, resumed):
+        engine.add(s)
+    run_all(engine)
+    assert len(long.generated) == 7 and long.finish_reason is FinishReason.LENGTH
+    assert resumed.generated[:2] == [65, 66] and len(resumed.generated) == 4
+    assert resumed.finish_reason is FinishReason.LENGTH
+
+
 def test_a_poison_sequence_fails_alone_and_the_rest_of_its_batch_succeeds() -> None:
     sched = Scheduler(max_batch=8, eos_token_ids=[EOS], max_model_len=512, max_failures=3)
     runner = ScriptedRunner(fail_if=lambda b: any(s.job_id == "poison" for s in b.seqs))

@@ -84,14 +84,22 @@ class TextStream:
         self._ids.append(token_id)
         if self._stream is not None:
             try:
-                delta = self._stream.step(self._rust, token_id)
+                delta: str | None = self._stream.step(self._rust, token_id)
             except Exception:  # its prefix check failed: go on in Python from here
                 self._stream = None
             else:
-                if delta is not None:
-                    self._advance(delta)
-                else:
+                if delta is None:
                     self._release_early()
+                elif not self._stop and not self._early:
+                    # The common case, once per token of most jobs: nothing
+                    # held, nothing to look for, so the delta is all released
+                    # (``_advance``, ``_append`` and ``_release`` in one).
+                    self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
+                    self.text += delta
+                    self.emitted = len(self.text)
+                    return delta
+                else:
+                    self._advance(delta)
                 return self._release(final=False)
         decode: Callable[[list[int]], str] = self._decode
         before = decode(self._ids[self._prefix_offset:self._read_offset])

@@ -131,6 +131,9 @@ class Engine(ABC):
         self._inbox: deque[Sequence] = deque()
         self._aborts: deque[tuple[str, FinishReason, str | None]] = deque()
         self._held: dict[str, Sequence] = {}  # added and not ended or dropped
+        # The held sequences that have a deadline (most have none): the only
+        # ones each step checks.
+        self._deadlines: dict[str, Sequence] = {}
         self._ended: list[Made] = []  # ended between steps: out with the next step
         # Jobs to forget at the next step (dropped, or ended by a stop string
         # the output side found): appended from other threads.
@@ -263,6 +266,9 @@ class Engine(ABC):
         while self._inbox:
             seq = self._inbox.popleft()
             self._held[seq.job_id] = seq
+            seq.take_room(self.max_model_len)
+            if seq.deadline_at is not None:
+                self._deadlines[seq.job_id] = seq
             try:
                 self._add(seq)
             except DeviceFailure:
@@ -288,21 +294,28 @@ class Engine(ABC):
         if len(self._early) > 1000:  # cancels of jobs that run on other workers
             horizon = time.monotonic() - EARLY_ABORT_S
             self._early = {j: a for j, a in self._early.items() if a[0] > horizon}
-        now = self.clock()
-        for seq in list(self._held.values()):
-            if seq.deadline_at is not None and seq.deadline_at <= now:
-                self.end(seq, FinishReason.DEADLINE, "deadline passed")
+        if self._deadlines:
+            now = self.clock()
+            for job_id, seq in list(self._deadlines.items()):
+                if self._held.get(job_id) is not seq:
+                    del self._deadlines[job_id]  # ended or dropped
+                elif seq.deadline_at is not None and seq.deadline_at <= now:
+                    del self._deadlines[job_id]
+                    self.end(seq, FinishReason.DEADLINE, "deadline passed")
 
     def _apply(self, made: list[tuple[Sequence, int]]) -> list[Made]:
+        # The one loop over a step's tokens on the engine thread: names bound
+        # once, and a sequence's end decided by ``append`` without text.
         out, self._ended = self._ended, []
+        held, eos, release = self._held, self.eos_token_ids, self._release
         for seq, token_id in made:
-            if self._held.get(seq.job_id) is not seq:
+            if held.get(seq.job_id) is not seq:
                 continue  # ended or dropped (a cancel, a stop) since the engine took it
-            step = seq.append(token_id, self.eos_token_ids, self.max_model_len)
+            step = seq.append(token_id, eos)
             out.append(step)
             if step.end is not None:
-                self._held.pop(seq.job_id, None)
-                self._release(seq)
+                del held[seq.job_id]
+                release(seq)
         return out
 
     # -- what an engine implements ----------------------------------------------

@@ -10,6 +10,13 @@ detokenization and everything else above the seam cost what they cost. It
 never emits an end of sequence: every job runs to its ``max_new_tokens``. A
 new sequence costs no prefill: its first token comes with the next step.
 
+A device's step ends when the device says so, and the thread waiting on it
+wakes then; a sleep ends up to the thread's timer slack later (50 µs by
+default on Linux), which no GPU adds. The engine thread's slack is set to 1 ns
+(Linux; elsewhere the sleep stays as it is), so the device step lasts what was
+asked, give or take the OS waking the thread and the GIL taken back, which the
+engine's timers show as the step's lateness.
+
 It keeps where the engine thread's time went, step by step, by batch size
 (``GpuSimStats``): the worker's heartbeat carries it in its ``stats`` field
 under ``gpu_sim``, for ``tokenfleet bench --modes gpu-sim``.
@@ -17,6 +24,8 @@ under ``gpu_sim``, for ``tokenfleet bench --modes gpu-sim``.
 
 from __future__ import annotations
 
+import ctypes
+import threading
 import time
 from collections import deque
 from collections.abc import Sequence as Ids
@@ -37,6 +46,16 @@ TEXT = (
     "the fishermen mended nets and argued about the weather, the price of bread, and whether "
     "the new bridge would ever be finished before winter came again to the valley. "
 )
+PR_SET_TIMERSLACK = 29  # prctl(2): the calling thread's timer slack, in nanoseconds
+
+
+def precise_sleeps() -> None:
+    """Let this thread's sleeps end when asked, not up to its timer slack
+    later (Linux; a no-op where prctl is missing)."""
+    try:
+        ctypes.CDLL(None).prctl(PR_SET_TIMERSLACK, 1, 0, 0, 0)
+    except (OSError, AttributeError):
+        pass
 
 
 @dataclass
@@ -97,6 +116,7 @@ class GpuSimEngine(Engine):
         # The last step's batch size, device and step seconds and end, until
         # the next step starts and closes its cycle.
         self._open: tuple[int, float, float, float] | None = None
+        self._thread: int | None = None  # the thread whose sleeps were made precise
 
     @property
     def num_running(self) -> int:
@@ -129,6 +149,9 @@ class GpuSimEngine(Engine):
         if not self._running:
             self.last_batch = BatchShape(0, False)
             return []
+        if self._thread != threading.get_ident():  # the engine thread: once
+            self._thread = threading.get_ident()
+            precise_sleeps()
         started = time.perf_counter()
         time.sleep(self.step_s)  # the GIL is free meanwhile, as while CUDA runs a step
         self._device_s = time.perf_counter() - started

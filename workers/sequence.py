@@ -51,6 +51,9 @@ class Sequence:
     # in a queue: a step that fails after sampling leaves nothing that a later
     # token could pick up (the retry computes the same index again).
     made_logprobs: dict[int, Logprobs] = field(default_factory=dict)
+    # The most tokens it generates (resumed ones included) before it ends by
+    # length: set by ``take_room`` when an engine takes it.
+    max_generated: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -82,20 +85,30 @@ class Sequence:
 
     # -- the engine's side: token ids only ---------------------------------------
 
-    def append(self, token_id: int, eos_token_ids: frozenset[int], max_model_len: int) -> Made:
+    def take_room(self, max_model_len: int) -> None:
+        """Fix ``max_generated`` for an engine of ``max_model_len``: its
+        ``max_new_tokens``, or what that length leaves after its prompt. The
+        engine calls it once, when it takes the sequence."""
+        self.max_generated = min(self.sampling.max_new_tokens, max_model_len - len(self.prompt_ids))
+
+    def append(self, token_id: int, eos_token_ids: frozenset[int]) -> Made:
         """Append a token an engine made, and end the sequence when its id
-        says so (end of sequence, length limits). No text: that is the output
-        side's (``take``), which may run on another thread a step or two later."""
-        index = len(self.generated)
-        self.generated.append(token_id)
-        end: FinishReason | None = None
+        says so (end of sequence, or ``max_generated`` tokens generated). No
+        text: that is the output side's (``take``), which may run on another
+        thread a step or two later. Runs once per token on the engine thread,
+        so it does as little as it can."""
+        generated = self.generated
+        index = len(generated)
+        generated.append(token_id)
+        # Most sequences ask for no log probabilities: no dict lookup for them.
+        logprobs = self.made_logprobs.pop(index, None) if self.made_logprobs else None
         if token_id in eos_token_ids:
-            end = FinishReason.EOS
-        elif len(self.generated) >= self.sampling.max_new_tokens or self.num_tokens >= max_model_len:
-            end = FinishReason.LENGTH
-        if end is not None:
             self.status = SeqStatus.FINISHED
-        return Made(self, index, token_id, end, logprobs=self.made_logprobs.pop(index, None))
+            return Made(self, index, token_id, FinishReason.EOS, logprobs=logprobs)
+        if index + 1 >= self.max_generated:
+            self.status = SeqStatus.FINISHED
+            return Made(self, index, token_id, FinishReason.LENGTH, logprobs=logprobs)
+        return Made(self, index, token_id, logprobs=logprobs)
 
     # -- the output side: text and the job's end -----------------------------------
 

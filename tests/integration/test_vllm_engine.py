@@ -122,6 +122,37 @@ def test_streams_are_whole_and_each_job_keeps_its_stop_strings(
     assert full.startswith(state.text) and full[len(state.text)] == "("
 
 
+def test_vllm_steps_on_the_engine_thread_and_the_text_and_stops_are_made_on_the_output_thread(
+        client: FleetClient, vllm_worker: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The engine thread goes from one vLLM step to the next with nothing per
+    token of the fleet's in between: every token's text and stop strings are
+    made on the output thread."""
+    import threading
+
+    from tokenfleet.workers.detokenizer import TextStream
+
+    seen: dict[str, set[str]] = {"text": set(), "step": set()}
+    push, llm = TextStream.push, vllm_worker.engine.llm
+    step = llm.step
+
+    def pushed(self: TextStream, token_id: int) -> str:
+        seen["text"].add(threading.current_thread().name)
+        return push(self, token_id)
+
+    def stepped() -> Any:
+        seen["step"].add(threading.current_thread().name)
+        return step()
+
+    monkeypatch.setattr(TextStream, "push", pushed)
+    monkeypatch.setattr(llm, "step", stepped)
+    job_ids = [client.submit(p, max_new_tokens=12, temperature=0.0) for p in PROMPTS]
+    stopped = client.submit("def f(x):", max_new_tokens=60, temperature=0.0, stop=["("])
+    for job_id in job_ids:
+        assert client.wait(job_id, timeout=60).status is JobStatus.SUCCEEDED
+    assert client.wait(stopped, timeout=60).finish_reason is FinishReason.STOP
+    assert seen == {"text": {"tokenfleet-output"}, "step": {"tokenfleet-engine"}}
+
+
 def test_cancel_and_deadline_end_running_jobs_and_keep_their_text(
         client: FleetClient, vllm_worker: Any) -> None:
     long_job = client.submit("A long story about", max_new_tokens=900, temperature=0.0)

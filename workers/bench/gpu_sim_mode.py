@@ -18,11 +18,17 @@ ways:
   behind: detokenization, stop strings, the step's Redis writes, metrics);
 - whole run: every token over the client's time from the first submit to the
   last end, the ramp and the client's own round trips included.
+
+And the machine's own part: how late a bare sleep of the step's length ends
+here, on a thread of the bench with the engine thread's timer slack, while
+nothing else of the fleet runs in that process (``sleep_late``, a share of a
+step): the part of the device step's lateness no change to the fleet removes.
 """
 
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
@@ -38,10 +44,12 @@ from tokenfleet.shared.settings import get_settings
 from tokenfleet.workers.bench.modes import BenchEnv
 from tokenfleet.workers.bench.procs import BenchError, CeleryProc, wait_for
 from tokenfleet.workers.bench.workload import make_jobs
+from tokenfleet.workers.gpu_sim import precise_sleeps
 
 Tick = Callable[[int], None]
 Phase = Callable[[str, int], AbstractContextManager[Tick]]
 TIMES = ("steps", "device_s", "step_s", "between_s")  # gpu_sim.StepTimes' fields
+BARE_SLEEPS = 50  # sleeps of a step's length timed alone, for the machine's part
 
 
 def run(env: BenchEnv, batch: int, jobs: int, max_new_tokens: int, step_ms: float,
@@ -73,7 +81,25 @@ def run(env: BenchEnv, batch: int, jobs: int, max_new_tokens: int, step_ms: floa
         worker.close()
         client.close()
     return figures(before, after, min(batch, jobs), step_ms, jobs, max_new_tokens, tokens,
-                   elapsed)
+                   elapsed, sleep_late(step_ms / 1000))
+
+
+def sleep_late(step_s: float, n: int = BARE_SLEEPS) -> float:
+    """How late, on average, a sleep of ``step_s`` ends on this machine, timed
+    on a thread of its own with the engine thread's timer slack (seconds)."""
+    late: list[float] = []
+
+    def sleeps() -> None:
+        precise_sleeps()
+        for _ in range(n):
+            started = time.perf_counter()
+            time.sleep(step_s)
+            late.append(time.perf_counter() - started - step_s)
+
+    thread = threading.Thread(target=sleeps, name="bare-sleeps")
+    thread.start()
+    thread.join()
+    return sum(late) / len(late)
 
 
 def _settled(client: redis.Redis, heartbeat: str, jobs: int) -> dict[str, Any]:
@@ -116,9 +142,11 @@ def _through(url: str, namespace: str, prompts: list[str], max_new_tokens: int,
 
 
 def figures(before: dict[str, Any], after: dict[str, Any], batch: int, step_ms: float,
-            jobs: int, max_new_tokens: int, tokens: int, elapsed_s: float) -> dict[str, Any]:
+            jobs: int, max_new_tokens: int, tokens: int, elapsed_s: float,
+            sleep_late_s: float | None = None) -> dict[str, Any]:
     """The run's figures from the engine's step times before and after it
-    (``stats.gpu_sim``: ``StepTimes`` by batch size) and the client's count."""
+    (``stats.gpu_sim``: ``StepTimes`` by batch size), the client's count and,
+    when timed, how late a bare sleep of a step ends on this machine."""
     ideal = batch * 1000 / step_ms
     by_batch = {size: {f: t[f] - before.get(size, {}).get(f, 0) for f in TIMES}
                 for size, t in after.items()}
@@ -138,6 +166,8 @@ def figures(before: dict[str, Any], after: dict[str, Any], batch: int, step_ms: 
             "around_device": round((full["step_s"] - full["device_s"]) / cycle, 4),
             "between_steps": round(full["between_s"] / cycle, 4),
         }
+        if sleep_late_s is not None:  # the same sleeps' lateness, were it the bare one's
+            steady["sleep_late"] = round(full["steps"] * sleep_late_s / cycle, 4)
     whole = tokens / elapsed_s if elapsed_s > 0 else 0.0
     return {
         "step_ms": step_ms, "batch": batch, "jobs": jobs, "max_new_tokens": max_new_tokens,
@@ -166,3 +196,7 @@ def lines(f: dict[str, Any]) -> Iterator[str]:
         yield (f"  inside step(): {steady['in_device']:.3f} in the device step "
                f"({steady['device_late']:.3f} of it past the sleep: waking, the GIL taken back), "
                f"{steady['around_device']:.3f} around it (requests, ends by token id)")
+        if "sleep_late" in steady:
+            yield (f"  a bare sleep of {f['step_ms']:g} ms on this machine ends late by "
+                   f"{steady['sleep_late']:.3f} of the same time: the machine's part, not the "
+                   "fleet's")
