@@ -7,8 +7,9 @@ they ask for nothing (the value a client sends by default): ``n`` and
 ``best_of`` above 1, ``echo``, ``logprobs``, ``suffix``. ``user`` is kept in the
 job's metadata. ``presence_penalty``, ``frequency_penalty`` and ``logit_bias``
 are honoured as OpenAI defines them, and ``top_k``, ``min_p`` and
-``repetition_penalty`` as vLLM takes them; any other field is refused as
-unrecognized, as OpenAI does.
+``repetition_penalty`` as vLLM takes them. ``response_format`` and vLLM's
+``structured_outputs`` constrain the text (``tokenfleet.openai_structured``).
+Any other field is refused as unrecognized, as OpenAI does.
 
 A client that disconnects before its completion is done cancels the job, so the
 worker's slot is freed.
@@ -40,6 +41,7 @@ from tokenfleet.openai_errors import (
     UNSUPPORTED,
     Refusal,
 )
+from tokenfleet.openai_structured import Refused, requested
 from tokenfleet.shared.errors import TokenfleetError, invalid_field, invalid_input
 from tokenfleet.shared.schemas import (
     REFUSED_BY_WORKER,
@@ -50,6 +52,7 @@ from tokenfleet.shared.schemas import (
     JobState,
     JobStatus,
 )
+from tokenfleet.shared.structured import StructuredOutput
 
 # OpenAI's names for the fields of a GenerationRequest, to name the right ``param``.
 PARAMS = {("sampling", "max_new_tokens"): "max_tokens", ("sampling", "temperature"): "temperature",
@@ -94,6 +97,8 @@ class Sampling(BaseModel):
     stream: bool | None = False
     stream_options: dict[str, Any] | None = None
     user: str | None = None
+    response_format: Any = None  # with structured_outputs: openai_structured.py
+    structured_outputs: Any = None
 
     @field_validator("stream_options")
     @classmethod
@@ -138,12 +143,14 @@ class CompletionRequest(Sampling):
                              "token-id prompts are not supported: send one request per prompt")
         return value
 
-    def generation(self, settings: Any) -> GenerationRequest:
+    def generation(self, settings: Any, structured: StructuredOutput | None = None
+                   ) -> GenerationRequest:
         """The fleet's request for this completion, checked against its limits."""
         prompt = self.prompt if isinstance(self.prompt, str) else self.prompt[0]
         return GenerationRequest.model_validate(
             {"prompt": prompt, "model": self.model, "metadata": self.user_metadata(),
-             "sampling": self.sampling(16 if self.max_tokens is None else self.max_tokens)},
+             "sampling": self.sampling(16 if self.max_tokens is None else self.max_tokens),
+             "structured_output": structured},
             context={"settings": settings},
         )
 
@@ -194,9 +201,14 @@ async def complete(client: AsyncFleetClient, body: bytes, request: Request,
     if refused is not None:
         return refused
     try:
-        job = ask.generation(client.settings)
+        structured, field = requested(ask.response_format, ask.structured_outputs)
+    except Refused as exc:
+        return (UNSUPPORTED if exc.unsupported else INVALID_VALUE).response(str(exc),
+                                                                           param=exc.param)
+    try:
+        job = ask.generation(client.settings, structured)
     except ValidationError as exc:
-        return invalid(exc, PARAMS)
+        return invalid(exc, {**PARAMS, ("structured_output",): field or "response_format"})
     job_id = await client.submit(job)  # the app maps the fleet's errors to statuses
     head = {"id": f"cmpl-{job_id}", "object": "text_completion", "created": int(time.time()),
             "model": job.model}

@@ -25,6 +25,7 @@ from pydantic import (
 
 from tokenfleet.shared.keys import QUEUE_NAME_RULE, is_queue_name
 from tokenfleet.shared.settings import Settings, get_settings
+from tokenfleet.shared.structured import StructuredOutput, compile_problem
 
 # How deep metadata may nest (orjson itself stops at 255; a bound here keeps the
 # check cheap and the message clear).
@@ -131,12 +132,22 @@ class GenerationRequest(_Wire):
                                             description="seconds from submit")
     idempotency_key: str | None = Field(default=None, min_length=1, max_length=128)
     metadata: dict[str, Any] = Field(default_factory=dict)
+    structured_output: StructuredOutput | None = Field(
+        default=None, description="what the text must be (a JSON schema, a regex, ...)")
 
     @field_validator("model")
     @classmethod
     def _queue_name(cls, value: str) -> str:
         if not is_queue_name(value):
             raise ValueError(f"model (the queue name) must be {QUEUE_NAME_RULE}, got {value!r}")
+        return value
+
+    @field_validator("structured_output")
+    @classmethod
+    def _compiles(cls, value: StructuredOutput | None) -> StructuredOutput | None:
+        problem = None if value is None else compile_problem(value)
+        if problem:
+            raise ValueError(problem)
         return value
 
     @field_validator("metadata")

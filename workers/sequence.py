@@ -5,9 +5,14 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from tokenfleet.shared.schemas import FinishReason, JobStatus, SamplingParams
+from tokenfleet.shared.structured import StructuredOutput
 from tokenfleet.workers.detokenizer import TextStream
+
+if TYPE_CHECKING:  # xgrammar is the built-in engine's alone
+    from tokenfleet.workers.grammar import SeqGrammar
 
 
 class SeqStatus(enum.IntEnum):
@@ -45,6 +50,8 @@ class Sequence:
     failures: int = 0  # forward passes that raised with this sequence in them
     isolate: bool = False  # run alone until it passes a step (after a failed batch)
     num_computed: int = 0  # tokens in the runner's KV cache (a chunked prefill's progress)
+    structured: StructuredOutput | None = None  # what its text must be, if anything
+    grammar: SeqGrammar | None = None  # the built-in engine's matcher for ``structured``
 
     @property
     def num_tokens(self) -> int:
@@ -83,13 +90,19 @@ class Sequence:
         index = len(self.generated)
         self.generated.append(token_id)
         end: FinishReason | None = None
-        if token_id in eos_token_ids:
+        error: str | None = None
+        if self.grammar is not None and not self.grammar.accept(token_id):
+            # The step's mask allowed only what the grammar does: not the job's fault.
+            end, error = FinishReason.ERROR, f"token {token_id} breaks the {self.grammar.label}"
+        elif token_id in eos_token_ids:
             end = FinishReason.EOS
+        elif self.grammar is not None and self.grammar.terminated:
+            end = FinishReason.STOP  # the grammar is complete: nothing may follow
         elif len(self.generated) >= self.sampling.max_new_tokens or self.num_tokens >= max_model_len:
             end = FinishReason.LENGTH
         if end is not None:
             self.status = SeqStatus.FINISHED
-        return Made(self, index, token_id, end)
+        return Made(self, index, token_id, end, error)
 
     # -- the output side: text and the job's end -----------------------------------
 
