@@ -41,6 +41,8 @@ WEATHER = {"type": "function", "function": {
 TIME = {"type": "function", "function": {
     "name": "get_time", "parameters": {"type": "object", "properties": {
         "zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"], "additionalProperties": False}}}
+PARAMETERS = {"get_weather": WEATHER["function"]["parameters"],
+              "get_time": TIME["function"]["parameters"]}
 HI = [{"role": "user", "content": "Say something."}]
 
 
@@ -131,43 +133,46 @@ def test_tool_choice_required_returns_tool_calls_whose_arguments_fit_the_schema(
     stack: tuple[Settings, openai.OpenAI]
 ) -> None:
     _, oa = stack
-    required = oa.chat.completions.create(model="default", messages=HI, max_tokens=48, seed=5,
-                                          tools=[WEATHER], tool_choice="required")
-    assert required.choices[0].finish_reason == "tool_calls"
-    message = required.choices[0].message
-    assert message.content is None and message.tool_calls
-    call = message.tool_calls[0]
-    assert call.type == "function" and call.function.name == "get_weather"
-    jsonschema.validate(json.loads(call.function.arguments), WEATHER["function"]["parameters"])
-
-    # Of two tools, "required" picks one; a named one is that one.
-    either = oa.chat.completions.create(model="default", messages=HI, max_tokens=48, seed=6,
-                                        tools=[WEATHER, TIME], tool_choice="required")
-    picked = either.choices[0].message.tool_calls[0].function
-    schema = {"get_weather": WEATHER, "get_time": TIME}[picked.name]["function"]["parameters"]
-    jsonschema.validate(json.loads(picked.arguments), schema)
-    named = oa.chat.completions.create(
-        model="default", messages=HI, max_tokens=48, seed=7, tools=[WEATHER, TIME],
-        tool_choice={"type": "function", "function": {"name": "get_time"}})
-    assert named.choices[0].message.tool_calls[0].function.name == "get_time"
+    asks: list[tuple[list[Any], Any]] = [
+        ([WEATHER], "required"),
+        ([WEATHER, TIME], "required"),  # of two tools, "required" picks one
+        ([WEATHER, TIME], {"type": "function", "function": {"name": "get_time"}}),
+    ]
+    with ThreadPoolExecutor(len(asks)) as pool:
+        replies = list(pool.map(lambda ask: oa.chat.completions.create(
+            model="default", messages=HI, max_tokens=64, seed=5, tools=ask[0],
+            tool_choice=ask[1]), asks))
+    for reply in replies:
+        assert reply.choices[0].finish_reason == "tool_calls"
+        message = reply.choices[0].message
+        assert message.content is None and message.tool_calls and len(message.tool_calls) == 1
+        call = message.tool_calls[0]
+        assert call.type == "function" and call.id.startswith("call_")
+        jsonschema.validate(json.loads(call.function.arguments), PARAMETERS[call.function.name])
+    assert replies[0].choices[0].message.tool_calls[0].function.name == "get_weather"
+    assert replies[2].choices[0].message.tool_calls[0].function.name == "get_time"
 
 
 def test_a_streamed_tool_call_comes_as_deltas_that_add_up_to_the_call(
     stack: tuple[Settings, openai.OpenAI]
 ) -> None:
     _, oa = stack
-    for tools, choice in (([WEATHER], "required"), ([WEATHER, TIME], "required")):
-        chunks = list(oa.chat.completions.create(model="default", messages=HI, max_tokens=48,
-                                                 seed=8, tools=tools, tool_choice=choice,
-                                                 stream=True))
+
+    def streamed(tools: list[Any]) -> list[Any]:
+        return list(oa.chat.completions.create(model="default", messages=HI, max_tokens=64,
+                                               seed=8, tools=tools, tool_choice="required",
+                                               stream=True))
+
+    with ThreadPoolExecutor(2) as pool:
+        one, two = pool.map(streamed, ([WEATHER], [WEATHER, TIME]))
+    for chunks in (one, two):
         deltas = [d for c in chunks if c.choices for d in c.choices[0].delta.tool_calls or []]
         name = next(d.function.name for d in deltas if d.function and d.function.name)
         arguments = "".join(d.function.arguments or "" for d in deltas if d.function)
-        schema = {"get_weather": WEATHER, "get_time": TIME}[name]["function"]["parameters"]
-        jsonschema.validate(json.loads(arguments), schema)
+        jsonschema.validate(json.loads(arguments), PARAMETERS[name])
         assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "tool_calls"
-    # One tool: its arguments stream as they are written, in more than one delta.
-    assert len(deltas) >= 1
+    # A fixed function's arguments stream as they are written: several deltas.
+    assert len([c for c in one if c.choices and c.choices[0].delta.tool_calls]) > 2
 
 
 def test_what_cannot_be_honoured_is_a_400_naming_it_and_nothing_is_queued(
