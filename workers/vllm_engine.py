@@ -68,6 +68,7 @@ class VLLMEngine(Engine):
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         try:
             import vllm
+            from vllm.config import StructuredOutputsConfig
             from vllm.engine.llm_engine import LLMEngine
         except ImportError as exc:
             raise RuntimeError("--engine vllm needs vLLM: pip install 'tokenfleet[vllm]' "
@@ -89,7 +90,11 @@ class VLLMEngine(Engine):
             # compile grammars against it); it detokenizes nothing (detokenize=False).
             model=path, tokenizer=path, skip_tokenizer_init=False, dtype=dtype,
             max_num_seqs=max_batch, tensor_parallel_size=settings.gpus_per_worker,
-            enforce_eager=on_cpu, seed=0, **memory)
+            enforce_eager=on_cpu, seed=0, **memory,
+            # xgrammar, as the built-in engine, and compact JSON: free whitespace
+            # lets a weak model pad a JSON value until it runs out of tokens.
+            structured_outputs_config=StructuredOutputsConfig(backend="xgrammar",
+                                                              disable_any_whitespace=True))
         llm = LLMEngine.from_engine_args(args)
         max_model_len = int(llm.vllm_config.model_config.max_model_len)
         vocab_size = int(llm.vllm_config.model_config.get_vocab_size())
