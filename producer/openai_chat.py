@@ -162,7 +162,7 @@ def constrained(ask: ChatRequest) -> tuple[StructuredOutput | None, str | None,
     """What the chat's output must be, the field that asks it, and the tool
     call it makes, if any; ``Refused`` naming a field that cannot be honoured."""
     call = tool_call(ask.tools, ask.tool_choice)
-    structured, field = requested(ask.response_format, ask.structured_outputs)
+    structured, field = requested(ask)
     if call is None:
         return structured, field, None
     if structured is not None:

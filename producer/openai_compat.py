@@ -97,8 +97,13 @@ class Sampling(BaseModel):
     stream: bool | None = False
     stream_options: dict[str, Any] | None = None
     user: str | None = None
-    response_format: Any = None  # with structured_outputs: openai_structured.py
+    # What the text must be, and vLLM's old names for it: openai_structured.py.
+    response_format: Any = None
     structured_outputs: Any = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
 
     @field_validator("stream_options")
     @classmethod
@@ -201,7 +206,7 @@ async def complete(client: AsyncFleetClient, body: bytes, request: Request,
     if refused is not None:
         return refused
     try:
-        structured, field = requested(ask.response_format, ask.structured_outputs)
+        structured, field = requested(ask)
     except Refused as exc:
         return (UNSUPPORTED if exc.unsupported else INVALID_VALUE).response(str(exc),
                                                                            param=exc.param)

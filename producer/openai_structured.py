@@ -27,7 +27,9 @@ from tokenfleet.shared.structured import StructuredOutput, from_response_format
 # that only tune it; every other is refused by name.
 VLLM_KINDS = ("json", "regex", "choice", "grammar", "json_object")
 VLLM_TUNING = ("disable_any_whitespace",)
-KINDS = ("text", "json_object", "json_schema")  # OpenAI's response_format types  # the output is compact JSON here always
+KINDS = ("text", "json_object", "json_schema")  # OpenAI's response_format types
+# vLLM's fields before 0.32 (which ignores them): refused, naming the new one.
+LEGACY = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")  # the output is compact JSON here always
 AUTO_REFUSED = ("tools with tool_choice 'auto' (the default) need a model that writes tool "
                 "calls itself, which this gateway does not parse: send tool_choice 'required' or "
                 "{\"type\": \"function\", \"function\": {\"name\": ...}} (the output is then "
@@ -45,10 +47,16 @@ class Refused(ValueError):
         self.unsupported = unsupported
 
 
-def requested(response_format: Any, structured_outputs: Any) -> tuple[StructuredOutput | None,
-                                                                       str | None]:
-    """The spec ``response_format`` or ``structured_outputs`` ask for, and the
-    field it came from (to name it in errors); ``Refused`` for a wrong one."""
+def requested(ask: Any) -> tuple[StructuredOutput | None, str | None]:
+    """The spec ``ask.response_format`` or ``ask.structured_outputs`` ask for,
+    and the field it came from (to name it in errors); ``Refused`` for a wrong
+    one, or for vLLM's removed ``guided_*`` fields."""
+    for name in LEGACY:
+        if getattr(ask, name) is not None:
+            raise Refused(name, f"{name} is not supported: vLLM 0.32 removed it too; send "
+                          f"structured_outputs {{\"{name.removeprefix('guided_')}\": ...}}",
+                          unsupported=True)
+    response_format, structured_outputs = ask.response_format, ask.structured_outputs
     kind = response_format.get("type") if isinstance(response_format, dict) else None
     try:
         spec = from_response_format(response_format)

@@ -5,8 +5,6 @@ redis-server. One worker and one gateway serve the whole module."""
 from __future__ import annotations
 
 import json
-import socket
-import threading
 import uuid
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -16,22 +14,15 @@ import jsonschema
 import openai
 import pytest
 import redis
-import uvicorn
 
 from tokenfleet import FleetClient, JobStatus
-from tokenfleet.gateway import server_config
 from tokenfleet.shared.errors import InvalidRequest
 from tokenfleet.shared.settings import Settings
 
-from gateway_server import _Server
-from helpers import wait_until
+from structured_helpers import HI, SCHEMA, fifty_schema_answers, serving
 
 pytestmark = pytest.mark.timeout(180)
 
-# Small on purpose: the tiny model writes it in about twenty tokens.
-SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"},
-                                           "tag": {"enum": ["red", "green", "blue"]}},
-          "required": ["ok", "tag"], "additionalProperties": False}
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "the weather in a city",
     "parameters": {"type": "object", "properties": {"city": {"enum": ["Oslo", "Lima"]},
@@ -43,7 +34,6 @@ TIME = {"type": "function", "function": {
         "zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"], "additionalProperties": False}}}
 PARAMETERS = {"get_weather": WEATHER["function"]["parameters"],
               "get_time": TIME["function"]["parameters"]}
-HI = [{"role": "user", "content": "Say something."}]
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +41,6 @@ def stack(redis_url: str, loaded_tiny: Any) -> Iterator[tuple[Settings, openai.O
     """A worker on the tiny model (with xgrammar) and the gateway in front of it."""
     from tokenfleet.workers.build import grammars, hf_engine
     from tokenfleet.workers.runner import HFRunner
-    from tokenfleet.workers.service import Worker
 
     settings = Settings(redis_url=redis_url, namespace=f"t{uuid.uuid4().hex[:10]}",
                         block_ms=20, heartbeat_s=0.5, max_batch=64, prefetch=64,
@@ -60,53 +49,19 @@ def stack(redis_url: str, loaded_tiny: Any) -> Iterator[tuple[Settings, openai.O
     runner = HFRunner(model, tokenizer)
     engine = hf_engine(settings, runner, runner.eos_token_ids, runner.max_model_len)
     engine.grammars = grammars(tokenizer, runner.vocab_size, runner.eos_token_ids)
-    worker = Worker(settings, engine, tokenizer, name="json@test")
-    worker.start()
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    server = _Server(server_config(settings, log_level="warning"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
     try:
-        assert server.ready.wait(20), "the gateway did not start"
-        oa = openai.OpenAI(base_url=f"http://127.0.0.1:{sock.getsockname()[1]}/v1",
-                           api_key="unused", max_retries=0, timeout=120)
-        wait_until(lambda: oa.models.list().data, timeout=30, what="the worker's heartbeat")
-        yield settings, oa
+        with serving(settings, engine, tokenizer, "json@test") as oa:
+            yield settings, oa
     finally:
-        server.should_exit = True
-        thread.join(20)
-        worker.stop(grace_s=0)
-        assert engine.grammars is not None
-        engine.grammars.close()
+        if engine.grammars is not None:
+            engine.grammars.close()
 
 
 def test_the_openai_client_gets_json_valid_against_its_schema_50_of_50(
     stack: tuple[Settings, openai.OpenAI]
 ) -> None:
     _, oa = stack
-    response_format: Any = {"type": "json_schema",
-                            "json_schema": {"name": "flag", "schema": SCHEMA, "strict": True}}
-
-    def chat(seed: int) -> str:
-        reply = oa.chat.completions.create(model="default", messages=HI, max_tokens=48,
-                                           temperature=1.0, seed=seed,
-                                           response_format=response_format)
-        assert reply.choices[0].finish_reason == "stop"
-        return str(reply.choices[0].message.content)
-
-    def completion(seed: int) -> str:
-        # Completions take it as vLLM's server does: through the extra body.
-        reply = oa.completions.create(model="default", prompt="Data:", max_tokens=48,
-                                      temperature=1.0, seed=seed,
-                                      extra_body={"response_format": response_format})
-        assert reply.choices[0].finish_reason == "stop"
-        return reply.choices[0].text
-
-    with ThreadPoolExecutor(50) as pool:  # all fifty in one batch of the worker
-        texts = [*pool.map(chat, range(25)), *pool.map(completion, range(25, 50))]
-    for text in texts:
-        jsonschema.validate(json.loads(text), SCHEMA)
+    texts = fifty_schema_answers(oa)
     assert len(set(texts)) > 1  # sampled, not one fixed answer
 
 
@@ -196,6 +151,9 @@ def test_what_cannot_be_honoured_is_a_400_naming_it_and_nothing_is_queued(
             model="default", prompt="x",
             extra_body={"structured_outputs": {"structural_tag": "{}"}}),
          "structured_outputs.structural_tag is not supported"),
+        ("guided_json", lambda: oa.completions.create(
+            model="default", prompt="x", extra_body={"guided_json": SCHEMA}),
+         "send structured_outputs {\"json\": ...}"),
         ("tools", lambda: oa.chat.completions.create(
             model="default", messages=HI, tool_choice="required", tools=[
                 {"type": "function", "function": {"name": "f",
