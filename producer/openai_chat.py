@@ -6,8 +6,9 @@ before anything is enqueued (workers say so in their heartbeat). As for
 completions, every field is honoured or refused naming it: ``response_format``,
 ``structured_outputs`` and ``tools`` (with ``tool_choice`` "required" or a
 named function) constrain the output (``tokenfleet.openai_structured``);
-logprobs, audio and the like are refused unless they ask for nothing; ``user``, ``safety_identifier`` and ``metadata``
-are kept in the job's metadata; ``developer`` messages are system messages.
+logprobs, audio and the like are refused unless they ask for nothing;
+``user``, ``safety_identifier`` and ``metadata`` are kept in the job's metadata;
+``developer`` messages are system messages.
 """
 
 from __future__ import annotations

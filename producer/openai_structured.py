@@ -26,10 +26,10 @@ from tokenfleet.shared.structured import StructuredOutput, from_response_format
 # vLLM's ``structured_outputs`` fields that say what the text must be, and those
 # that only tune it; every other is refused by name.
 VLLM_KINDS = ("json", "regex", "choice", "grammar", "json_object")
-VLLM_TUNING = ("disable_any_whitespace",)
+VLLM_TUNING = ("disable_any_whitespace",)  # the output is compact JSON here always
 KINDS = ("text", "json_object", "json_schema")  # OpenAI's response_format types
 # vLLM's fields before 0.32 (which ignores them): refused, naming the new one.
-LEGACY = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")  # the output is compact JSON here always
+LEGACY = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
 AUTO_REFUSED = ("tools with tool_choice 'auto' (the default) need a model that writes tool "
                 "calls itself, which this gateway does not parse: send tool_choice 'required' or "
                 "{\"type\": \"function\", \"function\": {\"name\": ...}} (the output is then "

@@ -5,7 +5,7 @@ time to first token of unconstrained jobs that arrive with a schema still
 being compiled. The engine alone (no Redis): the mask is the engine's cost.
 
     python -m tokenfleet.workers.bench.structured [--model tiny] [--batch 64]
-        [--tokens 64] [--rounds 3]
+        [--tokens 24] [--rounds 3]
 
 Rounds take turns (plain, schema, plain, ...), so a machine's drift falls on both.
 """
@@ -54,8 +54,11 @@ def engine_for(model: Any, tokenizer: Any, batch: int) -> HFEngine:
 def jobs(tokenizer: Any, n: int, tokens: int, spec: StructuredOutput | None,
          tag: str) -> list[Sequence]:
     prompt = tokenizer("Write a note about the sea:")["input_ids"]
+    # No early end of sequence (an unconstrained job would leave the batch);
+    # a constrained one still ends once its grammar leaves nothing else.
+    never = {int(tokenizer.eos_token_id): -100.0}
     return [Sequence(f"{tag}{i}", prompt, SamplingParams(max_new_tokens=tokens, temperature=1.0,
-                                                         seed=i),
+                                                         seed=i, logit_bias=never),
                      TextStream(tokenizer), structured=spec) for i in range(n)]
 
 
@@ -122,7 +125,8 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="tiny")
     parser.add_argument("--batch", type=int, default=64)
-    parser.add_argument("--tokens", type=int, default=64)
+    # Short: a constrained job may close its JSON, leaving the batch, from then on.
+    parser.add_argument("--tokens", type=int, default=24)
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args(argv)
     model, tokenizer = models.load(args.model)
