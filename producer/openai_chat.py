@@ -5,10 +5,11 @@ A queue whose live workers have no chat template is refused here with a 400,
 before anything is enqueued (workers say so in their heartbeat). As for
 completions, every field is honoured or refused naming it: ``n`` fans the
 request out to n jobs, one per choice; ``logprobs`` with ``top_logprobs`` (0 to
-20) are honoured; tools, response formats other than text, audio and the like
-are refused unless they ask for nothing; ``user``, ``safety_identifier`` and
-``metadata`` are kept in the job's metadata; ``developer`` messages are system
-messages.
+20) are honoured; ``response_format``, ``structured_outputs`` and ``tools``
+(with ``tool_choice`` "required" or a named function) constrain the output
+(``tokenfleet.openai_structured``); audio and the like are refused unless they
+ask for nothing; ``user``, ``safety_identifier`` and ``metadata`` are kept in
+the job's metadata; ``developer`` messages are system messages.
 """
 
 from __future__ import annotations
@@ -42,19 +43,20 @@ from tokenfleet.openai_compat import (
     succeeded,
     usage,
 )
-from tokenfleet.openai_errors import NO_CHAT_TEMPLATE, UNSUPPORTED
+from tokenfleet.openai_errors import INVALID_VALUE, NO_CHAT_TEMPLATE, UNSUPPORTED
 from tokenfleet.openai_logprobs import chat_logprobs
+from tokenfleet.openai_structured import Refused, ToolCall, requested, tool_call
 from tokenfleet.served import served
 from tokenfleet.shared.schemas import MAX_TOP_LOGPROBS, GenerationRequest, IntNotBool
+from tokenfleet.shared.structured import StructuredOutput
 
-NO_TOOLS = "this gateway has no tools: leave it unset"
 REFUSED: dict[str, tuple[tuple[Any, ...], str | None]] = {
-    "tools": ((None, []), "tools are not supported by this gateway: leave it unset"),
-    "tool_choice": ((None, "none"), "tool_choice is not supported: " + NO_TOOLS + " or \"none\""),
-    "parallel_tool_calls": ((None,), "parallel_tool_calls is not supported: " + NO_TOOLS),
-    "functions": ((None, []), "functions are not supported by this gateway: leave it unset"),
-    "function_call": ((None, "none"), "function_call is not supported: " + NO_TOOLS
-                      + " or \"none\""),
+    # One call per response: parallel calls allowed or not, the answer fits.
+    "parallel_tool_calls": ((None, True, False), None),
+    "functions": ((None, []), "functions are not supported by this gateway: send tools "
+                  "instead"),
+    "function_call": ((None, "none"), "function_call is not supported: send tools and "
+                      "tool_choice instead"),
     "modalities": ((None, ["text"]), "modalities other than [\"text\"] are not supported: this "
                    "gateway writes text only"),
     "audio": ((None,), "audio is not supported by this gateway: it writes text only; leave it "
@@ -90,8 +92,9 @@ class Message(BaseModel):
     @classmethod
     def _known_role(cls, value: str) -> str:
         if value in ("tool", "function"):
-            raise ValueError(f"{value!r} messages answer tool calls: tools are not supported "
-                             "by this gateway")
+            raise ValueError(f"{value!r} messages are not supported: this gateway does not "
+                             "render tool results into a chat template; send the result in a "
+                             "user message")
         if value not in ("system", "developer", "user", "assistant"):
             raise ValueError(f"{value!r} is not a role: system, developer, user or assistant")
         return value
@@ -134,7 +137,6 @@ class ChatRequest(Sampling):
     parallel_tool_calls: Any = None
     functions: Any = None
     function_call: Any = None
-    response_format: Any = None
     modalities: Any = None
     audio: Any = None
     prediction: Any = None
@@ -145,7 +147,8 @@ class ChatRequest(Sampling):
     service_tier: Any = None
     store: Any = None
 
-    def generation(self, settings: Any) -> GenerationRequest:
+    def generation(self, settings: Any, structured: StructuredOutput | None = None
+                   ) -> GenerationRequest:
         """The fleet's request; without a length, as long as the fleet allows."""
         limit = next(n for n in (self.max_completion_tokens, self.max_tokens,
                                  settings.max_new_tokens_limit) if n is not None)
@@ -155,7 +158,8 @@ class ChatRequest(Sampling):
             sampling["logprobs"] = self.top_logprobs or 0
         return GenerationRequest.model_validate(
             {"messages": [m.fleet() for m in self.messages], "model": self.model,
-             "metadata": metadata, "sampling": sampling},
+             "metadata": metadata, "sampling": sampling,
+             "structured_output": structured},
             context={"settings": settings},
         )
 
@@ -170,14 +174,18 @@ class ChatRequest(Sampling):
         return {k: v for k, v in named.items() if v is not None}
 
 
-def response_format_refusal(value: Any) -> Response | None:
-    """A 400 naming the response format asked for, unless it is text (or unset)."""
-    if value is None or value == {"type": "text"}:
-        return None
-    kind = value.get("type") if isinstance(value, dict) else None
-    named = f"type {kind[:40]!r}" if isinstance(kind, str) else "without a type"
-    return UNSUPPORTED.response(f"response_format {named} is not supported; only 'text'",
-                                param="response_format")
+def constrained(ask: ChatRequest) -> tuple[StructuredOutput | None, str | None,
+                                            ToolCall | None]:
+    """What the chat's output must be, the field that asks it, and the tool
+    call it makes, if any; ``Refused`` naming a field that cannot be honoured."""
+    call = tool_call(ask.tools, ask.tool_choice)
+    structured, field = requested(ask)
+    if call is None:
+        return structured, field, None
+    if structured is not None:
+        raise Refused(field or "response_format", f"{field} cannot go with a tool call: the "
+                      "call's arguments follow the function's parameters")
+    return call.spec, "tools", call
 
 
 def chat_choice(index: int, text: str, finish_reason: str | None) -> dict[str, Any]:
@@ -198,15 +206,20 @@ async def chat(client: AsyncFleetClient, body: bytes, request: Request,
     n = ask.choices(client.settings)
     if isinstance(n, Response):
         return n
-    refused = refusal(ask, REFUSED) or response_format_refusal(ask.response_format)
+    refused = refusal(ask, REFUSED)
     if refused is not None:
         return refused
     try:
-        job = ask.generation(client.settings)
+        structured, field, call = constrained(ask)
+    except Refused as exc:
+        return (UNSUPPORTED if exc.unsupported else INVALID_VALUE).response(str(exc),
+                                                                           param=exc.param)
+    try:
+        job = ask.generation(client.settings, structured)
     except ValidationError as exc:
         params = CHAT_PARAMS if ask.max_completion_tokens is not None else {
             **CHAT_PARAMS, ("sampling", "max_new_tokens"): "max_tokens"}
-        return invalid(exc, params)
+        return invalid(exc, {**params, ("structured_output",): field or "response_format"})
     queue = await served(client, job.model)
     if queue is not None and queue.chat is False:
         return NO_CHAT_TEMPLATE.response(
@@ -218,17 +231,25 @@ async def chat(client: AsyncFleetClient, body: bytes, request: Request,
     head = {"id": f"chatcmpl-{job_ids[0]}", "created": int(time.time()), "model": job.model}
     if ask.stream:
         stream = {**head, "object": "chat.completion.chunk"}
-        return sse.response(chunks(client, job_ids, stream, chat_choice, ask.include_usage,
-                                   opening=OPENING,
+        choose, opening = ((chat_choice, OPENING) if call is None
+                           else (call.stream_choice(), call.opening()))
+        return sse.response(chunks(client, job_ids, stream, choose, ask.include_usage,
+                                   opening=opening,
                                    logprobs=(lambda: chat_logprobs) if ask.logprobs else None),
                             keepalive_s)
     states = await succeeded(client, job_ids, request)
     if isinstance(states, Response):
         return states
-    choices = [{"index": i, "message": {"role": "assistant", "content": state.text,
-                                        "refusal": None},
-                "finish_reason": finish(state),
-                "logprobs": chat_logprobs(await logged(client, job_id)) if ask.logprobs else None}
-               for i, (state, job_id) in enumerate(zip(states, job_ids, strict=True))]
+    choices = []
+    for i, (state, job_id) in enumerate(zip(states, job_ids, strict=True)):
+        message: dict[str, Any] = {"role": "assistant", "content": state.text, "refusal": None}
+        finish_reason = finish(state)
+        calls = call.calls(state.text) if call is not None else None
+        if calls is not None:
+            message.update(content=None, tool_calls=calls)
+            finish_reason = "tool_calls" if finish_reason == "stop" else finish_reason
+        choices.append({"index": i, "message": message, "finish_reason": finish_reason,
+                        "logprobs": (chat_logprobs(await logged(client, job_id))
+                                     if ask.logprobs else None)})
     return JSONResponse({**head, "object": "chat.completion", "choices": choices,
                          "usage": usage(states)})

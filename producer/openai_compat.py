@@ -11,8 +11,9 @@ asks for insert mode, refused for a model without fill-in-the-middle tokens.
 ``echo``, refused: prompt logprobs are not computed). ``user`` is kept in the
 job's metadata. ``presence_penalty``, ``frequency_penalty`` and ``logit_bias``
 are honoured as OpenAI defines them, and ``top_k``, ``min_p`` and
-``repetition_penalty`` as vLLM takes them; any other field is refused as
-unrecognized, as OpenAI does.
+``repetition_penalty`` as vLLM takes them. ``response_format`` and vLLM's
+``structured_outputs`` constrain the text (``tokenfleet.openai_structured``).
+Any other field is refused as unrecognized, as OpenAI does.
 
 A client that disconnects before its completion is done cancels its jobs, so
 the workers' slots are freed.
@@ -47,6 +48,7 @@ from tokenfleet.openai_errors import (
 from tokenfleet.choices import check_n
 from tokenfleet.openai_fanout import cancel_quietly, merged_batches, wait_while_connected
 from tokenfleet.openai_logprobs import MAX_COMPLETION_LOGPROBS, CompletionLogprobs
+from tokenfleet.openai_structured import Refused, requested
 from tokenfleet.served import served
 from tokenfleet.shared.errors import NO_FIM, InvalidRequest, invalid_field, invalid_input
 from tokenfleet.shared.schemas import (
@@ -59,6 +61,7 @@ from tokenfleet.shared.schemas import (
     JobStatus,
     TokenEvent,
 )
+from tokenfleet.shared.structured import StructuredOutput
 
 # OpenAI's names for the fields of a GenerationRequest, to name the right ``param``.
 PARAMS = {("sampling", "max_new_tokens"): "max_tokens", ("sampling", "temperature"): "temperature",
@@ -110,6 +113,13 @@ class Sampling(BaseModel):
     stream: bool | None = False
     stream_options: dict[str, Any] | None = None
     user: str | None = None
+    # What the text must be, and vLLM's old names for it: openai_structured.py.
+    response_format: Any = None
+    structured_outputs: Any = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
 
     @field_validator("stream_options")
     @classmethod
@@ -172,7 +182,8 @@ class CompletionRequest(Sampling):
                                  f"{MAX_TOKEN_ID}; item {i} is {json.dumps(item)[:40]}")
         return value
 
-    def generation(self, settings: Any) -> GenerationRequest:
+    def generation(self, settings: Any, structured: StructuredOutput | None = None
+                   ) -> GenerationRequest:
         """The fleet's request for this completion, checked against its limits."""
         prompt: dict[str, Any] = {"prompt": self.prompt} if isinstance(self.prompt, str) else {
             "prompt_token_ids": self.prompt}
@@ -181,7 +192,8 @@ class CompletionRequest(Sampling):
         return GenerationRequest.model_validate(
             {**prompt, "model": self.model, "metadata": self.user_metadata(),
              "sampling": {**self.sampling(16 if self.max_tokens is None else self.max_tokens),
-                          **({} if self.logprobs is None else {"logprobs": self.logprobs})}},
+                          **({} if self.logprobs is None else {"logprobs": self.logprobs})},
+             "structured_output": structured},
             context={"settings": settings},
         )
 
@@ -255,9 +267,14 @@ async def complete(client: AsyncFleetClient, body: bytes, request: Request,
     if refused is not None:
         return refused
     try:
-        job = ask.generation(client.settings)
+        structured, field = requested(ask)
+    except Refused as exc:
+        return (UNSUPPORTED if exc.unsupported else INVALID_VALUE).response(str(exc),
+                                                                           param=exc.param)
+    try:
+        job = ask.generation(client.settings, structured)
     except ValidationError as exc:
-        return invalid(exc, PARAMS)
+        return invalid(exc, {**PARAMS, ("structured_output",): field or "response_format"})
     if job.suffix is not None:
         queue = await served(client, job.model)
         if queue is not None and queue.fim is False:  # None: a worker that does not say

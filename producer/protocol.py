@@ -32,6 +32,7 @@ from tokenfleet.shared.schemas import (
 from tokenfleet.shared.scripts import Arg, ScriptCall
 from tokenfleet.shared.serialization import dumps, end_event, parse_event
 from tokenfleet.shared.settings import Settings
+from tokenfleet.shared.structured import from_response_format
 
 SAMPLING_FIELDS = frozenset(SamplingParams.model_fields)
 REQUEST_FIELDS = frozenset(GenerationRequest.model_fields) - {"prompt", "sampling"}
@@ -62,6 +63,7 @@ def build_request(
         if tenant is not None:
             given["tenant"] = tenant
         return _validated(given, settings)
+    kwargs = structured_kwargs(kwargs)
     if tenant is not None:
         kwargs = {**kwargs, "tenant": tenant}
     unknown = set(kwargs) - SAMPLING_FIELDS - REQUEST_FIELDS
@@ -72,6 +74,30 @@ def build_request(
     if prompt is not None:
         data["prompt"] = prompt
     return _validated(data, settings)
+
+
+def structured_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """``submit``'s ``response_format`` (OpenAI's shape) and ``json_schema`` (a
+    schema, the shortcut) as the request's ``structured_output``; at most one
+    of the three."""
+    given = [k for k in ("response_format", "json_schema", "structured_output")
+             if kwargs.get(k) is not None]
+    if len(given) > 1:
+        raise InvalidRequest(f"give at most one of {', '.join(given)}")
+    rest = {k: v for k, v in kwargs.items() if k not in ("response_format", "json_schema")}
+    try:
+        if "response_format" in given:
+            rest["structured_output"] = from_response_format(kwargs["response_format"])
+        elif "json_schema" in given:
+            if not isinstance(kwargs["json_schema"], dict):
+                raise ValueError("must be a JSON schema: a dict")
+            rest["structured_output"] = from_response_format(
+                {"type": "json_schema", "json_schema": {"schema": kwargs["json_schema"]}})
+    except ValueError as exc:  # not pydantic's: the message names the field
+        raise InvalidRequest(f"invalid '{given[0]}': {exc}",
+                             [{"loc": [given[0]], "msg": str(exc), "type": "value_error"}]
+                             ) from exc
+    return rest
 
 
 def _validated(data: dict[str, Any], settings: Settings) -> GenerationRequest:

@@ -26,6 +26,7 @@ from pydantic import (
 
 from tokenfleet.shared.keys import QUEUE_NAME_RULE, TENANT_NAME_RULE, is_queue_name, is_tenant_name
 from tokenfleet.shared.settings import Settings, get_settings
+from tokenfleet.shared.structured import StructuredOutput, compile_problem
 
 # How deep metadata may nest (orjson itself stops at 255; a bound here keeps the
 # check cheap and the message clear).
@@ -172,6 +173,8 @@ class GenerationRequest(_Wire):
     # API key. The fleet shares its slots fairly among tenants with queued work
     # (docs/how-it-works.md). None: the tenant "default".
     tenant: str | None = None
+    structured_output: StructuredOutput | None = Field(
+        default=None, description="what the text must be (a JSON schema, a regex, ...)")
 
     @field_validator("model")
     @classmethod
@@ -185,6 +188,14 @@ class GenerationRequest(_Wire):
     def _tenant_name(cls, value: str | None) -> str | None:
         if value is not None and not is_tenant_name(value):
             raise ValueError(f"tenant must be {TENANT_NAME_RULE}, got {value[:80]!r}")
+        return value
+
+    @field_validator("structured_output")
+    @classmethod
+    def _compiles(cls, value: StructuredOutput | None) -> StructuredOutput | None:
+        problem = None if value is None else compile_problem(value)
+        if problem:
+            raise ValueError(problem)
         return value
 
     @field_validator("metadata")

@@ -99,6 +99,7 @@ class Admission:
             queue=request.model,
             deadline_at=entry.deadline_at,
             created_at=entry.created_at,
+            structured=request.structured_output,
         )
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tokenfleet.shared import models
 from tokenfleet.shared.settings import Settings
@@ -24,6 +24,9 @@ from tokenfleet.workers.paged_runner import PagedRunner
 from tokenfleet.workers.runner import HFRunner, not_plain_attention
 from tokenfleet.workers.scheduler import Scheduler
 from tokenfleet.workers.service import Worker
+
+if TYPE_CHECKING:
+    from tokenfleet.workers.grammar import Grammars
 
 log = logging.getLogger(__name__)
 
@@ -103,7 +106,19 @@ def build_hf(settings: Settings) -> BuiltEngine:
     settings = budget.apply(settings, budget.resolve(settings, model, runner.max_model_len,
                                                      rows_at_longest=runner.rows_at_longest))
     engine = hf_engine(settings, runner, runner.eos_token_ids, runner.max_model_len)
+    engine.grammars = grammars(tokenizer, runner.vocab_size, runner.eos_token_ids)
     return BuiltEngine(engine, tokenizer, settings)
+
+
+def grammars(tokenizer: Any, vocab_size: int, eos_token_ids: set[int]) -> Grammars | None:
+    """Structured output's compiler for this model, or None without xgrammar
+    (the engine then refuses such jobs, naming what to install)."""
+    try:
+        from tokenfleet.workers.grammar import Grammars
+    except ImportError:
+        log.warning("xgrammar is not installed: jobs asking for structured output are refused")
+        return None
+    return Grammars(tokenizer, vocab_size, eos_token_ids)
 
 
 def model_runner(settings: Settings, model: Any, tokenizer: Any) -> HFRunner | PagedRunner:

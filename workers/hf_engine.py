@@ -12,14 +12,22 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from typing import Protocol
+from concurrent.futures import FIRST_COMPLETED, wait
+from typing import TYPE_CHECKING, Protocol
 
-from tokenfleet.shared.schemas import FinishReason
+from tokenfleet.shared.schemas import REFUSED_BY_WORKER, FinishReason
 from tokenfleet.workers.engine import BatchShape, DeviceFailure, Engine, is_fatal_device_error
 from tokenfleet.workers.scheduler import Batch, Scheduler
 from tokenfleet.workers.sequence import Sequence
 
+if TYPE_CHECKING:
+    from tokenfleet.workers.grammar import Grammars
+
 log = logging.getLogger(__name__)
+
+# How long an idle engine thread waits for a grammar being compiled before it
+# looks at its inbox again (a new job must not wait long behind a compile).
+COMPILE_POLL_S = 0.002
 
 
 class Runner(Protocol):
@@ -75,21 +83,66 @@ class HFEngine(Engine):
         # max_failures alone), so one bad job never stops a worker.
         self.max_failed_steps = max_failed_steps
         self.failed_in_a_row = 0
+        # Structured output: set by the factory where xgrammar is installed.
+        self.grammars: Grammars | None = None
+        # Held sequences whose grammar is still compiling: not yet the scheduler's.
+        self._compiling: list[Sequence] = []
+        self._compiling_failed: list[tuple[Sequence, str]] = []
 
     @property
     def num_running(self) -> int:
         return self.scheduler.num_running
 
+    def refusal(self, seq: Sequence) -> str | None:
+        if seq.structured is not None and self.grammars is None:
+            return (f"this worker cannot constrain output to a {seq.structured.label}: "
+                    "structured output needs xgrammar (pip install xgrammar)")
+        return None
+
     def _add(self, seq: Sequence) -> None:
+        if seq.structured is not None and self.grammars is not None:
+            from tokenfleet.workers.grammar import SeqGrammar
+
+            # Compiled on the grammars' own thread: the sequence waits out of
+            # the scheduler's sight, and the others run meanwhile.
+            seq.grammar = SeqGrammar(self.grammars.compile(seq.structured), seq.structured.label)
+            self._compiling.append(seq)
+            self._start_compiled()
+            return
         self.scheduler.add(seq)
 
+    def _start_compiled(self) -> None:
+        """Hand the scheduler each sequence whose grammar is compiled, its
+        matcher fed the tokens it has; end those whose grammar failed."""
+        waiting: list[Sequence] = []
+        for seq in self._compiling:
+            assert seq.grammar is not None
+            if not seq.grammar.ready:
+                waiting.append(seq)
+                continue
+            problem = seq.grammar.start(seq.generated)
+            if problem is None:
+                self.scheduler.add(seq)
+            else:
+                self._compiling_failed.append((seq, problem))
+        self._compiling = waiting
+
     def _release(self, seq: Sequence) -> None:
+        self._compiling = [s for s in self._compiling if s is not seq]
         self.scheduler.drop(seq.job_id)
 
     def _run(self) -> list[tuple[Sequence, int]]:
+        if self._compiling:
+            self._start_compiled()
+        for seq, problem in self._compiling_failed:
+            self.end(seq, FinishReason.ERROR, REFUSED_BY_WORKER + problem)
+        self._compiling_failed = []
         batch = self.scheduler.schedule()
         self.last_batch = BatchShape(0, False)
         if batch is None:
+            if self._compiling:  # nothing else to run: wait for a compile, briefly
+                wait([s.grammar.compiled for s in self._compiling if s.grammar is not None],
+                     timeout=COMPILE_POLL_S, return_when=FIRST_COMPLETED)
             return []
         try:
             token_ids = self.runner.run(batch)

@@ -5,8 +5,9 @@ and seed: they go to the device as small tensors, the tokens come back in one
 copy (the step's only host sync; every other decision is made from the
 parameters, on the host). Greedy rows take the exact argmax of their adjusted
 logits. A request's adjustments apply in vLLM's order: logit bias, then
-transformers' repetition penalty, then OpenAI's presence and frequency penalties;
-temperature; min-p; top-k; top-p. Each costs only the rows that ask for it.
+transformers' repetition penalty, then OpenAI's presence and frequency penalties,
+then a structured output's grammar mask; temperature; min-p; top-k; top-p.
+Each costs only the rows that ask for it.
 
 Sampled rows draw by inversion: one uniform number u per row picks the token at
 which the row's cumulative probability passes u. A seeded job's u is a hash of
@@ -70,7 +71,18 @@ def adjusted(logits: torch.Tensor, seqs: Seq[Sequence]) -> torch.Tensor:
         logits = _penalise(logits, seqs)
     if any(p.presence_penalty or p.frequency_penalty for p in params):
         logits = _penalise_counts(logits, seqs)
+    if any(s.grammar is not None for s in seqs):
+        logits = _grammar_masked(logits, seqs)
     return logits
+
+
+def _grammar_masked(logits: torch.Tensor, seqs: Seq[Sequence]) -> torch.Tensor:
+    """Only what each constrained row's grammar allows next (last: no bias
+    brings a forbidden token back)."""
+    from tokenfleet.workers import grammar  # xgrammar: only when a row asks
+
+    rows = [row for row, s in enumerate(seqs) if s.grammar is not None]
+    return grammar.mask(logits, rows, [g for s in seqs if (g := s.grammar) is not None])
 
 
 def seeded_uniform(seed: int, index: int) -> float:

@@ -5,10 +5,15 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from tokenfleet.shared.schemas import FinishReason, JobStatus, SamplingParams
+from tokenfleet.shared.structured import StructuredOutput
 from tokenfleet.workers.detokenizer import TextStream
 from tokenfleet.workers.logprobs import Logprobs
+
+if TYPE_CHECKING:  # xgrammar is the built-in engine's alone
+    from tokenfleet.workers.grammar import SeqGrammar
 
 
 class SeqStatus(enum.IntEnum):
@@ -54,6 +59,8 @@ class Sequence:
     # The most tokens it generates (resumed ones included) before it ends by
     # length: set by ``take_room`` when an engine takes it.
     max_generated: int = 0
+    structured: StructuredOutput | None = None  # what its text must be, if anything
+    grammar: SeqGrammar | None = None  # the built-in engine's matcher for ``structured``
 
     @property
     def num_tokens(self) -> int:
@@ -93,22 +100,30 @@ class Sequence:
 
     def append(self, token_id: int, eos_token_ids: frozenset[int]) -> Made:
         """Append a token an engine made, and end the sequence when its id
-        says so (end of sequence, or ``max_generated`` tokens generated). No
-        text: that is the output side's (``take``), which may run on another
-        thread a step or two later. Runs once per token on the engine thread,
-        so it does as little as it can."""
+        says so (end of sequence, a complete grammar, or ``max_generated``
+        tokens generated). No text: that is the output side's (``take``), which
+        may run on another thread a step or two later. Runs once per token on
+        the engine thread, so it does as little as it can."""
         generated = self.generated
         index = len(generated)
         generated.append(token_id)
         # Most sequences ask for no log probabilities: no dict lookup for them.
         logprobs = self.made_logprobs.pop(index, None) if self.made_logprobs else None
-        if token_id in eos_token_ids:
+        end: FinishReason | None = None
+        error: str | None = None
+        grammar = self.grammar
+        if grammar is not None and not grammar.accept(token_id):
+            # The step's mask allowed only what the grammar does: not the job's fault.
+            end, error = FinishReason.ERROR, f"token {token_id} breaks the {grammar.label}"
+        elif token_id in eos_token_ids:
+            end = FinishReason.EOS
+        elif grammar is not None and grammar.terminated:
+            end = FinishReason.STOP  # the grammar is complete: nothing may follow
+        elif index + 1 >= self.max_generated:
+            end = FinishReason.LENGTH
+        if end is not None:
             self.status = SeqStatus.FINISHED
-            return Made(self, index, token_id, FinishReason.EOS, logprobs=logprobs)
-        if index + 1 >= self.max_generated:
-            self.status = SeqStatus.FINISHED
-            return Made(self, index, token_id, FinishReason.LENGTH, logprobs=logprobs)
-        return Made(self, index, token_id, logprobs=logprobs)
+        return Made(self, index, token_id, end, error, logprobs=logprobs)
 
     # -- the output side: text and the job's end -----------------------------------
 

@@ -6,8 +6,10 @@ every step. Everything the fleet promises stays above the seam, the same as
 for the built-in engine: text, stop strings and ends (``Sequence.take``),
 cancels and deadlines (``Engine``), fencing, the token log and resume (the
 worker). A resumed job is its prompt plus the tokens already logged, with the
-rest of its budget. vLLM detokenizes nothing here (``skip_tokenizer_init``):
-the fleet's incremental detokenizer is the one every consumer sees.
+rest of its budget. vLLM detokenizes nothing here (``detokenize=False``):
+the fleet's incremental detokenizer is the one every consumer sees. A job's
+structured output goes to vLLM's own (``StructuredOutputsParams``), which
+compiles it with vLLM's tokenizer.
 
 The engine runs in this process (vLLM's in-process mode), on the worker's
 engine thread: no engine-core process to spawn, watch or leak. Installed
@@ -74,6 +76,7 @@ class VLLMEngine(Engine):
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         try:
             import vllm
+            from vllm.config import StructuredOutputsConfig
             from vllm.engine.llm_engine import LLMEngine
         except ImportError as exc:
             raise RuntimeError("--engine vllm needs vLLM: pip install 'tokenfleet[vllm]' "
@@ -91,9 +94,15 @@ class VLLMEngine(Engine):
         # The CPU computes in float32, as the built-in engine does there.
         dtype: Any = "float32" if on_cpu and settings.dtype == "auto" else settings.dtype
         args = vllm.EngineArgs(
-            model=path, tokenizer=path, skip_tokenizer_init=True, dtype=dtype,
+            # vLLM's tokenizer is loaded for its structured outputs alone (they
+            # compile grammars against it); it detokenizes nothing (detokenize=False).
+            model=path, tokenizer=path, skip_tokenizer_init=False, dtype=dtype,
             max_num_seqs=max_batch, tensor_parallel_size=settings.gpus_per_worker,
-            enforce_eager=on_cpu, seed=0, **memory)
+            enforce_eager=on_cpu, seed=0, **memory,
+            # xgrammar, as the built-in engine, and compact JSON: free whitespace
+            # lets a weak model pad a JSON value until it runs out of tokens.
+            structured_outputs_config=StructuredOutputsConfig(backend="xgrammar",
+                                                              disable_any_whitespace=True))
         llm = LLMEngine.from_engine_args(args)
         max_model_len = int(llm.vllm_config.model_config.max_model_len)
         vocab_size = int(llm.vllm_config.model_config.get_vocab_size())
@@ -132,6 +141,13 @@ class VLLMEngine(Engine):
         if budget <= 0:  # a resumed job that had made all its tokens
             self.end(seq, FinishReason.LENGTH)
             return
+        if seq.structured is not None and seq.generated:
+            # vLLM's grammar would start again at the logged tokens, and what
+            # followed would not fit them: better an error that says so.
+            self.end(seq, FinishReason.ERROR, "vLLM cannot resume a job with structured output "
+                     f"part-way ({len(seq.generated)} tokens were made before its worker "
+                     "stopped): submit it again")
+            return
         request_id = f"{seq.job_id}#{next(self._ids)}"
         self.llm.add_request(request_id, self._vllm.inputs.tokens_input(seq.all_ids),
                              self._sampling(seq, budget))
@@ -149,7 +165,22 @@ class VLLMEngine(Engine):
             # vLLM stops on these too, so it never runs past a job's end; stop
             # strings are the fleet's (they match on the text every consumer sees).
             stop_token_ids=sorted(self.eos_token_ids), detokenize=False,
-            output_kind=self._vllm.sampling_params.RequestOutputKind.DELTA)
+            output_kind=self._vllm.sampling_params.RequestOutputKind.DELTA,
+            structured_outputs=self._structured(seq))
+
+    def _structured(self, seq: Sequence) -> Any:
+        """vLLM's own structured outputs for the job's spec (compact JSON, as
+        the built-in engine writes it)."""
+        spec = seq.structured
+        if spec is None:
+            return None
+        asks: dict[str, dict[str, Any]] = {
+            "json_object": {"json_object": True}, "json_schema": {"json": spec.json_schema},
+            "regex": {"regex": spec.regex}, "choice": {"choice": spec.choice},
+            "grammar": {"grammar": spec.grammar}}
+        how = asks[spec.kind]
+        return self._vllm.sampling_params.StructuredOutputsParams(
+            **how, disable_any_whitespace=spec.kind != "grammar")
 
     def _run(self) -> list[tuple[Sequence, int]]:
         for seq in self._ended_by_vllm:

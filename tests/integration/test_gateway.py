@@ -12,6 +12,7 @@ import pytest
 import redis
 
 from tokenfleet import FleetClient
+from tokenfleet.openai_structured import AUTO_REFUSED
 from tokenfleet.shared import errors
 from tokenfleet.shared.keys import Keys, job_id_in
 from tokenfleet.shared.schemas import JobStatus
@@ -211,7 +212,7 @@ def test_openai_fields_the_gateway_cannot_honour_are_400_naming_them(
         err = response.json()["error"]
         assert err["param"] == field and field in err["message"], err
     chat = {"tools": [{"type": "function", "function": {"name": "f"}}], "top_logprobs": 21,
-            "response_format": {"type": "json_object"}, "presence_penalty": 2.5, "n": 17,
+            "response_format": {"type": "xml"}, "presence_penalty": 2.5, "n": 17,
             "tool_choice": "auto", "store": True, "audio": {"voice": "x"}}
     for field, value in chat.items():
         response = http.post("/v1/chat/completions", json={
@@ -238,9 +239,10 @@ def test_a_refusal_is_one_sentence_naming_the_field_without_echoing_its_value(
     hi = [{"role": "user", "content": "hi"}]
     tools = [{"type": "function", "function": {"name": f"tool_{i}", "parameters": {}}}
              for i in range(50)]
-    cases = [({"tools": tools}, "tools are not supported by this gateway: leave it unset"),
-             ({"response_format": {"type": "json_object"}},
-              "response_format type 'json_object' is not supported; only 'text'")]
+    cases = [({"tools": tools}, AUTO_REFUSED),
+             ({"response_format": {"type": "xml"}},
+              "response_format type 'xml' is not supported: 'text', 'json_object' or "
+              "'json_schema'")]
     for extra, sentence in cases:
         response = http.post("/v1/chat/completions", json={"messages": hi, **extra})
         assert response.status_code == 400, response.text
