@@ -93,9 +93,10 @@ def test_the_scaler_counts_waiting_and_running_jobs_and_zero_after_a_worker(
     declare(settings, QUEUE)
     assert formula() == dict.fromkeys(PRIORITIES, 0)  # no stream yet: nothing to wake for
     short = [client.submit("Hello", model=QUEUE, priority=level, max_new_tokens=2)
-             for level, n in zip(PRIORITIES, (1, 2, 3)) for _ in range(n)]
+             for level, n in zip(PRIORITIES, (33, 34, 33)) for _ in range(n)]
     long = client.submit("A long story", model=QUEUE, priority="high", max_new_tokens=1000)
-    assert formula() == {"high": 2, "normal": 2, "low": 3}  # the pool at zero wakes: 7 > 0
+    # A declared queue took 100 jobs with no worker; the pool at zero wakes: 101 > 0.
+    assert formula() == {"high": 34, "normal": 34, "low": 33}
     start_worker(queue=QUEUE, runner=SlowRunner(*loaded_tiny))
     for job_id in short:
         assert client.wait(job_id, timeout=60).status is JobStatus.SUCCEEDED

@@ -94,6 +94,9 @@ class HFEngine(Engine):
         return self.scheduler.num_running
 
     def refusal(self, seq: Sequence) -> str | None:
+        why = super().refusal(seq)
+        if why is not None:
+            return why
         if seq.structured is not None and self.grammars is None:
             return (f"this worker cannot constrain output to a {seq.structured.label}: "
                     "structured output needs xgrammar (pip install xgrammar)")
