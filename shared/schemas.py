@@ -241,6 +241,14 @@ class GenerationRequest(_Wire):
             )
         return value
 
+    @field_validator("tools")
+    @classmethod
+    def _tools_are_json(cls, value: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
+        problem = None if value is None else json_problem(value, "tools")
+        if problem:
+            raise ValueError(f"{problem}; tools must be JSON, as OpenAI's function tools are")
+        return value
+
     @model_validator(mode="after")
     def _one_input_within_limits(self, info: ValidationInfo) -> GenerationRequest:
         limits = _limits(info)

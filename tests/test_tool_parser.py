@@ -4,8 +4,9 @@ anywhere; the template's format read from its text; tool history rendered."""
 
 from __future__ import annotations
 
-import copy
 import json
+import shutil
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -17,21 +18,8 @@ from tokenfleet.tool_parser import FORMATS, ToolText, parse
 from tokenfleet.workers.admission import Admission, Rejected
 from tokenfleet.workers.tool_template import tool_format
 
-# A Hermes / Qwen2.5 style template, cut down to what the tests need.
-HERMES_TEMPLATE = (
-    "{% if tools %}<|im_start|>system\nYou may call functions:\n<tools>\n"
-    "{% for tool in tools %}{{ tool | tojson }}\n{% endfor %}</tools>\n"
-    "Return each call as <tool_call>{\"name\": ..., \"arguments\": ...}</tool_call>"
-    "<|im_end|>\n{% endif %}"
-    "{% for m in messages %}<|im_start|>{{ m.role }}\n"
-    "{% if m.role == 'tool' %}<tool_response>{{ m.content }}</tool_response>"
-    "{% else %}{{ m.content }}{% endif %}"
-    "{% for call in m.tool_calls or [] %}<tool_call>{\"name\": \"{{ call.function.name }}\", "
-    "\"arguments\": {{ call.function.arguments | tojson }}}</tool_call>{% endfor %}"
-    "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
-LLAMA_TEMPLATE = ("{% if tools %}Respond as {\"name\": function name, \"parameters\": "
-                  "dictionary}<|python_tag|>{% endif %}{% for m in messages %}{{ m.content }}"
-                  "{% endfor %}")
+from tool_templates import HERMES_TEMPLATE, LLAMA_TEMPLATE, with_template
+
 CALL = '<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>'
 TEXT = f"Let me check.\n{CALL}\n" + CALL.replace("Oslo", "Lima")
 
@@ -102,12 +90,6 @@ def test_the_response_says_tool_calls_only_when_the_model_called_one() -> None:
     assert choice(1, "", "stop")["finish_reason"] == "stop"
 
 
-def with_template(tokenizer: Any, template: str) -> Any:
-    tok = copy.deepcopy(tokenizer)
-    tok.chat_template = template
-    return tok
-
-
 def test_the_template_text_says_whether_it_takes_tools_and_in_which_format(
     loaded_tiny: Any
 ) -> None:
@@ -116,6 +98,19 @@ def test_the_template_text_says_whether_it_takes_tools_and_in_which_format(
     assert tool_format(with_template(tiny, HERMES_TEMPLATE)) == "hermes"
     assert tool_format(with_template(tiny, LLAMA_TEMPLATE)) == "llama3_json"
     assert tool_format(with_template(tiny, "{{ tools }}[TOOL_CALLS]")) == "other"
+
+
+def test_a_template_written_into_a_models_tokenizer_config_is_read_when_it_loads(
+    tiny_dir: Path, tmp_path: Path
+) -> None:
+    from transformers import AutoTokenizer
+
+    model = tmp_path / "tiny-tools"
+    shutil.copytree(tiny_dir, model)
+    config = json.loads((model / "tokenizer_config.json").read_text())
+    (model / "tokenizer_config.json").write_text(json.dumps(
+        {**config, "chat_template": HERMES_TEMPLATE}))
+    assert tool_format(AutoTokenizer.from_pretrained(model)) == "hermes"
 
 
 def test_tool_history_and_definitions_are_rendered_by_a_template_that_takes_tools(
@@ -139,3 +134,14 @@ def test_tool_history_and_definitions_are_rendered_by_a_template_that_takes_tool
         Admission(tiny, Settings(), 4096).prompt_ids(request)
     with pytest.raises(ValueError, match="tool message needs tool_call_id"):
         GenerationRequest(messages=[{"role": "tool", "content": "x"}])
+    with pytest.raises(ValueError, match="tools need messages"):
+        GenerationRequest(prompt="x", tools=tools)
+
+
+def test_a_queue_has_one_format_only_when_every_live_worker_says_the_same() -> None:
+    from tokenfleet.served import _one_format
+
+    assert _one_format({"hermes"}) == "hermes"
+    assert _one_format({"hermes", None}) is None  # a worker older than the field: unknown
+    assert _one_format({"hermes", ""}) == ""  # one takes no tools: "auto" is refused
+    assert _one_format({"hermes", "llama3_json"}) == "other"  # no one parser reads both

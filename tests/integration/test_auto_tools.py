@@ -21,7 +21,7 @@ from tokenfleet.workers.sequence import Sequence
 
 from scripted import ScriptedRunner
 from structured_helpers import serving
-from test_tool_parser import HERMES_TEMPLATE, with_template
+from tool_templates import HERMES_TEMPLATE, with_template
 
 pytestmark = pytest.mark.timeout(120)
 
