@@ -7,7 +7,10 @@ completions, every field is honoured or refused naming it: ``n`` fans the
 request out to n jobs, one per choice; ``logprobs`` with ``top_logprobs`` (0 to
 20) are honoured; ``response_format``, ``structured_outputs`` and ``tools``
 (with ``tool_choice`` "required" or a named function) constrain the output
-(``tokenfleet.openai_structured``); audio and the like are refused unless they
+(``tokenfleet.openai_structured``); with ``tool_choice`` "auto" the tools go to
+the chat template and the model's own calls are parsed from its text, and
+``tool`` messages and an assistant's ``tool_calls`` are rendered as tool
+history, where the template takes tools (``tokenfleet.openai_tools``); audio and the like are refused unless they
 ask for nothing; ``user``, ``safety_identifier`` and ``metadata`` are kept in
 the job's metadata; ``developer`` messages are system messages.
 """
@@ -45,7 +48,14 @@ from tokenfleet.openai_compat import (
 )
 from tokenfleet.openai_errors import INVALID_VALUE, NO_CHAT_TEMPLATE, UNSUPPORTED
 from tokenfleet.openai_logprobs import chat_logprobs
-from tokenfleet.openai_structured import Refused, ToolCall, requested, tool_call
+from tokenfleet.openai_structured import Refused, ToolCall, asks_auto, requested, tool_call
+from tokenfleet.openai_tools import (
+    auto_message,
+    auto_refusal,
+    auto_stream_choice,
+    history_call,
+    history_refusal,
+)
 from tokenfleet.served import served
 from tokenfleet.shared.schemas import MAX_TOP_LOGPROBS, GenerationRequest, IntNotBool
 from tokenfleet.shared.structured import StructuredOutput
@@ -70,8 +80,8 @@ REFUSED: dict[str, tuple[tuple[Any, ...], str | None]] = {
     "store": ((None, False), "store is not supported: stored completions are not kept; leave "
               "it unset or false"),
 }
-# Fields of a message that only tools, audio or refusals use.
-MESSAGE_REFUSED = ("name", "tool_calls", "tool_call_id", "function_call", "audio", "refusal")
+# Fields of a message that only functions, audio or refusals use.
+MESSAGE_REFUSED = ("name", "function_call", "audio", "refusal")
 CHAT_PARAMS = {**PARAMS, ("messages",): "messages", ("sampling", "logprobs"): "top_logprobs",
                ("sampling", "max_new_tokens"): "max_completion_tokens", ("metadata",): "metadata"}
 
@@ -91,12 +101,12 @@ class Message(BaseModel):
     @field_validator("role")
     @classmethod
     def _known_role(cls, value: str) -> str:
-        if value in ("tool", "function"):
-            raise ValueError(f"{value!r} messages are not supported: this gateway does not "
-                             "render tool results into a chat template; send the result in a "
-                             "user message")
-        if value not in ("system", "developer", "user", "assistant"):
-            raise ValueError(f"{value!r} is not a role: system, developer, user or assistant")
+        if value == "function":
+            raise ValueError("'function' messages are not supported: send tool messages "
+                             "(role 'tool' with tool_call_id) instead")
+        if value not in ("system", "developer", "user", "assistant", "tool"):
+            raise ValueError(f"{value!r} is not a role: system, developer, user, assistant or "
+                             "tool")
         return value
 
     @field_validator("content")
@@ -114,14 +124,30 @@ class Message(BaseModel):
         for name in MESSAGE_REFUSED:
             if getattr(self, name) is not None:
                 raise ValueError(f"'{name}' in a message is not supported by this gateway")
-        if self.content is None:
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError("'tool_calls' belong to assistant messages only")
+        if self.tool_calls is not None:
+            self.tool_calls = [history_call(i, call) for i, call in enumerate(self.tool_calls)]
+        if (self.role == "tool") != (self.tool_call_id is not None):
+            raise ValueError("a tool message needs 'tool_call_id' (the call it answers), and "
+                             "only a tool message has one")
+        if self.tool_call_id is not None and not isinstance(self.tool_call_id, str):
+            raise ValueError("'tool_call_id' must be a string")
+        if self.content is None and not self.tool_calls:
             raise ValueError("content is missing: every message needs its text")
         return self
 
-    def fleet(self) -> dict[str, str]:
+    def fleet(self) -> dict[str, Any]:
         text = (self.content if isinstance(self.content, str)
                 else "\n".join(part["text"] for part in self.content or []))
-        return {"role": "system" if self.role == "developer" else self.role, "content": text}
+        out: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role,
+                               "content": text}
+        if self.tool_calls is not None:
+            out["tool_calls"] = self.tool_calls
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        return out
+
 
 
 class ChatRequest(Sampling):
@@ -159,7 +185,10 @@ class ChatRequest(Sampling):
         return GenerationRequest.model_validate(
             {"messages": [m.fleet() for m in self.messages], "model": self.model,
              "metadata": metadata, "sampling": sampling,
-             "structured_output": structured},
+             "structured_output": structured,
+             # Only "auto" shows the template the tools: a constrained call
+             # writes bare arguments, not the model's own call format.
+             "tools": self.tools if asks_auto(self.tools, self.tool_choice) else None},
             context={"settings": settings},
         )
 
@@ -180,6 +209,10 @@ def constrained(ask: ChatRequest) -> tuple[StructuredOutput | None, str | None,
     call it makes, if any; ``Refused`` naming a field that cannot be honoured."""
     call = tool_call(ask.tools, ask.tool_choice)
     structured, field = requested(ask)
+    if structured is not None and asks_auto(ask.tools, ask.tool_choice):
+        raise Refused(field or "response_format", f"{field} cannot go with tool_choice 'auto': "
+                      "constrained, the model could not write its own tool calls; send "
+                      "tool_choice 'required' or 'none'")
     if call is None:
         return structured, field, None
     if structured is not None:
@@ -226,6 +259,12 @@ async def chat(client: AsyncFleetClient, body: bytes, request: Request,
             f"model {job.model!r} has no chat template (its tokenizer defines none), so it "
             "cannot take messages: send a prompt to /v1/completions instead, or serve a model "
             "with a chat template", param="model")
+    auto = asks_auto(ask.tools, ask.tool_choice)
+    refused = (auto_refusal(queue, job.model, "tool_choice" if ask.tool_choice else "tools")
+               if auto else None) or history_refusal(queue, job.model, ask.messages)
+    if refused is not None:
+        return refused
+    fmt = queue.tools if auto and queue is not None else None
     # As its API key allows (the app maps the fleet's errors to statuses).
     job_ids = await submit_as_caller(request, client, job, n=n)
     head = {"id": f"chatcmpl-{job_ids[0]}", "created": int(time.time()), "model": job.model}
@@ -233,6 +272,8 @@ async def chat(client: AsyncFleetClient, body: bytes, request: Request,
         stream = {**head, "object": "chat.completion.chunk"}
         choose, opening = ((chat_choice, OPENING) if call is None
                            else (call.stream_choice(), call.opening()))
+        if fmt:
+            choose = auto_stream_choice(fmt)
         return sse.response(chunks(client, job_ids, stream, choose, ask.include_usage,
                                    opening=opening,
                                    logprobs=(lambda: chat_logprobs) if ask.logprobs else None),
@@ -245,7 +286,9 @@ async def chat(client: AsyncFleetClient, body: bytes, request: Request,
         message: dict[str, Any] = {"role": "assistant", "content": state.text, "refusal": None}
         finish_reason = finish(state)
         calls = call.calls(state.text) if call is not None else None
-        if calls is not None:
+        if fmt:
+            message, finish_reason = auto_message(fmt, state.text, finish_reason)
+        elif calls is not None:
             message.update(content=None, tool_calls=calls)
             finish_reason = "tool_calls" if finish_reason == "stop" else finish_reason
         choices.append({"index": i, "message": message, "finish_reason": finish_reason,

@@ -9,8 +9,9 @@ constrain what the model writes, as the one spec a job carries
   output is constrained to the function's ``parameters`` (with several tools
   and ``"required"``, to ``{"name": ..., "arguments": ...}`` of one of them),
   so any model calls tools; the response carries ``tool_calls``. ``"none"``
-  leaves the tools out. ``"auto"`` (the default with tools) needs a model that
-  writes tool calls of its own accord: refused here, naming the field.
+  leaves the tools out. ``"auto"`` (the default with tools) is not constrained:
+  the tools go to the chat template and the model's own calls are parsed from
+  its text (``tokenfleet.openai_tools``), where its template declares a format.
 """
 
 from __future__ import annotations
@@ -30,10 +31,10 @@ VLLM_TUNING = ("disable_any_whitespace",)  # the output is compact JSON here alw
 KINDS = ("text", "json_object", "json_schema")  # OpenAI's response_format types
 # vLLM's fields before 0.32 (which ignores them): refused, naming the new one.
 LEGACY = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
-AUTO_REFUSED = ("tools with tool_choice 'auto' (the default) need a model that writes tool "
-                "calls itself, which this gateway does not parse: send tool_choice 'required' or "
-                "{\"type\": \"function\", \"function\": {\"name\": ...}} (the output is then "
-                "constrained to the function's parameters), or 'none'")
+AUTO_REFUSED = ("tools with tool_choice 'auto' (the default) need the tool-call format of the "
+                "model's chat template, which no live worker of this queue says: send "
+                "tool_choice 'required' or {\"type\": \"function\", \"function\": {\"name\": "
+                "...}} (the output is then constrained to the function's parameters), or 'none'")
 EMPTY_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}
 
 
@@ -152,9 +153,15 @@ class ToolCall:
         return choice
 
 
+def asks_auto(tools: Any, tool_choice: Any) -> bool:
+    """Whether the model is to call the tools of its own accord ("auto", the
+    default when tools are given)."""
+    return tools not in (None, []) and tool_choice in (None, "auto")
+
+
 def tool_call(tools: Any, tool_choice: Any) -> ToolCall | None:
     """The constrained call ``tools`` and ``tool_choice`` ask for, or None when
-    the tools play no part (none given, or ``tool_choice`` "none");
+    the output is not constrained (no tools, ``tool_choice`` "none" or "auto");
     ``Refused`` naming the field otherwise."""
     if tools in (None, []):
         if tool_choice not in (None, "none"):
@@ -164,8 +171,8 @@ def tool_call(tools: Any, tool_choice: Any) -> ToolCall | None:
     functions = _functions(tools)
     if tool_choice == "none":
         return None
-    if tool_choice in (None, "auto"):  # unset with tools is "auto"
-        raise Refused("tool_choice" if tool_choice else "tools", AUTO_REFUSED, unsupported=True)
+    if tool_choice in (None, "auto"):  # unset with tools is "auto": the model's own calls
+        return None
     if tool_choice == "required":
         if len(functions) == 1:
             name, parameters = next(iter(functions.items()))

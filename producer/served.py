@@ -5,7 +5,8 @@ Read from what workers write on every heartbeat: ``<ns>:served:<queue>`` (a
 sorted set of worker names by the time until which each counts as live:
 ``tokenfleet.shared.liveness``) and each worker's hash ``<ns>:workers:<name>``
 (``model``; ``chat``: 1 when its tokenizer has a chat template; ``fim``: 1
-when it declares fill-in-the-middle tokens).
+when it declares fill-in-the-middle tokens; ``tools``: the tool-call format of
+its chat template, "" when it takes no tools: ``tokenfleet.workers.tool_template``).
 """
 
 from __future__ import annotations
@@ -26,6 +27,9 @@ class Served:
     # it has none, None if one does not say (a worker older than the field).
     chat: bool | None
     fim: bool | None = None  # the same for fill-in-the-middle tokens (insert mode)
+    # The chat template's tool-call format ("" for none), if every live worker
+    # says the same; None if one does not say (older), "" if one takes no tools.
+    tools: str | None = None
 
     def as_openai(self) -> dict[str, Any]:
         """An OpenAI ``model`` object; ``created`` is unknown to the fleet, so 0."""
@@ -43,17 +47,28 @@ async def served(client: Any, queue: str) -> Served | None:
         return None
     pipe = client.redis.pipeline(transaction=False)
     for name in names:
-        pipe.hmget(client.keys.worker(name), ["model", "chat", "fim"])
+        pipe.hmget(client.keys.worker(name), ["model", "chat", "fim", "tools"])
     rows = [[(v.decode() if v is not None else None) for v in row] for row in await pipe.execute()]
-    models = sorted({model for model, _chat, _fim in rows if model})
+    models = sorted({row[0] for row in rows if row[0]})
     return Served(queue, names, models, _all_say({row[1] for row in rows}),
-                  _all_say({row[2] for row in rows}))
+                  _all_say({row[2] for row in rows}), _one_format({row[3] for row in rows}))
 
 
 def _all_say(flags: set[str | None]) -> bool | None:
     """False if a live worker says no, True if every one says yes, else None
     (one does not say: a worker older than the field)."""
     return False if "0" in flags else (True if flags == {"1"} else None)
+
+
+def _one_format(formats: set[str | None]) -> str | None:
+    """The tool-call format all live workers share; "" if one takes no tools,
+    "other" if they differ (no one parser fits every answer), None if one
+    does not say."""
+    if None in formats:
+        return None
+    if len(formats) == 1:
+        return next(iter(formats))
+    return "" if "" in formats else "other"
 
 
 async def served_queues(client: Any) -> list[Served]:

@@ -140,9 +140,38 @@ def choice_seed(seed: int, choice_index: int) -> int:
     return int.from_bytes(digest, "little") >> 1
 
 
+class ToolFunctionCall(_Wire):
+    name: str = Field(min_length=1)
+    arguments: dict[str, Any]  # an object, as chat templates render it
+
+
+class ToolCallMessage(_Wire):
+    """A call an assistant made earlier in the conversation (tool history)."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: ToolFunctionCall
+
+
 class ChatMessage(_Wire):
     role: Literal["system", "user", "assistant", "tool"]
     content: str
+    # Tool history, for a chat template that takes tools (its worker refuses it
+    # otherwise): an assistant's calls, and the result a tool message answers.
+    tool_calls: list[ToolCallMessage] | None = None
+    tool_call_id: str | None = None
+
+    @model_validator(mode="after")
+    def _tool_fields_by_role(self) -> ChatMessage:
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError("tool_calls belong to assistant messages only")
+        if (self.role == "tool") != (self.tool_call_id is not None):
+            raise ValueError("a tool message needs tool_call_id, and only a tool message has one")
+        return self
+
+    @property
+    def is_tool_history(self) -> bool:
+        return self.role == "tool" or bool(self.tool_calls)
 
 
 Priority = Literal["high", "normal", "low"]
@@ -175,6 +204,9 @@ class GenerationRequest(_Wire):
     tenant: str | None = None
     structured_output: StructuredOutput | None = Field(
         default=None, description="what the text must be (a JSON schema, a regex, ...)")
+    # OpenAI's tools (``{"type": "function", "function": {...}}``), rendered by
+    # the chat template so the model may call them (``tool_choice`` "auto").
+    tools: list[dict[str, Any]] | None = None
 
     @field_validator("model")
     @classmethod
@@ -209,6 +241,14 @@ class GenerationRequest(_Wire):
             )
         return value
 
+    @field_validator("tools")
+    @classmethod
+    def _tools_are_json(cls, value: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
+        problem = None if value is None else json_problem(value, "tools")
+        if problem:
+            raise ValueError(f"{problem}; tools must be JSON, as OpenAI's function tools are")
+        return value
+
     @model_validator(mode="after")
     def _one_input_within_limits(self, info: ValidationInfo) -> GenerationRequest:
         limits = _limits(info)
@@ -224,6 +264,8 @@ class GenerationRequest(_Wire):
             raise ValueError("prompt is empty")
         if self.messages is not None and not self.messages:
             raise ValueError("messages is empty")
+        if self.tools is not None and self.messages is None:
+            raise ValueError("tools need messages: the model's chat template renders them")
         chars = (len(self.prompt or "") + len(self.suffix or "")
                  + sum(len(m.content) for m in self.messages or []))
         if chars > limits.max_prompt_chars:

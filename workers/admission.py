@@ -17,6 +17,7 @@ from tokenfleet.shared.schemas import GenerationRequest, QueueEntry
 from tokenfleet.shared.settings import Settings
 from tokenfleet.workers.detokenizer import TextStream
 from tokenfleet.workers.fim import fim_format
+from tokenfleet.workers.tool_template import takes_tools, tool_format
 from tokenfleet.workers.sequence import Sequence
 
 
@@ -43,6 +44,7 @@ class Admission:
         self.limits = worker_limits(settings, max_model_len)
         self._encode = _fast_encoder(tokenizer)
         self.fim = fim_format(tokenizer)
+        self.tool_format = tool_format(tokenizer)
 
     @property
     def has_chat_template(self) -> bool:
@@ -53,10 +55,7 @@ class Admission:
         if request.messages is not None:
             if not self.has_chat_template:
                 raise Rejected("this model has no chat template: send a prompt, not messages")
-            messages = [m.model_dump() for m in request.messages]
-            ids = self.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=True, tokenize=True, return_dict=False
-            )
+            ids = self.render_chat(request)
         elif request.prompt_token_ids is not None:
             # Given as ids, they skip the tokenizer: checked here, before any
             # engine sees one (an id past the embedding crashes the whole step).
@@ -78,6 +77,21 @@ class Admission:
             raise Rejected(str(LimitExceeded("prompt_tokens", len(ids), limit.value,
                                              limit.by, limit.why)))
         return ids
+
+    def render_chat(self, request: GenerationRequest) -> list[int]:
+        """The token ids of ``request.messages`` through the chat template, its
+        tools and tool history included (for a template that takes them)."""
+        messages = request.messages or []
+        if (request.tools or any(m.is_tool_history for m in messages)) and not takes_tools(
+                self.tool_format):
+            raise Rejected("this model's chat template takes no tools: send tool results and "
+                           "calls as user and assistant text, or serve a model whose template "
+                           "renders tools")
+        # Unset tool fields left out: a template tests whether they are defined.
+        dumped = [m.model_dump(exclude_none=True) for m in messages]
+        return list(self.tokenizer.apply_chat_template(
+            dumped, tools=request.tools, add_generation_prompt=True, tokenize=True,
+            return_dict=False))
 
     def sequence(self, entry: QueueEntry, entry_id: str, attempt: int) -> Sequence:
         request = entry.request

@@ -531,6 +531,7 @@ class Worker:
             "queue": self.queue, "model": self.model_name, "device": self.settings.device,
             "chat": int(self.feeder.admission.has_chat_template),  # for the gateway's chat
             "fim": int(self.feeder.admission.fim is not None),  # and its suffix
+            "tools": self.feeder.admission.tool_format,  # and its tool_choice "auto"
             "max_batch": self.max_batch, "prefetch": self.settings.prefetch,
             "running": self.engine.num_running, "waiting": self.engine.num_waiting,
             "draining": int(self.feeder.paused.is_set() or self._stop_intake.is_set()),
