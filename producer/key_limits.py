@@ -14,6 +14,8 @@ from __future__ import annotations
 import contextlib
 import math
 import uuid
+from collections.abc import Coroutine
+from typing import Any
 
 from fastapi import Request
 from redis.exceptions import RedisError
@@ -88,10 +90,15 @@ class KeyLimits:
         self.client = client
         self.settlement = Settlement(client)
 
-    async def peek(self, scope: Scope, key: ApiKey) -> None:
-        """The key's headers on a request that submits nothing (counted nowhere)."""
+    def peek(self, scope: Scope, key: ApiKey) -> Coroutine[Any, Any, None] | None:
+        """The read of the key's headers for a request that submits nothing
+        (counted nowhere); None for one that submits: ``submit`` counts it and
+        sets them, and no task is made for nothing on the submit's path."""
         if scope["method"] == "POST" and scope["path"] in SUBMITTING:
-            return  # ``submit`` counts it and sets them
+            return None
+        return self._peek(scope, key)
+
+    async def _peek(self, scope: Scope, key: ApiKey) -> None:
         state = await self._take(key, "-", requests=0, tokens=0)
         scope.setdefault("state", {})["rate_headers"] = rate_headers(key, state)
 
@@ -124,10 +131,13 @@ class KeyLimits:
             raise
         if reservation is not None:
             # The job takes the reservation's place: added first, so the count
-            # never dips below the jobs there are.
+            # never dips below the jobs there are. One round trip: a pipeline
+            # on one connection runs its commands in order.
             jobs = self.client.keys.tenant_jobs(key.tenant)
-            await self.client.redis.zadd(jobs, {job_id: await self._now()})
-            await self.client.redis.zrem(jobs, reservation)
+            pipe = self.client.redis.pipeline(transaction=False)
+            pipe.zadd(jobs, {job_id: await self._now()})
+            pipe.zrem(jobs, reservation)
+            await pipe.execute()
         if tokens or reservation is not None:
             self.settlement.watch(job_id, Charge(
                 key_id=key.key_id, tenant=key.tenant, request_id=request_id, tokens=tokens,
