@@ -119,8 +119,14 @@ class KeyLimits:
             state = await self._take(key, request_id, requests=1, tokens=tokens)
             request.state.rate_headers = rate_headers(key, state)
             _refuse(key, state, tokens)
-        reservation = (await self._reserve(key.tenant, key.max_queued)
-                       if key.max_queued is not None else None)
+        try:
+            reservation = (await self._reserve(key.tenant, key.max_queued)
+                           if key.max_queued is not None else None)
+        except TenantQueueFull:
+            # Refused: its tokens are given back, as below (the request stays counted).
+            with contextlib.suppress(RedisError, OSError):
+                await self._undo(key, request_id, tokens, None)
+            raise
         try:
             job_id = await self.client.submit(job)
         except Exception:

@@ -102,3 +102,16 @@ def test_every_named_reason_is_one_of_a_counted_status() -> None:
     for refusal, reason in REASONS.items():
         assert reason_of(refusal.status, refusal) == reason
     assert reason_of(404, None) is None and reason_of(401, None) is None
+
+
+def test_a_tenant_queue_full_refusal_gives_its_tokens_back(fleet: dict[str, Any]) -> None:
+    key, _ = fleet["make_key"]("initech", tpm=1000, max_queued=1)
+    http = fleet["http"]
+    first = submit(http, key, sampling={"max_new_tokens": 10})
+    assert first.status_code == 202
+    left = first.headers["x-ratelimit-remaining-tokens"]
+    assert submit(http, key, sampling={"max_new_tokens": 10}).status_code == 429
+    # Nothing was enqueued: the tpm budget is where the first request left it.
+    now = http.get("/v1/models", headers={"Authorization": f"Bearer {key}"})
+    assert now.headers["x-ratelimit-remaining-tokens"] == left
+    exported_with(fleet, refusals("initech", "tenant_queue_full", 1))
