@@ -67,7 +67,7 @@ async def announce(mode: str, book: KeyBook) -> None:
 
 # What the app gives the middleware (see ``Authenticate.__init__``).
 ErrorFor = Callable[[Scope, str], Response]
-Peek = Callable[[Scope, ApiKey], Awaitable[None]]
+Peek = Callable[[Scope, ApiKey], Awaitable[None] | None]
 Failed = Callable[[Scope, Exception], Awaitable[Response]]
 
 
@@ -78,7 +78,8 @@ class Authenticate:
     def __init__(self, app: ASGIApp, *, mode: str, error: ErrorFor, peek: Peek,
                  failed: Failed) -> None:
         # ``error(scope, message)``: the 401 in the path's error shape;
-        # ``peek(scope, key)``: the rate headers of a route that counts nothing;
+        # ``peek(scope, key)``: the read of the rate headers of a route that
+        # counts nothing (None for one that counts: it sets them itself);
         # ``failed(scope, exc)``: the app's answer to an error reading the keys
         # (Redis down: a 503), which its exception handlers, inside this
         # middleware, never see.
@@ -136,10 +137,11 @@ class Authenticate:
             return self.error(scope, INCORRECT)
         state = scope.setdefault("state", {})
         state["api_key"] = key
-        if key.limited:
+        reading = self.peek(scope, key) if key.limited else None
+        if reading is not None:
             # Read while the route runs: its headers are wanted only when the
             # response starts, so the read adds no round trip of its own.
-            state["peeking"] = asyncio.ensure_future(self.peek(scope, key))
+            state["peeking"] = asyncio.ensure_future(reading)
         return None
 
 

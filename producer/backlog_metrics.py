@@ -16,6 +16,8 @@ that runs whatever the pool's size. The gauges, per queue (``queue`` label, the
 - ``tokenfleet_queue_live_workers{queue}``: workers whose heartbeat counts;
 - ``tokenfleet_queue_min_workers{queue}``: a declared queue's floor.
 
+Beside them, each tenant's refusals at the gateways (``tokenfleet.tenant_refusals``).
+
 Every declared queue has its series even when nothing was ever queued, so a
 query for it reads 0, not an empty result (which KEDA's Prometheus scaler
 takes for an error unless told to ignore it).
@@ -34,6 +36,7 @@ from tokenfleet.shared.clock import redis_now
 from tokenfleet.shared.declared import declared_queues
 from tokenfleet.shared.keys import Keys, level_queue
 from tokenfleet.shared.liveness import live_since
+from tokenfleet.tenant_refusals import TenantRefusals
 
 
 class QueueBacklog(Collector):
@@ -93,8 +96,9 @@ def _families(jobs: dict[tuple[str, str], int], tokens: dict[str, int],
 
 
 def registry(redis: Any, keys: Keys) -> CollectorRegistry:
-    """A registry holding only the queue gauges (no process metrics: the
-    exporter's own are of no use to a scaler)."""
+    """A registry holding only the queue gauges and the tenants' refusals (no
+    process metrics: the exporter's own are of no use to a scaler)."""
     found = CollectorRegistry(auto_describe=False)
     found.register(QueueBacklog(redis, keys))
+    found.register(TenantRefusals(redis, keys))
     return found

@@ -72,6 +72,7 @@ from tokenfleet.shared.ownership import owns
 from tokenfleet.shared.redis_pool import PoolBound
 from tokenfleet.shared.schemas import GenerationRequest, JobState
 from tokenfleet.shared.settings import Settings, get_settings
+from tokenfleet.tenant_refusals import CountRefusals, note
 from tokenfleet.timeouts import BodyDeadline, BodyTimeout, head_deadline_protocol
 
 log = logging.getLogger("tokenfleet.gateway")
@@ -162,6 +163,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.include_router(router)
     app.include_router(health_router)
     app.add_middleware(BodyDeadline, timeout_s=settings.body_timeout_s)
+    app.add_middleware(CountRefusals)  # inside Authenticate: it reads the key it set
     app.add_middleware(
         Authenticate, mode=settings.gateway_auth,
         error=lambda scope, message: unauthorized(_openai_path(scope["path"]), message),
@@ -230,6 +232,7 @@ def _openai_path(path: str) -> bool:
 def _error(request: Request, refusal: Refusal, message: str, *, param: str | None = None,
            headers: dict[str, str] | None = None) -> Response:
     """An error in the shape the endpoint's clients expect: OpenAI's or FastAPI's."""
+    note(request.state, refusal)  # the reason a tenant's refusal is counted under
     if _openai_path(request.url.path):
         return refusal.response(message, param=param, headers=headers)
     return JSONResponse({"detail": message}, status_code=refusal.status,

@@ -14,6 +14,8 @@ from __future__ import annotations
 import contextlib
 import math
 import uuid
+from collections.abc import Coroutine
+from typing import Any
 
 from fastapi import Request
 from redis.exceptions import RedisError
@@ -88,10 +90,15 @@ class KeyLimits:
         self.client = client
         self.settlement = Settlement(client)
 
-    async def peek(self, scope: Scope, key: ApiKey) -> None:
-        """The key's headers on a request that submits nothing (counted nowhere)."""
+    def peek(self, scope: Scope, key: ApiKey) -> Coroutine[Any, Any, None] | None:
+        """The read of the key's headers for a request that submits nothing
+        (counted nowhere); None for one that submits: ``submit`` counts it and
+        sets them, and no task is made for nothing on the submit's path."""
         if scope["method"] == "POST" and scope["path"] in SUBMITTING:
-            return  # ``submit`` counts it and sets them
+            return None
+        return self._peek(scope, key)
+
+    async def _peek(self, scope: Scope, key: ApiKey) -> None:
         state = await self._take(key, "-", requests=0, tokens=0)
         scope.setdefault("state", {})["rate_headers"] = rate_headers(key, state)
 
@@ -112,8 +119,14 @@ class KeyLimits:
             state = await self._take(key, request_id, requests=1, tokens=tokens)
             request.state.rate_headers = rate_headers(key, state)
             _refuse(key, state, tokens)
-        reservation = (await self._reserve(key.tenant, key.max_queued)
-                       if key.max_queued is not None else None)
+        try:
+            reservation = (await self._reserve(key.tenant, key.max_queued)
+                           if key.max_queued is not None else None)
+        except TenantQueueFull:
+            # Refused: its tokens are given back, as below (the request stays counted).
+            with contextlib.suppress(RedisError, OSError):
+                await self._undo(key, request_id, tokens, None)
+            raise
         try:
             job_id = await self.client.submit(job)
         except Exception:
@@ -124,10 +137,13 @@ class KeyLimits:
             raise
         if reservation is not None:
             # The job takes the reservation's place: added first, so the count
-            # never dips below the jobs there are.
+            # never dips below the jobs there are. One round trip: a pipeline
+            # on one connection runs its commands in order.
             jobs = self.client.keys.tenant_jobs(key.tenant)
-            await self.client.redis.zadd(jobs, {job_id: await self._now()})
-            await self.client.redis.zrem(jobs, reservation)
+            pipe = self.client.redis.pipeline(transaction=False)
+            pipe.zadd(jobs, {job_id: await self._now()})
+            pipe.zrem(jobs, reservation)
+            await pipe.execute()
         if tokens or reservation is not None:
             self.settlement.watch(job_id, Charge(
                 key_id=key.key_id, tenant=key.tenant, request_id=request_id, tokens=tokens,

@@ -268,6 +268,13 @@ class Keys:
         return f"{self.namespace}:tenant:{{{tenant}}}:jobs"
 
     @property
+    def tenant_refusals(self) -> str:
+        """Hash: '<tenant>:<reason>' -> requests of the tenant the gateways refused
+        for that reason (``tenant_refusals``: a counter, never reset; a tenant
+        name has no ':'). One key, so the exporter reads every count at once."""
+        return f"{self.namespace}:refusals"
+
+    @property
     def cancels(self) -> str:
         """Pub/sub channel: ids of running jobs whose cancel was asked for."""
         return f"{self.namespace}:cancels"

@@ -97,7 +97,7 @@ def delete(name: str, redis_url: str | None) -> None:
 @redis_option
 def metrics_exporter(host: str, port: int, redis_url: str | None) -> None:
     """Serve every queue's backlog from Redis as Prometheus metrics (/metrics): what a
-    KEDA ScaledObject scales a pool on, workers or none."""
+    KEDA ScaledObject scales a pool on, workers or none; and each tenant's refusals."""
     from tokenfleet.workers.preflight import need_extra, need_free_port
 
     need_extra("metrics-exporter", "exporter")
