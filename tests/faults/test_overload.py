@@ -78,16 +78,19 @@ def test_ten_times_the_fleet_rate_for_30s(
     t0 = time.monotonic()
     next_sample = 0.0
     while (elapsed := time.monotonic() - t0) < DURATION_S:
-        while len(accepted) + refused < offered_rate * elapsed:
+        # One submit a turn, so that memory is sampled every second even where
+        # submits are slower than the offered rate (a loaded machine).
+        if len(accepted) + refused < offered_rate * elapsed:
             try:
                 accepted.append(client.submit(f"load {len(accepted)}", max_new_tokens=8))
             except QueueFull:
                 refused += 1
+        else:
+            time.sleep(0.005)  # pacing of the offered load, not synchronisation
         if elapsed >= next_sample:
             memory.append((elapsed, r.info("memory")["used_memory"] / 2**20,
                            rss_mb(worker.proc.pid)))
             next_sample += 1.0
-        time.sleep(0.005)  # pacing of the offered load, not synchronisation
     wait_until(lambda: all(j in tally.ended for j in accepted), timeout=120,
                what="every accepted job to end")
     tally.close()
