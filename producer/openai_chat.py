@@ -35,17 +35,8 @@ from pydantic import (
 from tokenfleet import sse
 from tokenfleet.aio import AsyncFleetClient
 from tokenfleet.key_limits import submit_as_caller
-from tokenfleet.openai_compat import (
-    PARAMS,
-    Sampling,
-    chunks,
-    finish,
-    invalid,
-    logged,
-    refusal,
-    succeeded,
-    usage,
-)
+from tokenfleet.openai_answer import chunks, finish, logged, succeeded, usage
+from tokenfleet.openai_compat import PARAMS, Sampling, invalid, refusal
 from tokenfleet.openai_errors import INVALID_VALUE, NO_CHAT_TEMPLATE, UNSUPPORTED
 from tokenfleet.openai_logprobs import chat_logprobs
 from tokenfleet.openai_structured import Refused, ToolCall, asks_auto, requested, tool_call

@@ -1,6 +1,6 @@
 """The n jobs of one OpenAI request (``n`` choices): waited for together, and
 their streams merged into one, each batch of events tagged with its choice's
-index. Nothing here formats a response: ``tokenfleet.openai_compat`` does.
+index. Nothing here formats a response: ``tokenfleet.openai_answer`` does.
 """
 
 from __future__ import annotations
