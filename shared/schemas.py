@@ -80,6 +80,9 @@ class SamplingParams(_Wire):
         default_factory=dict, description="token id: a bias from -100 to 100 added to its logit")
     min_p: FloatNotBool = Field(default=0.0, ge=0.0, le=1.0,
                          description="drop tokens below min_p times the likeliest one's probability")
+    logprobs: IntNotBool | None = Field(
+        default=None, ge=0, le=MAX_TOP_LOGPROBS,
+        description="report each token's log probability and this many likeliest alternatives")
     # Which choice of an n-choice request this job is: with a seed, choice i
     # draws with choice_seed(seed, i), so it is the same as the single request
     # with that seed and choice_index (choice 0 is the plain seeded request).
@@ -89,9 +92,6 @@ class SamplingParams(_Wire):
     def draw_seed(self) -> int | None:
         """The seed this job's draws use (:func:`choice_seed`), None when unseeded."""
         return None if self.seed is None else choice_seed(self.seed, self.choice_index)
-    logprobs: IntNotBool | None = Field(
-        default=None, ge=0, le=MAX_TOP_LOGPROBS,
-        description="report each token's log probability and this many likeliest alternatives")
 
     @field_validator("logit_bias")
     @classmethod

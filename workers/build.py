@@ -106,7 +106,12 @@ def build_hf(settings: Settings) -> BuiltEngine:
     settings = budget.apply(settings, budget.resolve(settings, model, runner.max_model_len,
                                                      rows_at_longest=runner.rows_at_longest))
     engine = hf_engine(settings, runner, runner.eos_token_ids, runner.max_model_len)
-    engine.grammars = grammars(tokenizer, runner.vocab_size, runner.eos_token_ids)
+    if isinstance(runner, NullRunner):
+        # It makes a fixed token without sampling: no log probabilities to report
+        # (such jobs are refused, naming the field), no logits to mask.
+        engine.reports_logprobs = False
+    else:
+        engine.grammars = grammars(tokenizer, runner.vocab_size, runner.eos_token_ids)
     return BuiltEngine(engine, tokenizer, settings)
 
 

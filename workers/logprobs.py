@@ -58,8 +58,10 @@ def wire(seq: Sequence, token_ids: list[int], made: list[Logprobs | None]) -> li
     """The log probabilities of ``seq``'s tokens ``token_ids`` as one event of
     its log holds them; None when the job did not ask (or, which an engine
     that reports them never does, a token came without them)."""
+    if seq.sampling.logprobs is None:
+        return None
     values = [lp for lp in made if lp is not None]
-    if seq.sampling.logprobs is None or len(values) != len(token_ids):
+    if len(values) != len(token_ids):
         return None
     tokenizer = seq.text.tokenizer
     return [lp.wire(token_id, tokenizer) for token_id, lp in zip(token_ids, values)]
