@@ -16,7 +16,8 @@ that runs whatever the pool's size. The gauges, per queue (``queue`` label, the
 - ``tokenfleet_queue_live_workers{queue}``: workers whose heartbeat counts;
 - ``tokenfleet_queue_min_workers{queue}``: a declared queue's floor.
 
-Beside them, each tenant's refusals at the gateways (``tokenfleet.tenant_refusals``).
+Beside them, each tenant's refusals at the gateways, as the gateways count
+them (``tokenfleet.tenant_refusals``): ``tokenfleet_tenant_refusals_total{tenant, reason}``.
 
 Every declared queue has its series even when nothing was ever queued, so a
 query for it reads 0, not an empty result (which KEDA's Prometheus scaler
@@ -28,7 +29,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector, CollectorRegistry
 
 from tokenfleet.fleet import level_streams, queue_models
@@ -36,7 +37,6 @@ from tokenfleet.shared.clock import redis_now
 from tokenfleet.shared.declared import declared_queues
 from tokenfleet.shared.keys import Keys, level_queue
 from tokenfleet.shared.liveness import live_since
-from tokenfleet.tenant_refusals import TenantRefusals
 
 
 class QueueBacklog(Collector):
@@ -102,3 +102,27 @@ def registry(redis: Any, keys: Keys) -> CollectorRegistry:
     found.register(QueueBacklog(redis, keys))
     found.register(TenantRefusals(redis, keys))
     return found
+
+
+class TenantRefusals(Collector):
+    """``tokenfleet_tenant_refusals_total{tenant, reason}``, read at each scrape."""
+
+    def __init__(self, redis: Any, keys: Keys) -> None:
+        self.redis, self.keys = redis, keys
+
+    def describe(self) -> list[CounterMetricFamily]:
+        return [_refusals()]
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        family = _refusals()
+        counts = self.redis.hgetall(self.keys.tenant_refusals)
+        for name, count in sorted(counts.items()):
+            tenant, _, reason = name.decode().partition(":")
+            family.add_metric([tenant, reason], int(count))
+        yield family
+
+
+def _refusals() -> CounterMetricFamily:
+    return CounterMetricFamily(
+        "tokenfleet_tenant_refusals", "Requests of the tenant (an API key's) the gateways "
+        "refused, by reason", labels=["tenant", "reason"])

@@ -1,6 +1,7 @@
 """The requests each tenant was refused, by reason, counted fleet-wide in Redis:
 written by every gateway (``CountRefusals``), read by ``tokenfleet
-metrics-exporter`` as ``tokenfleet_tenant_refusals_total{tenant, reason}``.
+metrics-exporter`` as ``tokenfleet_tenant_refusals_total{tenant, reason}``
+(``tokenfleet.backlog_metrics``: the gateway itself needs no Prometheus client).
 
 Only a request that came with an API key is counted (its key names the
 tenant; the key itself is never a label, nor its id). The reasons:
@@ -22,11 +23,8 @@ background tasks: a refused request waits for no write of its own.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
 from typing import Any
 
-from prometheus_client.core import CounterMetricFamily
-from prometheus_client.registry import Collector
 from redis.exceptions import RedisError
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -34,7 +32,6 @@ from tokenfleet.aio import AsyncFleetClient
 from tokenfleet.openai_errors import (OVER_TOKEN_RATE, QUEUE_FULL, QUEUE_NOT_ALLOWED,
                                       RATE_LIMITED, REDIS_BUSY, REDIS_DOWN,
                                       TENANT_QUEUE_FULL, TOKEN_RATE_LIMITED, Refusal)
-from tokenfleet.shared.keys import Keys
 
 log = logging.getLogger("tokenfleet.gateway")
 
@@ -102,27 +99,3 @@ async def _count(fleet: AsyncFleetClient, name: str) -> None:
     except (RedisError, OSError, TimeoutError) as exc:
         # A count lost to Redis being away; the refusal itself was answered.
         log.info("a refusal (%s) was not counted: %s", name, type(exc).__name__)
-
-
-class TenantRefusals(Collector):
-    """``tokenfleet_tenant_refusals_total{tenant, reason}``, read at each scrape."""
-
-    def __init__(self, redis: Any, keys: Keys) -> None:
-        self.redis, self.keys = redis, keys
-
-    def describe(self) -> list[CounterMetricFamily]:
-        return [_family()]
-
-    def collect(self) -> Iterator[CounterMetricFamily]:
-        family = _family()
-        counts = self.redis.hgetall(self.keys.tenant_refusals)
-        for name, count in sorted(counts.items()):
-            tenant, _, reason = name.decode().partition(":")
-            family.add_metric([tenant, reason], int(count))
-        yield family
-
-
-def _family() -> CounterMetricFamily:
-    return CounterMetricFamily(
-        "tokenfleet_tenant_refusals", "Requests of the tenant (an API key's) the gateways "
-        "refused, by reason", labels=["tenant", "reason"])
