@@ -235,6 +235,22 @@ class Keys:
         A key is the queue's: the same key on two queues names two jobs."""
         return f"{self.namespace}:idem:{{{model}}}:{key}"
 
+    def file(self, file_id: str) -> str:
+        """Hash: one uploaded or made file's record (``producer/files.py``); its
+        bytes live in the file store (``TOKENFLEET_FILES_URL``), never in Redis."""
+        return f"{self.namespace}:file:{file_id}"
+
+    @property
+    def files(self) -> str:
+        """Sorted set: every file id, scored by its creation time (for listing)."""
+        return f"{self.namespace}:files"
+
+    @property
+    def webhook_outbox(self) -> str:
+        """Stream: webhook events waiting for delivery (``shared/webhook_outbox.py``);
+        a consumer group of deliverers reads it, so an event survives a crash."""
+        return f"{self.namespace}:webhooks:outbox"
+
     def api_key(self, digest: str) -> str:
         """String: one API key's record (``ApiKey`` JSON), under the SHA-256 of
         the key (hex): the key itself is never stored."""

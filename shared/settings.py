@@ -201,6 +201,22 @@ class Settings(BaseSettings):
         "Gateway: seconds a gateway keeps what it read of an API key; a new or revoked key holds "
         "on every gateway within this time."))
 
+    # Batches (the OpenAI Files and Batch API): where uploaded files and batch
+    # outputs live. Redis holds a batch's state and counters, never its JSONL.
+    files_url: str = Field(default="file:///var/lib/tokenfleet/files", description=(
+        "Where uploaded files and batch outputs live: file:///dir (a shared volume for several "
+        "gateways) or s3://bucket/prefix (S3-compatible object storage)."))
+    batch_window: int = Field(default=256, ge=1, le=50_000, description=(
+        "The most lines of one batch queued or running at once; the rest wait in its file."))
+    # Webhooks, signed as Standard Webhooks (webhook-id, webhook-timestamp,
+    # webhook-signature: HMAC-SHA256 with the secret).
+    webhook_url: str = Field(default="", description=(
+        "Where batch events (batch.completed, batch.failed, batch.expired, batch.cancelled) "
+        "are delivered; empty: nowhere, unless a batch or a job names its own."))
+    webhook_secret: str = Field(default="", description=(
+        "The Standard Webhooks signing secret (whsec_<base64>, or any string); required when a "
+        "webhook URL is set."))
+
     # Reliability.
     max_attempts: int = Field(default=3, ge=1, description=(
         "How many times a job may be started before it ends failed and goes to the dead letters."))

@@ -1,0 +1,185 @@
+"""Files: OpenAI's file objects, their bytes in the file store and their records in Redis.
+
+A file's bytes go to the store (``shared/file_store.py``) as they arrive, never
+held whole; its record (``<ns>:file:<id>``, a hash) holds what OpenAI's file
+object shows plus its tenant. Uploads are checked while they stream: a file
+over the limits is refused with the limit named, and nothing of it is kept.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+import time
+from collections.abc import AsyncIterable, Iterable, Iterator
+from typing import Any, Literal
+
+from pydantic import BaseModel
+
+from tokenfleet.shared.errors import InvalidRequest
+from tokenfleet.shared.file_store import FileStore
+from tokenfleet.shared.keys import Keys
+from tokenfleet.shared.ownership import tenant_or_default
+
+# OpenAI's limits on a batch's input file.
+MAX_FILE_BYTES = 200 * 1000 * 1000
+MAX_BATCH_LINES = 50_000
+
+Purpose = Literal["batch", "batch_output"]
+PURPOSES: tuple[str, ...] = ("batch", "batch_output")
+
+
+class FileObject(BaseModel):
+    """OpenAI's file object (``GET /v1/files/{id}``)."""
+
+    id: str
+    object: Literal["file"] = "file"
+    bytes: int
+    created_at: int
+    filename: str
+    purpose: str
+    status: Literal["processed"] = "processed"
+    expires_at: int | None = None
+
+
+def new_file_id() -> str:
+    return f"file-{secrets.token_hex(12)}"
+
+
+def store_name(file_id: str) -> str:
+    """Where a file's bytes live in the store."""
+    return f"files/{file_id}"
+
+
+class _Checked:
+    """Counts a stream of chunks as it passes, refusing it past the limits."""
+
+    def __init__(self, purpose: str, max_bytes: int, max_lines: int) -> None:
+        self.purpose, self.max_bytes, self.max_lines = purpose, max_bytes, max_lines
+        self.size = 0
+        self.lines = 0
+        self._last = b"\n"
+
+    def check(self, chunk: bytes) -> bytes:
+        self.size += len(chunk)
+        if self.size > self.max_bytes:
+            raise InvalidRequest(
+                f"file: over {self.max_bytes} bytes, the most a file may hold")
+        if chunk:
+            self.lines += chunk.count(b"\n")
+            self._last = chunk[-1:]
+            if self.purpose == "batch" and self.lines > self.max_lines:
+                raise InvalidRequest(
+                    f"file: over {self.max_lines} lines, the most requests a batch may hold")
+        return chunk
+
+    def finish(self) -> None:
+        # A last line without its newline is a line too.
+        if self._last != b"\n" and self.purpose == "batch" and self.lines + 1 > self.max_lines:
+            raise InvalidRequest(
+                f"file: over {self.max_lines} lines, the most requests a batch may hold")
+
+
+def _record(file: FileObject, tenant: str | None) -> dict[str, str]:
+    return {"object": file.model_dump_json(), "tenant": tenant_or_default(tenant)}
+
+
+def write_file(store: FileStore, chunks: Iterable[bytes], *, filename: str, purpose: str,
+               max_bytes: int = MAX_FILE_BYTES, max_lines: int = MAX_BATCH_LINES) -> FileObject:
+    """Stream ``chunks`` into the store under a new id (blocking: run it in a
+    thread from a coroutine). Nothing is registered yet: ``register`` does that."""
+    if purpose not in PURPOSES:
+        raise InvalidRequest(f"purpose: must be one of {', '.join(PURPOSES)}, got {purpose!r}")
+    checked = _Checked(purpose, max_bytes, max_lines)
+    file_id = new_file_id()
+
+    def passing() -> Iterator[bytes]:
+        for chunk in chunks:
+            yield checked.check(chunk)
+        checked.finish()
+
+    try:
+        size = store.put(store_name(file_id), passing())
+    except InvalidRequest:
+        store.delete(store_name(file_id))
+        raise
+    return FileObject(id=file_id, bytes=size, created_at=int(time.time()),
+                      filename=filename, purpose=purpose)
+
+
+async def register(client: Any, keys: Keys, file: FileObject, tenant: str | None) -> None:
+    """Record a written file, so that it can be read, listed and deleted."""
+    pipe = client.pipeline(transaction=False)
+    pipe.hset(keys.file(file.id), mapping=_record(file, tenant))
+    pipe.zadd(keys.files, {file.id: file.created_at})
+    await pipe.execute()
+
+
+async def create_file(client: Any, keys: Keys, store: FileStore,
+                      chunks: AsyncIterable[bytes] | Iterable[bytes], *, filename: str,
+                      purpose: str, tenant: str | None) -> FileObject:
+    """Upload: stream ``chunks`` into the store, then record the file."""
+    if isinstance(chunks, AsyncIterable):
+        # The store is blocking; an async body is pulled chunk by chunk from its loop.
+        loop = asyncio.get_running_loop()
+        source = chunks.__aiter__()
+
+        def pulled() -> Iterator[bytes]:
+            while True:
+                try:
+                    yield asyncio.run_coroutine_threadsafe(
+                        source.__anext__(), loop).result()  # type: ignore[arg-type]
+                except StopAsyncIteration:
+                    return
+
+        blocking: Iterable[bytes] = pulled()
+    else:
+        blocking = chunks
+    file = await asyncio.to_thread(write_file, store, blocking, filename=filename,
+                                   purpose=purpose)
+    await register(client, keys, file, tenant)
+    return file
+
+
+async def get_file(client: Any, keys: Keys, file_id: str,
+                   tenant: str | None) -> FileObject | None:
+    """The file, or None when there is none or it is another tenant's."""
+    record = await client.hgetall(keys.file(file_id))
+    if not record:
+        return None
+    record = {_text(k): _text(v) for k, v in record.items()}
+    if record.get("tenant") != tenant_or_default(tenant):
+        return None
+    return FileObject.model_validate_json(record["object"])
+
+
+async def list_files(client: Any, keys: Keys, tenant: str | None, *, purpose: str | None = None,
+                     limit: int = 10_000) -> list[FileObject]:
+    """The tenant's files, newest first."""
+    ids = await client.zrevrange(keys.files, 0, -1)
+    found: list[FileObject] = []
+    for file_id in ids:
+        file = await get_file(client, keys, _text(file_id), tenant)
+        if file is not None and (purpose is None or file.purpose == purpose):
+            found.append(file)
+            if len(found) >= limit:
+                break
+    return found
+
+
+async def delete_file(client: Any, keys: Keys, store: FileStore, file_id: str,
+                      tenant: str | None) -> bool:
+    """Delete the tenant's file: its record first (so nobody reads a file being
+    removed), then its bytes. False when there was none to delete."""
+    if await get_file(client, keys, file_id, tenant) is None:
+        return False
+    pipe = client.pipeline(transaction=False)
+    pipe.delete(keys.file(file_id))
+    pipe.zrem(keys.files, file_id)
+    await pipe.execute()
+    await asyncio.to_thread(store.delete, store_name(file_id))
+    return True
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value

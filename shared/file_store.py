@@ -1,0 +1,119 @@
+"""Where uploaded files and batch outputs live: a directory or S3-compatible storage.
+
+Redis holds a batch's state and counters; the JSONL itself (up to 200 MB a
+file) lives here, named by the store's callers (``files/<file id>``,
+``batches/<batch id>/...``). The store is synchronous (object storage clients
+are); async callers run it in a thread. Writes take an iterable of chunks, so
+a file is never held whole in memory, and reads give one back.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Protocol
+from urllib.parse import unquote, urlsplit
+
+READ_CHUNK = 1 << 20
+
+
+class FileStore(Protocol):
+    """A flat namespace of immutable objects, written whole and read as a stream."""
+
+    def put(self, name: str, chunks: Iterable[bytes]) -> int:
+        """Write ``name`` from ``chunks`` (replacing it whole, never seen half
+        written) and return its size in bytes."""
+        ...
+
+    def read(self, name: str) -> Iterator[bytes]:
+        """The bytes of ``name`` in chunks; FileNotFoundError if there is none."""
+        ...
+
+    def delete(self, name: str) -> None:
+        """Remove ``name``; nothing happens if it is not there."""
+        ...
+
+    def exists(self, name: str) -> bool:
+        ...
+
+
+def read_lines(store: FileStore, name: str) -> Iterator[bytes]:
+    """The lines of ``name`` without their line ends, streamed."""
+    rest = b""
+    for chunk in store.read(name):
+        rest += chunk
+        *lines, rest = rest.split(b"\n")
+        for line in lines:
+            yield line.removesuffix(b"\r")
+    if rest:
+        yield rest.removesuffix(b"\r")
+
+
+class DirectoryStore:
+    """Objects as files under one directory (a shared volume for several gateways).
+
+    A write goes to a temporary file beside its target and is renamed into
+    place, so a reader (or a crash) never sees half a file.
+    """
+
+    def __init__(self, root: str | os.PathLike[str]) -> None:
+        self.root = Path(root)
+
+    def _path(self, name: str) -> Path:
+        parts = name.split("/")
+        if not name or any(p in ("", ".", "..") for p in parts):
+            raise ValueError(f"not a store name: {name!r}")
+        return self.root.joinpath(*parts)
+
+    def put(self, name: str, chunks: Iterable[bytes]) -> int:
+        path = self._path(name)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        size = 0
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".part-")
+        try:
+            with os.fdopen(fd, "wb") as out:
+                for chunk in chunks:
+                    out.write(chunk)
+                    size += len(chunk)
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+        return size
+
+    def read(self, name: str) -> Iterator[bytes]:
+        path = self._path(name)
+        # Opened here, not on the first next(), so a missing file raises at the call.
+        handle = path.open("rb")
+
+        def chunks() -> Iterator[bytes]:
+            with handle:
+                while chunk := handle.read(READ_CHUNK):
+                    yield chunk
+
+        return chunks()
+
+    def delete(self, name: str) -> None:
+        path = self._path(name)
+        if path.is_dir():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
+
+    def exists(self, name: str) -> bool:
+        return self._path(name).is_file()
+
+
+def open_store(url: str) -> FileStore:
+    """The store a ``TOKENFLEET_FILES_URL`` names: ``file:///dir`` or ``s3://bucket/prefix``."""
+    parts = urlsplit(url)
+    if parts.scheme == "file":
+        if parts.netloc not in ("", "localhost"):
+            raise ValueError(f"files_url: a file:// URL names a local directory, got {url!r}")
+        return DirectoryStore(unquote(parts.path))
+    if parts.scheme == "s3":
+        raise ValueError("files_url: s3:// is not available in this build")
+    raise ValueError(f"files_url must be file:///dir or s3://bucket/prefix, got {url!r}")

@@ -1,0 +1,36 @@
+"""The durable outbox of webhook events: a stream every deliverer reads as a group.
+
+An event is added once, where its cause is recorded (a batch's end, a job's),
+and delivered at least once by whichever gateway's deliverer takes it; the
+receiver dedups by the event's ``webhook-id``.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import Awaitable
+from typing import Any, Protocol
+
+from tokenfleet.shared.keys import Keys
+
+
+class _Adds(Protocol):
+    def xadd(self, name: str, fields: dict[str, str]) -> Awaitable[Any] | Any: ...
+
+
+def event_fields(type: str, data: dict[str, Any], url: str | None = None) -> dict[str, str]:
+    """The stream entry of one event: its id (the ``webhook-id`` every attempt
+    carries), its type (``batch.completed``, ...), its JSON payload and, when it
+    has one, the URL it goes to (else the fleet's ``TOKENFLEET_WEBHOOK_URL``)."""
+    fields = {"id": f"msg_{uuid.uuid4().hex}", "type": type,
+              "data": json.dumps(data, separators=(",", ":"))}
+    if url:
+        fields["url"] = url
+    return fields
+
+
+async def add_event(client: _Adds, keys: Keys, type: str, data: dict[str, Any],
+                    url: str | None = None) -> None:
+    """Queue one event for delivery (async Redis client)."""
+    await client.xadd(keys.webhook_outbox, event_fields(type, data, url))  # type: ignore[misc]
