@@ -23,7 +23,7 @@ GROUP = "workers"
 # Priority levels, highest first. Each level of a model has a stream of its own;
 # "normal" keeps the plain queue name, so the stream a KEDA scaler or a dashboard
 # watches by default is <ns>:q:<model>.
-PRIORITIES = ("high", "normal", "low")
+PRIORITIES = ("high", "normal", "low", "batch")
 
 # A queue (model) name. Checked with fullmatch: with re.match and '^...$' a name
 # ending in a newline passed ('$' matches before a final '\n') and its jobs

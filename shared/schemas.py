@@ -174,7 +174,7 @@ class ChatMessage(_Wire):
         return self.role == "tool" or bool(self.tool_calls)
 
 
-Priority = Literal["high", "normal", "low"]
+Priority = Literal["high", "normal", "low", "batch"]
 # A token id as a request gives it: a JSON integer, never a float or a boolean.
 TokenId = Annotated[int, Strict(), Field(ge=0, lt=2**31)]
 

@@ -16,5 +16,6 @@ def test_turns_deal_four_two_one_round_after_round() -> None:
 
 
 def test_a_large_deal_has_every_level_in_it() -> None:
-    assert Turns().deal(7) == {"high": 4, "normal": 2, "low": 1}
+    # The batch level is dealt nothing: it takes only what the live levels leave.
+    assert Turns().deal(7) == {"high": 4, "normal": 2, "low": 1, "batch": 0}
     assert sum(Turns().deal(20).values()) == 20
