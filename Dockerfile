@@ -29,10 +29,11 @@ WORKDIR /app
 COPY deploy/docker/requirements.py /opt/requirements.py
 
 # -- the HTTP gateway and `tokenfleet metrics-exporter` (deploy/kubernetes/components/
-# metrics-exporter): the client, FastAPI, uvicorn, prometheus-client; no torch, no Celery --
+# metrics-exporter): the client, FastAPI, uvicorn, prometheus-client, boto3 (a files store
+# on S3); no torch, no Celery --
 FROM python-base AS gateway
 COPY pyproject.toml ./
-RUN python /opt/requirements.py pyproject.toml gateway exporter > /tmp/requirements.txt \
+RUN python /opt/requirements.py pyproject.toml gateway exporter s3 > /tmp/requirements.txt \
     && pip install --no-cache-dir -r /tmp/requirements.txt
 COPY --from=source /app ./
 RUN pip install --no-cache-dir --no-deps . && rm -rf build
