@@ -9,7 +9,7 @@ data from there: the first as a stream, the second whole but bounded.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterable, AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterable, AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -57,7 +57,7 @@ def boundary_of(content_type: str) -> bytes:
 
 
 async def bounded(body: AsyncIterable[bytes], limit: int,
-                  too_large: Callable[[], Exception]) -> AsyncIterator[bytes]:
+                  too_large: Callable[[], Exception]) -> AsyncGenerator[bytes, None]:
     """``body``, raising ``too_large()`` once more than ``limit`` bytes came."""
     size = 0
     async for chunk in body:
@@ -67,7 +67,8 @@ async def bounded(body: AsyncIterable[bytes], limit: int,
         yield chunk
 
 
-async def form_events(body: AsyncIterable[bytes], boundary: bytes) -> AsyncIterator[Event]:
+async def form_events(body: AsyncIterable[bytes], boundary: bytes
+                      ) -> AsyncGenerator[Event, None]:
     """The events of the form in ``body`` (see the module's docstring)."""
     events: list[Event] = []
     headers: dict[bytes, bytes] = {}
@@ -120,7 +121,7 @@ async def form_events(body: AsyncIterable[bytes], boundary: bytes) -> AsyncItera
         yield event
 
 
-async def part_data(events: AsyncIterator[Event]) -> AsyncIterator[bytes]:
+async def part_data(events: AsyncIterator[Event]) -> AsyncGenerator[bytes, None]:
     """The data of the current part, up to its end."""
     async for event in events:
         if event is PART_END:
