@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import AsyncGenerator
 from typing import Any, cast
 
 from fastapi import APIRouter, Request
@@ -33,7 +34,7 @@ from tokenfleet.openai_errors import FILE_NOT_FOUND, INVALID_VALUE, Refusal
 from tokenfleet.shared.errors import InvalidRequest
 from tokenfleet.shared.file_store import FileStore, store_for
 from tokenfleet.tenant_refusals import note
-from tokenfleet.upload_form import (BodyTooLarge, FormError, Part, boundary_of, bounded,
+from tokenfleet.upload_form import (BodyTooLarge, Event, FormError, Part, boundary_of, bounded,
                                     form_events, part_data, read_field)
 
 router = APIRouter()
@@ -96,15 +97,15 @@ async def upload(request: Request) -> Response:
         # Read the rest, so that the client, still sending, reads this answer.
         whole = await _drain(body)
         message = str(exc)
-        param = message.split(":", 1)[0] if message.startswith(("file", "purpose")) else None
-        return _refuse(request, INVALID_VALUE, message, param=param,
+        return _refuse(request, INVALID_VALUE, message, param=_field_of(message),
                        headers=None if whole else {"Connection": "close"})
     fleet = _fleet(request)
     await files.register(fleet.redis, fleet.keys, file, _tenant(request))
     return JSONResponse(file.model_dump())
 
 
-async def _receive(store: FileStore, events: Any, max_bytes: int, max_lines: int) -> FileObject:
+async def _receive(store: FileStore, events: AsyncGenerator[Event, None], max_bytes: int,
+                   max_lines: int) -> FileObject:
     """The form's file, written to the store; its purpose checked once the form is read
     (a client may send it after the file: then the file is removed if it is wrong)."""
     purpose: str | None = None
@@ -134,6 +135,12 @@ async def _receive(store: FileStore, events: Any, max_bytes: int, max_lines: int
             await asyncio.to_thread(store.delete, files.store_name(file.id))
         raise
     return file
+
+
+def _field_of(message: str) -> str | None:
+    """The form field a refusal is about: its message names it first (``file: over ...``)."""
+    field = message.split(":", 1)[0]
+    return field if field in ("file", "purpose") else None
 
 
 def _purpose(value: str) -> str:

@@ -4,6 +4,7 @@ with the files in a directory and on S3 (moto's, on a free port)."""
 from __future__ import annotations
 
 import time
+import tracemalloc
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -200,3 +201,30 @@ def test_a_client_that_leaves_mid_upload_leaves_nothing(gateway: SimpleNamespace
     # The gateway notices the disconnect on its own time.
     wait_until(lambda: stored(gateway.url) == [], timeout=10, what="the half upload removed")
     assert oa.files.list().data == []
+
+
+@pytest.mark.parametrize("files_url", ["directory"], indirect=True)
+def test_a_20_mb_upload_streams_through_the_gateway_in_bounded_memory(
+        gateway: SimpleNamespace) -> None:
+    # The directory store: S3's own bound (a few parts) is tests/test_file_store.py's.
+    key = gateway.client("acme").api_key
+    block = b"x" * ((64 << 10) - 1) + b"\n"
+    blocks = 20 * 1000 * 1000 // len(block) + 1
+
+    def body() -> Iterator[bytes]:  # sent as it is made: the client holds one block
+        yield (b'--b\r\nContent-Disposition: form-data; name="purpose"\r\n\r\nbatch\r\n'
+               b'--b\r\nContent-Disposition: form-data; name="file"; filename="a.jsonl"\r\n\r\n')
+        for _ in range(blocks):
+            yield block
+        yield b"\r\n--b--\r\n"
+
+    tracemalloc.start()
+    try:
+        response = gateway.http.post("/v1/files", content=body(), headers={
+            "Authorization": f"Bearer {key}", "Content-Type": "multipart/form-data; boundary=b"})
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert response.status_code == 200, response.text
+    assert response.json()["bytes"] == blocks * len(block) > 20_000_000
+    assert peak < 4 << 20, peak  # the gateway and the client together, for a 20 MB file
