@@ -336,23 +336,11 @@ class MotoS3Server:
             [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)],
             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         wait_until(self._listens, timeout=30, what="moto's S3 server to listen")
-        self.client().create_bucket(Bucket=S3_BUCKET)
+        s3_client(self.url).create_bucket(Bucket=S3_BUCKET)
 
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
-
-    def client(self) -> Any:
-        import boto3
-
-        return boto3.session.Session().client("s3", endpoint_url=self.url, **S3_CREDENTIALS)
-
-    def env(self) -> dict[str, str]:
-        """The environment in which boto3 finds this server, as a deployment sets it."""
-        return {"AWS_ENDPOINT_URL_S3": self.url,
-                "AWS_ACCESS_KEY_ID": S3_CREDENTIALS["aws_access_key_id"],
-                "AWS_SECRET_ACCESS_KEY": S3_CREDENTIALS["aws_secret_access_key"],
-                "AWS_DEFAULT_REGION": S3_CREDENTIALS["region_name"]}
 
     def _listens(self) -> bool:
         if self.proc.poll() is not None:
@@ -368,3 +356,18 @@ class MotoS3Server:
 S3_BUCKET = "tokenfleet-test"
 S3_CREDENTIALS = {"aws_access_key_id": "testing", "aws_secret_access_key": "testing",
                   "region_name": "us-east-1"}
+
+
+def s3_client(endpoint_url: str) -> Any:
+    """A boto3 S3 client of the test server at ``endpoint_url`` (the ``s3_server`` fixture)."""
+    import boto3
+
+    return boto3.session.Session().client("s3", endpoint_url=endpoint_url, **S3_CREDENTIALS)
+
+
+def s3_env(endpoint_url: str) -> dict[str, str]:
+    """The environment in which boto3 finds the test server, as a deployment sets it."""
+    return {"AWS_ENDPOINT_URL_S3": endpoint_url,
+            "AWS_ACCESS_KEY_ID": S3_CREDENTIALS["aws_access_key_id"],
+            "AWS_SECRET_ACCESS_KEY": S3_CREDENTIALS["aws_secret_access_key"],
+            "AWS_DEFAULT_REGION": S3_CREDENTIALS["region_name"]}

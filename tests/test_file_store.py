@@ -13,7 +13,7 @@ import pytest
 from tokenfleet.shared.file_store import DirectoryStore, FileStore, open_store, read_lines, store_for
 from tokenfleet.shared.s3_store import S3Store
 
-from helpers import S3_BUCKET, MotoS3Server
+from helpers import S3_BUCKET, s3_client
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -24,8 +24,8 @@ PART = 1 << 20  # small parts (the test server allows them), so that 20 MB is ma
 def store(request: pytest.FixtureRequest, tmp_path: Path) -> FileStore:
     if request.param == "directory":
         return DirectoryStore(tmp_path / "files")
-    server: MotoS3Server = request.getfixturevalue("s3_server")
-    return S3Store(S3_BUCKET, f"t{uuid.uuid4().hex[:10]}", client=server.client(),
+    endpoint: str = request.getfixturevalue("s3_server")
+    return S3Store(S3_BUCKET, f"t{uuid.uuid4().hex[:10]}", client=s3_client(endpoint),
                    part_bytes=PART)
 
 
