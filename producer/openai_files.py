@@ -100,7 +100,11 @@ async def upload(request: Request) -> Response:
         return _refuse(request, INVALID_VALUE, message, param=_field_of(message),
                        headers=None if whole else {"Connection": "close"})
     fleet = _fleet(request)
-    await files.register(fleet.redis, fleet.keys, file, _tenant(request))
+    try:
+        await files.register(fleet.redis, fleet.keys, file, _tenant(request))
+    except BaseException:  # Redis out of reach: no file nobody can list or delete
+        await asyncio.to_thread(store.delete, files.store_name(file.id))
+        raise
     return JSONResponse(file.model_dump())
 
 
