@@ -16,7 +16,7 @@ import pytest
 import redis
 
 from tokenfleet.shared.keys import job_id_in
-from tokenfleet.shared.redis_conn import connect
+from tokenfleet.shared.redis_conn import connect, is_cluster
 from tokenfleet.workers.bench.procs import free_port  # noqa: F401  (the tests use it too)
 
 
@@ -105,14 +105,21 @@ def stream_fault(events: Any, state: Any) -> str:
 
 class ChannelTally:
     """Counts every token and end event published on every job channel of a
-    namespace: ``tokens[(job id, token index)]``, ``ends[job id]``."""
+    namespace: ``tokens[(job id, token index)]``, ``ends[job id]``. On a
+    cluster the channels are shard channels, which no pattern matches: the
+    tally hears the channels of ``job_ids``."""
 
-    def __init__(self, url: str, keys: Any) -> None:
+    def __init__(self, url: str, keys: Any, job_ids: list[str] | None = None) -> None:
         self.tokens: Counter[tuple[str, int]] = Counter()
         self.ends: Counter[str] = Counter()
         self._ended = threading.Condition()
         self._pubsub = connect(url).pubsub()  # a plain or a cluster URL
-        self._pubsub.psubscribe(keys.events("*"))
+        self._sharded = is_cluster(url)
+        if self._sharded:
+            assert job_ids, "a tally of shard channels names its jobs"
+            self._pubsub.ssubscribe(*(keys.events(j) for j in job_ids))
+        else:
+            self._pubsub.psubscribe(keys.events("*"))
         self._prefix = keys.events("")
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -123,10 +130,11 @@ class ChannelTally:
 
         while not self._stop.is_set():
             try:
-                message = self._pubsub.get_message(timeout=0.2)
+                message = (self._pubsub.get_sharded_message(timeout=0.2) if self._sharded
+                           else self._pubsub.get_message(timeout=0.2))
             except redis.exceptions.ConnectionError:
                 continue
-            if message is None or message["type"] != "pmessage":
+            if message is None or message["type"] not in ("pmessage", "smessage"):
                 continue
             job_id = job_id_in(message["channel"].decode(), self._prefix)
             event = loads(message["data"])
