@@ -6,7 +6,7 @@ import asyncio
 import contextlib
 import time
 from collections.abc import AsyncGenerator, Awaitable, Callable, Coroutine
-from typing import Any, Literal, overload
+from typing import Any, Literal, cast, overload
 
 from redis.exceptions import RedisError
 
@@ -43,7 +43,7 @@ from tokenfleet.shared.settings import Settings, get_settings
 from tokenfleet.generation import AsyncGeneration
 from tokenfleet.served import served
 from tokenfleet.shard_subscriptions import ShardedSubscriptions
-from tokenfleet.shared.redis_cluster import ChannelMoved
+from tokenfleet.shared.redis_cluster import AsyncCluster, ChannelMoved
 from tokenfleet.subscriptions import MOVED, Subscriptions
 
 
@@ -66,7 +66,8 @@ class AsyncFleetClient:
         self.redis: Any = connect_async(url or self.settings.redis_url, bound)
         self.keys = Keys.for_url(namespace or self.settings.namespace, url or self.settings.redis_url)
         self._subscriptions: Subscriptions | ShardedSubscriptions = (
-            ShardedSubscriptions(self.redis) if self.keys.sharded else Subscriptions(self.redis))
+            ShardedSubscriptions(cast(AsyncCluster, self.redis)) if self.keys.sharded
+            else Subscriptions(self.redis))
         self._background: set[asyncio.Task[Any]] = set()  # strong references, awaited by close()
         # Deadlines and liveness are judged on Redis's clock, not this host's.
         self.clock = FleetClock()

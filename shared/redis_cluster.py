@@ -215,6 +215,8 @@ class AsyncCluster(AsyncHookedCluster):
         """The name and plain client of the node that serves ``channel``'s slot
         in the slot map read last (a shard channel is subscribed there)."""
         node = self.get_node_from_key(channel)
+        if node is None:
+            raise ConnectionError(f"no node serves the slot of {channel!r}")
         return node.name, self._plain(node)
 
     async def aclose(self) -> None:
