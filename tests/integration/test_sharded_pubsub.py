@@ -10,14 +10,15 @@ in-process worker on the tiny model:
   with shard channels, where classic pub/sub sends each event to every node
   (the figures of both are printed);
 - a client streaming through a failover of its channel's master (the replica
-  takes over, the old master unsubscribes the channel) gets every token once.
+  takes over, the old master unsubscribes the channel), or through a
+  resharding of its slot, gets every token once, from the new node.
 """
 
 from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -207,19 +208,15 @@ def test_shard_channels_keep_tokens_off_the_cluster_bus(
     assert len(shard_sent) == 1  # the queue's master, to its replica
 
 
-def test_a_stream_through_a_failover_of_its_channels_master_gets_every_token_once(
-    cluster: RedisClusterServers, settings: Any, client: FleetClient, start_worker: Any,
-    r: Any,
-) -> None:
-    start_worker("w1@failover")
-    job_ids = [client.submit(f"failover {i} the value of a list", max_new_tokens=160,
-                             temperature=0.0) for i in range(2)]
-    channel = client.keys.events(job_ids[0])
-    master = owner_port(r, channel)
-    replica = next(s.port for s in cluster.nodes
-                   if s.port != master and node(cluster, s.port).info("replication")
-                   .get("master_port") == master)
-    halfway = threading.Event()
+def streams_through(settings: Any, client: FleetClient, job_ids: list[str],
+                    move: Callable[[], None]) -> None:
+    """Stream the first job with the async client and the second with the
+    blocking one; once they are under way, ``move`` the channels' slot to
+    another node; once 16 more tokens came after the move, cancel both jobs
+    (so they are streaming through the move however fast the machine). Every
+    token must reach each stream once."""
+    progress = threading.Condition()
+    heard = [0]  # tokens the async stream has had
     seen: dict[str, Any] = {}
 
     async def follow() -> None:
@@ -227,31 +224,97 @@ def test_a_stream_through_a_failover_of_its_channels_master_gets_every_token_onc
             events = []
             async for event in c.stream(job_ids[0], timeout=90):
                 events.append(event)
-                if event.end >= 16:
-                    halfway.set()
+                with progress:
+                    heard[0] = event.end
+                    progress.notify_all()
             seen[job_ids[0]] = events
 
     def follow_blocking() -> None:
         with FleetClient(settings=settings) as c:
             seen[job_ids[1]] = list(c.stream(job_ids[1], timeout=90))
 
+    def hear(tokens: int) -> None:
+        with progress:
+            assert progress.wait_for(lambda: heard[0] >= tokens, 60), f"{heard[0]} tokens"
+
     threads = [threading.Thread(target=lambda: asyncio.run(follow())),
                threading.Thread(target=follow_blocking)]
     for thread in threads:
         thread.start()
-    assert halfway.wait(60), "the stream never got going"
-    # A manual failover: the replica takes the master's slots; the old master,
-    # a replica now, unsubscribes its shard channels' subscribers.
-    node(cluster, replica).cluster("failover")
-    wait_until(lambda: owner_port(r, channel) == replica, timeout=30,
-               what="the replica to take over the channel's slot")
+    hear(16)
+    move()
+    hear(heard[0] + 16)
+    for job_id in job_ids:
+        client.cancel(job_id, timeout=30)
     for thread in threads:
         thread.join(90)
-
     for job_id in job_ids:
         state = client.wait(job_id, timeout=60)
-        assert state.status is JobStatus.SUCCEEDED
+        assert state.status is JobStatus.CANCELLED
         assert stream_fault(seen.get(job_id), state) == "", job_id
+
+
+def ssubscribes(cluster: RedisClusterServers, port: int) -> int:
+    stats = node(cluster, port).info("commandstats")
+    return int(stats.get("cmdstat_ssubscribe", {}).get("calls", 0))
+
+
+def long_jobs(client: FleetClient, label: str) -> list[str]:
+    # Long enough to be under way through the move on a fast machine too.
+    return [client.submit(f"{label} {i} the value of a list", max_new_tokens=200,
+                          temperature=0.0) for i in range(2)]
+
+
+def test_a_stream_through_a_failover_of_its_channels_master_gets_every_token_once(
+    cluster: RedisClusterServers, settings: Any, client: FleetClient, start_worker: Any,
+    r: Any,
+) -> None:
+    start_worker("w1@failover")
+    job_ids = long_jobs(client, "failover")
+    channel = client.keys.events(job_ids[0])
+    master = owner_port(r, channel)
+    replica = next(s.port for s in cluster.nodes
+                   if s.port != master and node(cluster, s.port).info("replication")
+                   .get("master_port") == master)
+
+    def fail_over() -> None:
+        # A manual failover: the replica takes the master's slots; the old
+        # master, a replica now, unsubscribes its shard channels' subscribers.
+        node(cluster, replica).cluster("failover")
+        wait_until(lambda: owner_port(r, channel) == replica, timeout=30,
+                   what="the replica to take over the channel's slot")
+
+    streams_through(settings, client, job_ids, fail_over)
     # Both streams (async, blocking) went on from the new master's shard channel.
-    assert node(cluster, replica).info("commandstats").get(
-        "cmdstat_ssubscribe", {}).get("calls", 0) >= 2
+    assert ssubscribes(cluster, replica) >= 2
+
+
+def test_a_stream_through_a_resharding_of_its_channels_slot_gets_every_token_once(
+    cluster: RedisClusterServers, settings: Any, client: FleetClient, start_worker: Any,
+    r: Any,
+) -> None:
+    start_worker("w1@reshard")
+    job_ids = long_jobs(client, "reshard")
+    channel = client.keys.events(job_ids[0])
+    slot = int(r.keyslot(channel))
+    source = owner_port(r, channel)
+    masters = [int(n.port) for n in r.get_primaries()]
+    target = next(p for p in masters if p != source)
+    ids = {p: node(cluster, p).cluster("myid") for p in masters}
+
+    def reshard() -> None:
+        # What `redis-cli --cluster reshard` does for one slot: the target
+        # imports it, its keys migrate, then every master learns its new owner
+        # (the source unsubscribes the slot's shard channels' subscribers).
+        from_node, to_node = node(cluster, source), node(cluster, target)
+        to_node.cluster("setslot", slot, "importing", ids[source])
+        from_node.cluster("setslot", slot, "migrating", ids[target])
+        while batch := from_node.cluster("getkeysinslot", slot, 100):
+            from_node.execute_command("MIGRATE", "127.0.0.1", target, "", 0, 5000,
+                                      "KEYS", *batch)
+        for port in (target, source, *masters):
+            node(cluster, port).cluster("setslot", slot, "node", ids[target])
+
+    streams_through(settings, client, job_ids, reshard)
+    assert owner_port(r, channel) == target
+    assert ssubscribes(cluster, target) >= 2
