@@ -180,7 +180,7 @@ def emit(keys: Keys, *, result_ttl_s: int, now: float,
         return Emitted(frozenset(job_ids[integer(i)] for i in items(fenced)),
                        frozenset(job_ids[integer(i)] for i in items(gaps)))
 
-    return ScriptCall(script("emit"), tuple(script_keys), tuple(args), decode)
+    return ScriptCall(script("emit", keys.sharded), tuple(script_keys), tuple(args), decode)
 
 
 # -- finish.lua: final states ------------------------------------------------------------
@@ -247,7 +247,7 @@ def finish(keys: Keys, *, result_ttl_s: int, worker: str, now: float,
             frozenset(j for j, v in zip(job_ids, verdicts) if v == _FENCED),
             frozenset(j for j, v in zip(job_ids, verdicts) if v == _UNTRUSTED))
 
-    return ScriptCall(script("finish"), tuple(script_keys), tuple(args), decode)
+    return ScriptCall(script("finish", keys.sharded), tuple(script_keys), tuple(args), decode)
 
 
 # -- requeue.lua ----------------------------------------------------------------------------

@@ -19,7 +19,7 @@ import pytest
 import redis
 
 from tokenfleet.shared.keys import job_id_in
-from tokenfleet.shared.redis_conn import connect
+from tokenfleet.shared.redis_conn import connect, is_cluster
 from tokenfleet.workers.bench.procs import free_port  # noqa: F401  (the tests use it too)
 
 
@@ -108,36 +108,54 @@ def stream_fault(events: Any, state: Any) -> str:
 
 class ChannelTally:
     """Counts every token and end event published on every job channel of a
-    namespace: ``tokens[(job id, token index)]``, ``ends[job id]``."""
+    namespace: ``tokens[(job id, token index)]``, ``ends[job id]``. On a
+    cluster the channels are shard channels, which no pattern matches: the
+    tally hears the channels of ``job_ids``."""
 
-    def __init__(self, url: str, keys: Any) -> None:
+    def __init__(self, url: str, keys: Any, job_ids: list[str] | None = None) -> None:
         self.tokens: Counter[tuple[str, int]] = Counter()
         self.ends: Counter[str] = Counter()
         self._ended = threading.Condition()
-        self._pubsub = connect(url).pubsub()  # a plain or a cluster URL
-        self._pubsub.psubscribe(keys.events("*"))
+        self._client = connect(url)  # a plain or a cluster URL
+        if is_cluster(url):
+            # A connection per node, each read by a thread of its own: redis-py's
+            # cluster pub/sub reads its nodes in turn, waiting on each.
+            assert job_ids, "a tally of shard channels names its jobs"
+            by_node: dict[str, Any] = {}
+            for job_id in job_ids:
+                owner = self._client.get_node_from_key(keys.events(job_id))
+                pubsub = by_node.get(owner.name)
+                if pubsub is None:
+                    pubsub = by_node[owner.name] = owner.redis_connection.pubsub()
+                pubsub.ssubscribe(keys.events(job_id))
+            self._pubsubs = list(by_node.values())
+        else:
+            self._pubsubs = [self._client.pubsub()]
+            self._pubsubs[0].psubscribe(keys.events("*"))
         self._prefix = keys.events("")
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
+        self._threads = [threading.Thread(target=self._run, args=(p,), daemon=True)
+                         for p in self._pubsubs]
+        for thread in self._threads:
+            thread.start()
 
-    def _run(self) -> None:
+    def _run(self, pubsub: Any) -> None:
         from tokenfleet.shared.serialization import loads
 
         while not self._stop.is_set():
             try:
-                message = self._pubsub.get_message(timeout=0.2)
+                message = pubsub.get_message(timeout=0.2)
             except redis.exceptions.ConnectionError:
                 continue
-            if message is None or message["type"] != "pmessage":
+            if message is None or message["type"] not in ("pmessage", "smessage"):
                 continue
             job_id = job_id_in(message["channel"].decode(), self._prefix)
             event = loads(message["data"])
-            if event["k"] == "tok":
-                for k in range(event["index"], event["index"] + len(event["token_ids"])):
-                    self.tokens[(job_id, k)] += 1
-            else:
-                with self._ended:
+            with self._ended:
+                if event["k"] == "tok":
+                    for k in range(event["index"], event["index"] + len(event["token_ids"])):
+                        self.tokens[(job_id, k)] += 1
+                else:
                     self.ends[job_id] += 1
                     self._ended.notify_all()
 
@@ -165,8 +183,11 @@ class ChannelTally:
 
     def close(self) -> None:
         self._stop.set()
-        self._thread.join(timeout=5)
-        self._pubsub.close()
+        for thread in self._threads:
+            thread.join(timeout=5)
+        for pubsub in self._pubsubs:
+            pubsub.close()
+        self._client.close()
 
 
 # Figures the fault-injection suite prints at the end of the run (name, figures).

@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from redis.exceptions import (
+    AskError,
     ClusterDownError,
     ConnectionError,
     MasterDownError,
@@ -49,6 +50,7 @@ from redis.exceptions import (
 
 from tokenfleet.shared.clock import FleetClock
 from tokenfleet.shared.keys import GROUP, Keys
+from tokenfleet.shared.redis_cluster import reread_slot_map
 from tokenfleet.shared.redis_conn import node_client
 from tokenfleet.shared.schemas import FinishReason
 from tokenfleet.shared.scripts import ScriptCall, load
@@ -77,9 +79,10 @@ __all__ = ["Ending", "Held", "Publisher", "Stored", "is_transient"]
 
 # Error replies about the server's state, not the write: the same write
 # succeeds once Redis is back to normal (memory freed, a primary again, a save
-# that works, scripts loaded, a cluster slot served).
+# that works, scripts loaded, a cluster slot served, by the node the slot map
+# read again names: MOVED, ASK).
 _TRANSIENT_TYPES = (ConnectionError, TimeoutError, OSError, OutOfMemoryError, ReadOnlyError,
-                    NoScriptError, TryAgainError, ClusterDownError, MasterDownError)
+                    NoScriptError, TryAgainError, ClusterDownError, MasterDownError, AskError)
 _TRANSIENT_CODES = ("OOM", "READONLY", "MISCONF", "LOADING", "BUSY", "NOSCRIPT", "TRYAGAIN",
                     "CLUSTERDOWN", "MASTERDOWN", "NOREPLICAS", "UNBLOCKED")
 
@@ -257,6 +260,7 @@ class Publisher:
             results = self._execute(step.calls)  # raises while Redis refuses: step kept
         for result in results:
             if isinstance(result, Exception):
+                self._if_moved(result)
                 raise result  # the step stays pending: the next collect() runs it again
         self._pending = None
         replies = iter(results)
@@ -283,6 +287,14 @@ class Publisher:
         """The client of the node of this worker's queue: all its jobs' keys share
         the queue's slot, and a cluster client refuses scripts in a pipeline."""
         return node_client(self.redis, self.keys.queue(self.settings.queue))
+
+    def _if_moved(self, error: Exception) -> None:
+        """After a MOVED (or ASK) reply: the queue's slot is another node's now
+        (a failover, a resharding); the next try goes to the node that the slot
+        map, read again, names (this connection would be answered MOVED for good)."""
+        if isinstance(error, AskError):
+            self._drop_connection()
+            reread_slot_map(self.redis)
 
     def _drop_connection(self) -> None:
         if self._conn is not None:
@@ -370,6 +382,7 @@ class Publisher:
             results = self._pipeline(calls)
         for result in results:
             if isinstance(result, Exception):
+                self._if_moved(result)
                 raise result
         return results
 

@@ -12,6 +12,7 @@
 -- publishes them again. So the caller retries the same call until it
 -- succeeds, and every token goes out once.
 -- KEYS: per event 3: job hash, token log, event channel
+-- PUBLISH: SPUBLISH on a Redis Cluster, else PUBLISH (set before the source: scripts.py)
 -- ARGV: 1 result TTL, 2 now, then per event 4: attempt, index of its first
 --       token, number of tokens, event JSON
 -- Returns {fenced, gaps}: 0-based positions of events whose job this attempt no
@@ -48,7 +49,7 @@ for i = 0, #KEYS / 3 - 1 do
         if not string.find(added.err, 'equal or smaller', 1, true) then return added end
         if #redis.call('XRANGE', log, '1-0', '1-0') == 0 then gaps[#gaps + 1] = i end
       else
-        redis.call('PUBLISH', chan, payload)
+        redis.call(PUBLISH, chan, payload)
         if index == 0 then
           redis.call('HSET', job, 'first_token_at', ARGV[2])
           redis.call('EXPIRE', log, ARGV[1])

@@ -181,7 +181,7 @@ def test_refused_writes_leave_no_gap_no_stuck_job_and_every_stream_whole(
     keys = Keys(settings.namespace)
     work = jobs(n_jobs, *lengths)
     job_ids = [client.submit(p, max_new_tokens=n, temperature=0.0) for p, n in work]
-    tally = ChannelTally(settings.redis_url, keys)
+    tally = ChannelTally(settings.redis_url, keys, job_ids)
     consumers, seen = follow_all(settings, job_ids)
     names = [f"w{i}@writes" for i in range(workers)]
     for name in names:
