@@ -13,6 +13,7 @@ import redis
 from tokenfleet.shared.keys import Keys
 from tokenfleet.shared.schemas import FinishReason, SamplingParams
 from tokenfleet.shared.serialization import loads
+from tokenfleet.shared.worker_scripts import resume
 from tokenfleet.workers.detokenizer import TextStream
 from tokenfleet.workers.null_runner import null_tokenizer
 from tokenfleet.workers.publisher import Publisher, Stored
@@ -191,7 +192,10 @@ def test_a_fenced_job_holds_nothing_more(
 ) -> None:
     publisher, [seq] = make(coalesce_ms=20, coalesce_tokens=16)
     step(publisher, [seq])
-    r.hset(Keys(settings.namespace).job(seq.job_id), "attempts", 2)  # reclaimed elsewhere
+    # Reclaimed elsewhere: attempt 2 taken (start.lua) and resumed (resume.lua).
+    keys = Keys(settings.namespace)
+    r.hset(keys.job(seq.job_id), "attempts", 2)
+    assert resume(keys, job_id=seq.job_id, attempt=2, result_ttl_s=60).run(r).owned
     clock.now += 0.001
     outputs = [SeqOutput(seq, 1, TOKEN, "x", False)]
     assert not store(publisher, outputs).fenced  # held: Redis is not asked yet

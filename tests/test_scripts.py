@@ -110,9 +110,9 @@ def test_a_job_goes_through_the_scripts_with_typed_verdicts(r: redis.Redis,
         LogEvent(job_id, 2, 2, 1, b'{"k":"tok","index":2,"token_ids":[7],"text":"c"}'),
     ]).run(node)
     assert emitted.fenced == {job_id} and not emitted.gaps  # the second event's attempt is 2
-    resumed = resume(keys, job_id=job_id, attempt=1).run(node)
+    resumed = resume(keys, job_id=job_id, attempt=1, result_ttl_s=60).run(node)
     assert resumed.owned and len(resumed.events) == 1
-    assert not resume(keys, job_id=job_id, attempt=2).run(node).owned
+    assert not resume(keys, job_id=job_id, attempt=2, result_ttl_s=60).run(node).owned
     finished = finish(keys, result_ttl_s=60, worker="w", now=time.time(), endings=[
         Ending(job_id, "default", entry_id, 1, JobStatus.SUCCEEDED, FinishReason.LENGTH,
                text="ab", token_ids=[5, 6], logged=2),
