@@ -145,13 +145,20 @@ def resume(keys: Keys, *, job_id: str, attempt: int, result_ttl_s: int) -> Scrip
 # -- emit.lua: a step's token events --------------------------------------------------
 
 # Attempt a logs the event ending at token j at '0-<(a - 1) * LOG_BAND + j>'
-# (log_prefix.lua, where the scheme is written).
+# (log_prefix.lua, where the scheme is written, with the same constants);
+# attempts past LOG_BANDS share its last band.
 LOG_BAND = 10_000_000_000
+LOG_BANDS = 900_000
+
+
+def banded(attempt: int) -> bool:
+    """Whether ``attempt`` has a band of its own: its writes are fenced by their ids."""
+    return 1 <= attempt <= LOG_BANDS
 
 
 def log_entry_id(attempt: int, end: int) -> str:
     """The token log id of attempt ``attempt``'s event that ends at token ``end``."""
-    return f"0-{(attempt - 1) * LOG_BAND + end}"
+    return f"0-{(max(1, min(attempt, LOG_BANDS)) - 1) * LOG_BAND + end}"
 
 
 
@@ -185,13 +192,18 @@ class Emitted:
 def emit(keys: Keys, *, result_ttl_s: int, now: float,
          events: Sequence[LogEvent]) -> ScriptCall[Emitted]:
     """Log and publish a step's token events, one call for all of them."""
+    # The checked events first: the script reads more of them (emit.lua).
+    events = sorted(events, key=lambda e: not (e.checked or not banded(e.attempt)))
+    checked = sum(1 for e in events if e.checked or not banded(e.attempt))
     job_ids = [e.job_id for e in events]
     script_keys: list[str] = []
-    args: list[Arg] = [result_ttl_s, repr(now)]
-    for e in events:
+    args: list[Arg] = [result_ttl_s, repr(now), checked]
+    for n, e in enumerate(events):
         j = keys.of_job(e.job_id)
         script_keys += (j.job, j.out, j.events)
-        args += (e.attempt, "1" if e.checked else "0", e.first, e.size, e.payload)
+        entry_id = log_entry_id(e.attempt, e.first + e.size)
+        args += ((e.attempt, e.first, entry_id, e.payload) if n < checked
+                 else (entry_id, e.payload))
 
     def decode(reply: object) -> Emitted:
         fenced, gaps = items(reply)

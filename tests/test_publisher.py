@@ -203,3 +203,21 @@ def test_a_fenced_job_holds_nothing_more(
     outputs = [SeqOutput(seq, 2, TOKEN, "x", False)]
     assert store(publisher, outputs).fenced == {seq.job_id}
     assert not publisher.held and len(log(r, settings, seq)) == 1
+
+
+def test_a_log_that_lost_tokens_is_caught_at_the_jobs_next_event_after_a_lost_connection(
+    make: Any, clock: Clock, r: redis.Redis, settings: Any
+) -> None:
+    publisher, [seq, other] = make(2, coalesce_ms=0)
+    steps(publisher, [seq, other], clock, 3)
+    # What a failover does: the newest token of one log lost, every connection cut.
+    pipe = r.pipeline(transaction=True)
+    pipe.xdel(Keys(settings.namespace).out(seq.job_id), "0-3")
+    pipe.execute_command("CLIENT", "KILL", "TYPE", "normal", "SKIPME", "yes")
+    pipe.execute()
+    index = len(seq.generated)
+    stored = store(publisher, [SeqOutput(s, index, TOKEN, "x", False) for s in (seq, other)])
+    # Its event is not logged after the hole; the other job's log was whole: it goes on.
+    assert stored.untrusted == {seq.job_id} and not stored.fenced
+    assert [i for i, _ in log(r, settings, seq)] == ["0-1", "0-2"]
+    assert [i for i, _ in log(r, settings, other)] == ["0-1", "0-2", "0-3", "0-4"]

@@ -15,9 +15,12 @@
 -- stream's last id, and a new attempt's resume (resume.lua) moves that id up to
 -- its own band, so every later write of an older attempt fails by itself,
 -- without a read of the job record. Attempts past BANDS share the last band;
--- their writes check the record instead (banded(a) is false).
+-- their writes check the record instead. (The worker computes the same ids:
+-- worker_scripts.log_entry_id.)
 --
 -- log_id(attempt, j): the id of an event of attempt (a string) ending at token j.
+-- attempt_of(id): the attempt (a string) whose band id is in.
+-- tokens_at(id): the token an entry at id ends at.
 -- log_end(log): how many tokens the log holds (from its top token entry's id),
 -- 0 for none.
 -- log_prefix(log) reads the contiguous prefix of the token events: from index
@@ -29,11 +32,6 @@ local BAND = 10000000000
 -- (BANDS - 1) * BAND + BAND - 1 < 2^53: every id is a whole Lua number.
 local BANDS = 900000
 
-local function banded(attempt)
-  local a = tonumber(attempt)
-  return a ~= nil and a >= 1 and a <= BANDS
-end
-
 local function log_id(attempt, j)
   local a = math.max(1, math.min(tonumber(attempt) or 1, BANDS))
   return string.format('0-%d', (a - 1) * BAND + j)
@@ -41,6 +39,10 @@ end
 
 local function tokens_at(id)
   return tonumber(string.sub(id, 3)) % BAND
+end
+
+local function attempt_of(id)
+  return string.format('%d', math.floor(tonumber(string.sub(id, 3)) / BAND) + 1)
 end
 
 local function log_end(log)
