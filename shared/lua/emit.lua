@@ -51,9 +51,10 @@ local function refused(i, job, log, id, attempt)
 end
 
 -- The one error expected of an XADD: an id at or below the log's last. Any
--- other error is the caller's to retry.
+-- other error is the caller's to retry. (tostring: an embedded Redis may give
+-- the message as another type.)
 local function expected(err)
-  return string.find(err, 'equal or smaller', 1, true) ~= nil
+  return string.find(tostring(err), 'equal or smaller', 1, true) ~= nil
 end
 
 for i = 0, #KEYS / 3 - 1 do

@@ -13,15 +13,28 @@
 -- Returns {'fenced'} when the attempt is no longer the caller's, else
 -- {'ok', payload of each kept token event, in order}.
 -- include: log_prefix.lua
+
+-- Move the log's last id to id: an entry made there and deleted (which makes
+-- a log that is not there), or XSETID where that is refused (an id not above
+-- the last one: attempts past the bands share one).
+local function move_last_id(log, id)
+  local added = redis.pcall('XADD', log, id, 'e', '')
+  if type(added) == 'table' and added.err then
+    -- The one error expected; any other (OOM, ...) ends the script.
+    if not string.find(tostring(added.err), 'equal or smaller', 1, true) then error(added) end
+    redis.call('XSETID', log, id)
+  else
+    redis.call('XDEL', log, id)
+  end
+end
+
 local attempts = redis.call('HGET', KEYS[1], 'attempts')
 if attempts ~= ARGV[1] then return {'fenced'} end
 local kind = redis.call('TYPE', KEYS[2]).ok
 if kind == 'none' then
-  -- XADD makes the stream, XDEL leaves it empty with its last id at the base.
   local base = log_id(ARGV[1], 0)
   if base ~= '0-0' then
-    redis.call('XADD', KEYS[2], base, 'e', '')
-    redis.call('XDEL', KEYS[2], base)
+    move_last_id(KEYS[2], base)
     redis.call('EXPIRE', KEYS[2], ARGV[2])
   end
   return {'ok'}
@@ -35,7 +48,7 @@ for n, item in ipairs(redis.call('XRANGE', KEYS[2], '-', '+')) do
   if n > kept then rest[#rest + 1] = item[1] end
 end
 if #rest > 0 then redis.call('XDEL', KEYS[2], unpack(rest)) end
-redis.call('XSETID', KEYS[2], log_id(ARGV[1], prefix[4]))
+move_last_id(KEYS[2], log_id(ARGV[1], prefix[4]))
 local out = {'ok'}
 for _, payload in ipairs(prefix[1]) do out[#out + 1] = payload end
 return out
