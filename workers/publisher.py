@@ -294,7 +294,8 @@ class Publisher:
             self.held.pop(job_id, None)
         dropped = stored.fenced | stored.untrusted
         if dropped:
-            self._verified -= {run for run in self._verified if run[0] in dropped}
+            # A snapshot: the feeder's thread may take runs out meanwhile (``end``).
+            self._verified -= {run for run in list(self._verified) if run[0] in dropped}
         return stored
 
     def _unverify(self, step: _Step) -> None:

@@ -2,7 +2,8 @@
 -- the events a step sends. An event carries the tokens of one job that the
 -- output side held back together (one or several: see log_prefix.lua for the
 -- id scheme), so a job costs two commands per event (XADD, PUBLISH), not per
--- token, and none reads the job record or the log first:
+-- token, and an event that is not checked (below) reads neither the job
+-- record nor the log first:
 -- - The fence is the entry id: it carries the attempt, and once a newer
 --   attempt has resumed the job its band is above every id an older one
 --   writes, so Redis refuses the stale XADD. (A job's first event is checked,
@@ -50,6 +51,11 @@ local function refused(i, job, log, id, attempt)
   end  -- else logged by an earlier try of this call
 end
 
+-- An event goes to its subscribers once logged.
+local function publish(chan, payload)
+  redis.call('PUBLISH', chan, payload)
+end
+
 -- The one error expected of an XADD: an id at or below the log's last. Any
 -- other error is the caller's to retry. (tostring: an embedded Redis may give
 -- the message as another type.)
@@ -79,7 +85,7 @@ for i = 0, #KEYS / 3 - 1 do
           if not expected(added.err) then return added end
           refused(i, job, log, id, attempt)
         else
-          redis.call('PUBLISH', chan, payload)
+          publish(chan, payload)
           if index == 0 then
             redis.call('HSET', job, 'first_token_at', ARGV[2])
             redis.call('EXPIRE', log, ARGV[1])
@@ -97,7 +103,7 @@ for i = 0, #KEYS / 3 - 1 do
       if not expected(added.err) then return added end
       refused(i, job, log, id, attempt_of(id))
     else
-      redis.call('PUBLISH', chan, payload)
+      publish(chan, payload)
     end
   end
 end
