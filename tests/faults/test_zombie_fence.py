@@ -24,7 +24,7 @@ from tokenfleet.workers.runner import HFRunner
 
 from helpers import direct_greedy, follow_all, logged_count, logged_tokens, stream_fault, wait_until
 
-pytestmark = [pytest.mark.faults, pytest.mark.timeout(150)]
+pytestmark = [pytest.mark.faults, pytest.mark.slow, pytest.mark.timeout(150)]
 
 CLAIM_IDLE_S = 2.0
 
