@@ -48,7 +48,8 @@ def direct_greedy(loaded: tuple[Any, Any], jobs: list[tuple[str, int]]) -> list[
 
 # -- a job's tokens as Redis and its consumers hold them --------------------------
 # An event carries one token or several (the worker coalesces a job's tokens);
-# its log entry id is '0-<n>', n the index after its last token (log_prefix.lua).
+# its log entry id is '0-<n>', n the index after its last token, plus LOG_BAND
+# per attempt past the first (log_prefix.lua).
 
 def follow_all(settings: Any, job_ids: list[str]) -> tuple[threading.Thread, dict[str, list[Any]]]:
     """Stream every job from the start, on a loop of its own, as async consumers would."""
@@ -69,14 +70,17 @@ def follow_all(settings: Any, job_ids: list[str]) -> tuple[threading.Thread, dic
 
 def logged_count(r: redis.Redis, keys: Any, job_id: str) -> int:
     """How many tokens the job's log holds: its top token entry's id."""
+    from tokenfleet.shared.worker_scripts import LOG_BAND
+
     top = r.xrevrange(keys.out(job_id), "0-18446744073709551615", "-", count=1)
-    return int(top[0][0].split(b"-")[1]) if top else 0
+    return int(top[0][0].split(b"-")[1]) % LOG_BAND if top else 0
 
 
 def logged_tokens(r: redis.Redis, keys: Any, job_id: str) -> tuple[list[int], int, bool]:
     """The job's token log: its tokens in order, how many are missing between
     them (a gap), and whether it ends with the end event."""
     from tokenfleet.shared.serialization import loads
+    from tokenfleet.shared.worker_scripts import LOG_BAND
 
     tokens: list[int] = []
     gaps, ended = 0, False
@@ -86,6 +90,7 @@ def logged_tokens(r: redis.Redis, keys: Any, job_id: str) -> tuple[list[int], in
             ended = True
             continue
         ids = loads(fields[b"e"])["token_ids"]
+        end %= LOG_BAND
         gaps += end - len(ids) - len(tokens) - gaps
         tokens.extend(ids)
     return tokens, gaps, ended
