@@ -8,6 +8,8 @@
 - OpenAI-compatible ``POST /v1/completions`` (``tokenfleet.openai_compat``),
   ``POST /v1/chat/completions`` (``tokenfleet.openai_chat``), ``GET /v1/models`` and
   ``GET /v1/models/{id}`` (the queues live workers serve, and the declared ones);
+- OpenAI-compatible ``/v1/batches`` (``tokenfleet.openai_batches``), whose
+  lines every gateway's batch driver runs;
 - ``GET /healthz`` (live) and ``GET /readyz`` (ready): ``tokenfleet.gateway_health``.
 
 Every route but ``/healthz`` asks for an API key once any exists
@@ -42,7 +44,7 @@ from redis.exceptions import MaxConnectionsError
 from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from tokenfleet import openai_chat, openai_compat, sse
+from tokenfleet import openai_batches, openai_chat, openai_compat, sse
 from tokenfleet.aio import AsyncFleetClient
 from tokenfleet.auth import Authenticate, announce, caller, unauthorized
 from tokenfleet.gateway_health import HEALTH_TIMEOUT_S, GatewayServer
@@ -154,13 +156,15 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             log.warning("could not read the API keys (Redis does not answer): each request "
                         "reads them again (TOKENFLEET_GATEWAY_AUTH=%s)", settings.gateway_auth)
         try:
-            yield
+            async with openai_batches.driving(app.state.fleet):
+                yield
         finally:
             await app.state.limits.close()
             await app.state.fleet.close()
 
     app = FastAPI(title="tokenfleet gateway", lifespan=lifespan)
     app.include_router(router)
+    app.include_router(openai_batches.router)
     app.include_router(health_router)
     app.add_middleware(BodyDeadline, timeout_s=settings.body_timeout_s)
     app.add_middleware(CountRefusals)  # inside Authenticate: it reads the key it set
@@ -226,7 +230,8 @@ async def _handled(scope: Any, exc: Exception) -> Response:
 
 
 def _openai_path(path: str) -> bool:
-    return path in ("/v1/completions", "/v1/chat/completions") or path.startswith("/v1/models")
+    return (path in ("/v1/completions", "/v1/chat/completions")
+            or path.startswith(("/v1/models", "/v1/batches")))
 
 
 def _error(request: Request, refusal: Refusal, message: str, *, param: str | None = None,
