@@ -144,7 +144,8 @@ async def create_batch(client: Any, keys: Keys, *, input_file_id: str, endpoint:
         raise InvalidRequest(f"invalid 'endpoint': {endpoint!r}; this gateway runs batches of "
                              f"{' and '.join(ENDPOINTS)}")
     seconds = window_s(completion_window)
-    now = int(time.time())
+    created = time.time()
+    now = int(created)
     batch = Batch(id=new_batch_id(), endpoint=endpoint, input_file_id=input_file_id,
                   completion_window=completion_window, status="validating", created_at=now,
                   expires_at=now + seconds, metadata=check_metadata(metadata))
@@ -154,7 +155,7 @@ async def create_batch(client: Any, keys: Keys, *, input_file_id: str, endpoint:
     await client.hset(keys.batch(batch.id), mapping=record)
     # Indexed after its record exists: a driver or a lister never meets an id
     # without its record.
-    await client.zadd(keys.batches, {batch.id: now})
+    await client.zadd(keys.batches, {batch.id: created})  # to the µs: listed newest first
     await client.sadd(keys.active_batches, batch.id)
     return batch
 
