@@ -257,6 +257,7 @@ class BatchDriver:
         statuses = await pipe.execute()
         out: list[tuple[int, bytes]] = []
         err: list[tuple[int, bytes]] = []
+        tokens = 0
         for (index, job_id), status in zip(running.items(), statuses):
             if status is not None and status.decode() in ("queued", "running"):
                 continue
@@ -271,15 +272,17 @@ class BatchDriver:
                 continue
             if state.status.value == "succeeded" and made is not None:
                 body = await batch_lines.answer(self.client, made, job_id, state)
+                tokens += len(state.token_ids)
                 out.append((index, batch_lines.output_line(custom_id, job_id, body)))
             else:
                 err.append((index, batch_lines.error_line(custom_id, batch_lines.job_error(state))))
-        await self._record_done(batch_id, out, err, ended=[i for i, _ in out + err])
+        await self._record_done(batch_id, out, err, ended=[i for i, _ in out + err],
+                                tokens=tokens)
 
     async def _record_done(self, batch_id: str, out: list[tuple[int, bytes]],
                            err: list[tuple[int, bytes]], *, ended: list[int],
                            started: dict[int, str] | None = None,
-                           next_line: int | None = None) -> None:
+                           next_line: int | None = None, tokens: int = 0) -> None:
         """Write a part of the lines done, then (one transaction) mark them done,
         count them, and note the lines started and the next line to feed. A
         crash between the two writes the lines again later: joining the parts
@@ -302,6 +305,8 @@ class BatchDriver:
             pipe.hincrby(keys.batch(batch_id), "completed", len(out))
         if err:
             pipe.hincrby(keys.batch(batch_id), "failed", len(err))
+        if tokens:
+            pipe.hincrby(keys.batch(batch_id), "tokens", tokens)
         if next_line is not None:
             pipe.hset(keys.batch(batch_id), "next_line", next_line)
         if len(pipe):

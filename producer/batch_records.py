@@ -89,8 +89,9 @@ class Batch(BaseModel):
 COUNTS = ("total", "completed", "failed")
 # Lines are counted without the blank ones. next_line: the first line not yet
 # fed; parts: output parts written; queues: the models the creating API key
-# allows (JSON, null for any); ending: the end the batch is finalizing to.
-INTERNAL = ("tenant", "next_line", "parts", "queues", "ending", *COUNTS)
+# allows (JSON, null for any); ending: the end the batch is finalizing to;
+# tokens: the tokens its finished lines generated (for a rate).
+INTERNAL = ("tenant", "next_line", "parts", "queues", "ending", "tokens", *COUNTS)
 
 
 class BatchRecord(BaseModel):
@@ -102,6 +103,7 @@ class BatchRecord(BaseModel):
     parts: int = 0
     queues: list[str] | None = None
     ending: str | None = None
+    tokens: int = 0
 
 
 def new_batch_id() -> str:
@@ -169,6 +171,7 @@ def parse_record(fields: dict[bytes, bytes]) -> BatchRecord:
     return BatchRecord(
         batch=batch, tenant=internal.get("tenant", b"default").decode(),
         next_line=int(internal.get("next_line", b"0")), parts=int(internal.get("parts", b"0")),
+        tokens=int(internal.get("tokens", b"0")),
         queues=orjson.loads(internal.get("queues", b"null")),
         ending=internal["ending"].decode() if "ending" in internal else None)
 

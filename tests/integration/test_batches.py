@@ -325,3 +325,39 @@ def test_another_tenants_batch_and_input_file_are_404(fleet: dict[str, Any]) -> 
         oa.batches.create(input_file_id=file_id, endpoint="/v1/completions",
                           completion_window="2d")  # type: ignore[arg-type]
     assert "completion_window" in window.value.message
+
+
+def test_the_cli_submits_waits_writes_the_results_and_lists(
+    fleet: dict[str, Any], tmp_path: Any
+) -> None:
+    from click.testing import CliRunner
+
+    from tokenfleet.workers.cli import main
+
+    settings = fleet["settings"]
+    env = {"TOKENFLEET_REDIS_URL": settings.redis_url,
+           "TOKENFLEET_NAMESPACE": settings.namespace,
+           "TOKENFLEET_FILES_URL": settings.files_url}
+    source = tmp_path / "in.jsonl"
+    source.write_bytes(jsonl([chat_line(i) for i in range(5)]))
+    out = tmp_path / "out.jsonl"
+    runner = CliRunner(env=env)
+    ran = runner.invoke(main, ["batch", "submit", str(source), "--wait", "--output", str(out),
+                               "--tenant", "acme"], catch_exceptions=False)
+    assert ran.exit_code == 0, ran.output
+    batch_id = ran.output.splitlines()[0]
+    assert batch_id.startswith("batch_")
+    # Piped, the progress is plain lines; the last one says it completed.
+    assert f"{batch_id} completed: 5 done / 0 failed / 5 total" in ran.output
+    lines = [orjson.loads(line) for line in out.read_bytes().splitlines()]
+    assert sorted(line["custom_id"] for line in lines) == [f"m-{i}" for i in range(5)]
+    assert fleet["oa"].batches.retrieve(batch_id).status == "completed"
+
+    status = runner.invoke(main, ["batch", "status", batch_id, "--tenant", "acme"])
+    assert status.exit_code == 0 and "completed: 5 done" in status.output
+    listed = runner.invoke(main, ["batch", "list", "--tenant", "acme"])
+    assert listed.exit_code == 0 and batch_id in listed.output
+    missing = runner.invoke(main, ["batch", "status", batch_id])  # the default tenant's: none
+    assert missing.exit_code == 1 and "no batch" in missing.output
+    cancelled = runner.invoke(main, ["batch", "cancel", batch_id, "--tenant", "acme"])
+    assert cancelled.exit_code == 0 and "completed" in cancelled.output  # ended: unchanged
