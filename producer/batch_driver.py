@@ -60,6 +60,7 @@ from tokenfleet.openai_compat import Completion
 from tokenfleet.shared.batch_scripts import batch_lease, batch_move
 from tokenfleet.shared.errors import QueueFull, TenantQueueFull, TokenfleetError
 from tokenfleet.shared.file_store import FileStore, read_lines
+from tokenfleet.shared.keys import job_model
 from tokenfleet.shared.webhook_outbox import add_event
 
 log = logging.getLogger("tokenfleet.batches")
@@ -74,6 +75,10 @@ MAX_ERRORS = 10
 PART_LINES = 1000
 # An output file may be larger than an upload: it holds the answers.
 MAX_OUTPUT_BYTES = 1 << 40
+# Once a line's result is in a part, its job's record and token log are kept
+# this long (not the fleet's result TTL): the batch's files hold the result,
+# and a batch of 50,000 lines does not keep 50,000 records in Redis for a day.
+DONE_TTL_S = 300
 
 Made = Completion | Chat
 
@@ -276,8 +281,9 @@ class BatchDriver:
                 out.append((index, batch_lines.output_line(custom_id, job_id, body)))
             else:
                 err.append((index, batch_lines.error_line(custom_id, batch_lines.job_error(state))))
-        await self._record_done(batch_id, out, err, ended=[i for i, _ in out + err],
-                                tokens=tokens)
+        ended = [i for i, _ in out + err]
+        await self._record_done(batch_id, out, err, ended=ended, tokens=tokens)
+        await self._let_go(batch_id, {i: running[i] for i in ended})
 
     async def _record_done(self, batch_id: str, out: list[tuple[int, bytes]],
                            err: list[tuple[int, bytes]], *, ended: list[int],
@@ -311,6 +317,30 @@ class BatchDriver:
             pipe.hset(keys.batch(batch_id), "next_line", next_line)
         if len(pipe):
             await pipe.execute()
+
+    async def _let_go(self, batch_id: str, jobs: dict[int, str]) -> None:
+        """The done lines' jobs expire soon, and their idempotency keys now: a
+        done line is never fed again (the next line to feed is past it)."""
+        if not jobs:
+            return
+        pipe = self.redis.pipeline(transaction=False)
+        for index, job_id in jobs.items():
+            job_keys = self.keys.of_job(job_id)
+            pipe.expire(job_keys.job, DONE_TTL_S)
+            pipe.expire(job_keys.out, DONE_TTL_S)
+            model = job_model(job_id)
+            if model is not None:
+                pipe.delete(self.keys.idempotency(model, batch_lines.job_key(batch_id, index)))
+        await pipe.execute()
+
+    async def release(self) -> None:
+        """Give up the leases this driver holds (a gateway stopping), so that
+        another driver takes its batches over at once rather than when they lapse."""
+        for batch_id in list(self._feeding):
+            lease = self.keys.batch_lease(batch_id)
+            if (await self.redis.get(lease) or b"").decode() == self.name:
+                await self.redis.delete(lease)
+        self._feeding.clear()
 
     async def _feed(self, record: BatchRecord, feeding: Feeding) -> None:
         """Queue lines until ``batch_window`` of the batch's are queued or running."""
@@ -382,6 +412,7 @@ class BatchDriver:
         err = [(index, batch_lines.error_line(feeding.made.get(index, (None,))[0], expired))
                for index in running]
         await self._record_done(batch_id, [], err, ended=list(running))
+        await self._let_go(batch_id, running)
         while True:
             if not feeding.waiting:
                 feeding.waiting = await asyncio.to_thread(_take, feeding.lines, PART_LINES)

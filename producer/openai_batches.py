@@ -25,6 +25,7 @@ import orjson
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, ValidationError
+from redis.exceptions import RedisError
 
 from tokenfleet.aio import AsyncFleetClient
 from tokenfleet.auth import caller
@@ -135,4 +136,6 @@ async def driving(client: AsyncFleetClient) -> AsyncIterator[BatchDriver | None]
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await task
+        with contextlib.suppress(RedisError, OSError):
+            await driver.release()
 

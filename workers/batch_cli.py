@@ -143,6 +143,7 @@ async def _submit(file: Path, wait: bool, output: Path | None, endpoint: str,
         finally:
             driving.cancel()
             await asyncio.gather(driving, return_exceptions=True)
+            await driver.release()
         if output is not None:
             lines = await asyncio.to_thread(_write_results, output, results(store, ended))
             click.echo(f"wrote {lines} result lines to {output}")
@@ -257,7 +258,10 @@ def drive(files_url: str | None, redis_url: str | None) -> None:
         async with _client(redis_url, files_url) as client:
             driver = BatchDriver(client, open_store(client.settings.files_url))
             click.echo(f"driving batches as {driver.name} (Ctrl-C stops)")
-            await driver.run()
+            try:
+                await driver.run()
+            finally:
+                await driver.release()
     try:
         asyncio.run(main())
     except KeyboardInterrupt:

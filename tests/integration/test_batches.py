@@ -361,3 +361,54 @@ def test_the_cli_submits_waits_writes_the_results_and_lists(
     assert missing.exit_code == 1 and "no batch" in missing.output
     cancelled = runner.invoke(main, ["batch", "cancel", batch_id, "--tenant", "acme"])
     assert cancelled.exit_code == 0 and "completed" in cancelled.output  # ended: unchanged
+
+
+def test_a_stopped_drivers_batch_is_taken_over_and_each_line_runs_once(
+    settings: Settings, start_worker: Any, tmp_path: Any
+) -> None:
+    """Driver a feeds part of a batch and stops without a word (a killed gateway);
+    driver b takes the batch over when a's lease lapses: the lines a queued are
+    the same jobs (their idempotency keys), and a part written twice (a crash
+    between a part and its marks) yields each line once."""
+    from tokenfleet import batch_output
+    from tokenfleet.batch_driver import BatchDriver
+
+    settings = settings.model_copy(update={"files_url": f"file://{tmp_path}/files",
+                                           "batch_window": 3})
+    start_worker()
+
+    async def main() -> None:
+        async with AsyncFleetClient(settings=settings) as client:
+            store = open_store(settings.files_url)
+            batch = await client.submit_batch([completion_line(i) for i in range(8)])
+            a = BatchDriver(client, store, name="a", lease_ms=300, step_s=0.05)
+            keys = client.keys
+            while True:  # until a has lines done and lines running
+                await a.step()
+                record = await client.redis.hgetall(keys.batch(batch.id))
+                if int(record.get(b"completed", 0)) >= 2 and await client.redis.hlen(
+                        keys.batch_running(batch.id)):
+                    break
+                await asyncio.sleep(0.05)
+            queued_by_a = {int(k): v.decode() for k, v in
+                           (await client.redis.hgetall(keys.batch_running(batch.id))).items()}
+            # A part written again, as after a crash before its lines were marked done.
+            again = await client.redis.hincrby(keys.batch(batch.id), "parts", 1)
+            first = b"".join(store.read(batch_output.part_name(batch.id, "out", 1)))
+            store.put(batch_output.part_name(batch.id, "out", again), [first])
+
+            b = BatchDriver(client, store, name="b", lease_ms=300, step_s=0.05)
+            done = await b.drive(batch.id, timeout=60)
+            assert done.batch.status == "completed"
+            assert done.batch.request_counts.completed == 8
+            lines = [line async for line in client.batch_results(batch.id)]
+            assert sorted(line["custom_id"] for line in lines) == sorted(
+                f"c-{i}" for i in range(8))
+            job_of = {int(line["custom_id"][2:]): line["response"]["request_id"]
+                      for line in lines}
+            assert len(set(job_of.values())) == 8
+            for index, job_id in queued_by_a.items():
+                assert job_of[index] == job_id  # b found a's job, made none again
+            assert not store.exists(batch_output.part_name(batch.id, "out", 1))  # parts gone
+
+    asyncio.run(main())
