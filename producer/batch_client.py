@@ -30,6 +30,7 @@ from tokenfleet.shared.schemas import GenerationRequest
 
 Request = dict[str, Any] | GenerationRequest
 Order = Literal["input", "finished"]
+UPLOAD_CHUNK = 1 << 16
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
 # SamplingParams' fields by their OpenAI names.
@@ -89,12 +90,19 @@ async def submit_batch(client: Any, requests: Iterable[Request] | AsyncIterable[
     endpoint = endpoint or endpoint_of(first)
 
     async def chunks() -> AsyncIterator[bytes]:
+        # Lines go to the store's thread in chunks, not one by one: each hand-over
+        # is a round trip between the threads.
         assert first is not None and endpoint is not None
-        yield line_of(0, first, endpoint)
+        chunk = bytearray(line_of(0, first, endpoint))
         index = 1
         async for request in source:
-            yield line_of(index, request, endpoint)
+            chunk += line_of(index, request, endpoint)
             index += 1
+            if len(chunk) >= UPLOAD_CHUNK:
+                yield bytes(chunk)
+                chunk.clear()
+        if chunk:
+            yield bytes(chunk)
 
     file = await create_file(client.redis, client.keys, store, chunks(),
                              filename="batch_input.jsonl", purpose="batch", tenant=tenant)
