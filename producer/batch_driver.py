@@ -65,7 +65,7 @@ from tokenfleet.shared.webhook_outbox import add_event
 
 log = logging.getLogger("tokenfleet.batches")
 
-STEP_S = 0.5
+STEP_S = 0.2
 # Long enough for a step that reads a whole input file (validating, joining
 # the parts); a driver that stops holds its batches this long at most.
 LEASE_MS = 20_000

@@ -33,10 +33,12 @@ from tokenfleet.batch_driver import BatchDriver
 from tokenfleet.batch_records import Batch, cancel_batch, create_batch, get_batch, list_batches
 from tokenfleet.files import get_file
 from tokenfleet.openai_compat import invalid
-from tokenfleet.openai_errors import BATCH_NOT_FOUND, INVALID_VALUE
+from tokenfleet.openai_errors import BATCH_NOT_FOUND, INVALID_VALUE, TOO_LARGE
 from tokenfleet.shared.file_store import open_store
 
 log = logging.getLogger("tokenfleet.batches")
+# A creation names a file and a few fields: its metadata is the most of it.
+MAX_BODY = 64 * 1024
 router = APIRouter()
 
 
@@ -71,8 +73,14 @@ def _missing(what: str, batch_id: str) -> Response:
 @router.post("/v1/batches")
 async def create(request: Request) -> Response:
     client = _client(request)
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > MAX_BODY:
+            return TOO_LARGE.response(f"request body is larger than {MAX_BODY} bytes, the most "
+                                      "a batch's creation takes (its lines go in its file)")
     try:
-        ask = CreateBatch.model_validate_json(await request.body())
+        ask = CreateBatch.model_validate_json(bytes(body))
     except ValidationError as exc:
         return invalid(exc)
     tenant = _tenant(request)
