@@ -40,28 +40,20 @@ import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-import orjson
 from redis.exceptions import RedisError
 
-from tokenfleet import batch_lines, batch_output
+from tokenfleet import batch_ends, batch_lines, batch_output
 from tokenfleet.aio import AsyncFleetClient
+from tokenfleet.batch_input import skipped, take, validated
 from tokenfleet.batch_lines import LineError, Parsed
-from tokenfleet.batch_records import (
-    CANCELLABLE,
-    ENDED,
-    BatchError,
-    BatchErrors,
-    BatchRecord,
-    read_record,
-)
-from tokenfleet.files import register, store_name, write_file
+from tokenfleet.batch_records import BatchError, BatchRecord, read_record
+from tokenfleet.files import store_name
 from tokenfleet.openai_chat import Chat
 from tokenfleet.openai_compat import Completion
 from tokenfleet.shared.batch_scripts import batch_lease, batch_move
 from tokenfleet.shared.errors import QueueFull, TenantQueueFull, TokenfleetError
-from tokenfleet.shared.file_store import FileStore, read_lines
+from tokenfleet.shared.file_store import FileStore
 from tokenfleet.shared.keys import job_model
-from tokenfleet.shared.webhook_outbox import add_event
 
 log = logging.getLogger("tokenfleet.batches")
 
@@ -69,27 +61,14 @@ STEP_S = 0.2
 # Long enough for a step that reads a whole input file (validating, joining
 # the parts); a driver that stops holds its batches this long at most.
 LEASE_MS = 20_000
-# A batch's errors list this many of its lines' problems, at most.
-MAX_ERRORS = 10
 # Lines expired (or found invalid) are written in parts of this many.
 PART_LINES = 1000
-# An output file may be larger than an upload: it holds the answers.
-MAX_OUTPUT_BYTES = 1 << 40
 # Once a line's result is in a part, its job's record and token log are kept
 # this long (not the fleet's result TTL): the batch's files hold the result,
 # and a batch of 50,000 lines does not keep 50,000 records in Redis for a day.
 DONE_TTL_S = 300
 
 Made = Completion | Chat
-
-
-def numbered_lines(store: FileStore, name: str) -> Iterator[tuple[int, bytes]]:
-    """The input's lines that are not blank, with their index (blocking)."""
-    index = 0
-    for line in read_lines(store, name):
-        if line.strip():
-            yield index, line
-            index += 1
 
 
 @dataclass
@@ -100,6 +79,7 @@ class Feeding:
 
     lines: Iterator[tuple[int, bytes]]
     dups: set[int]
+    next_line: int  # the record's next line to feed, as this driver last wrote it
     waiting: list[tuple[int, bytes]] = field(default_factory=list)
     made: dict[int, tuple[str | None, Made]] = field(default_factory=dict)
     cancel_asked: set[str] = field(default_factory=set)
@@ -165,18 +145,22 @@ class BatchDriver:
     async def step_batch(self, batch_id: str) -> None:
         record = await read_record(self.redis, self.keys, batch_id)
         if record is None or record.batch.is_ended:
-            await self._ended(batch_id, record)
+            self._feeding.pop(batch_id, None)
+            await batch_ends.ended(self.client, self.store, batch_id, record)
             return
         status = record.batch.status
         if status == "validating":
             await self._validate(record)
         elif status == "finalizing":
-            await self._finalize(record)
+            await batch_ends.finalize(self.client, self.store, record)
         elif status == "cancelling" and record.batch.in_progress_at is None:
-            await self._to_finalizing(record, "cancelled", from_=("cancelling",))
+            await batch_ends.to_finalizing(self.client, self.store, record, "cancelled", from_=("cancelling",))
         else:
-            feeding = self._feeding.get(batch_id) or await self._resume(record)
-            self._feeding[batch_id] = feeding
+            feeding = self._feeding.get(batch_id)
+            if feeding is None or feeding.next_line != record.next_line:
+                # New to this driver, or fed by another while this one's lease
+                # had lapsed (a step that took longer than the lease).
+                feeding = self._feeding[batch_id] = await self._resume(record)
             await self._collect(record, feeding)
             if status == "cancelling":
                 await self._cancel(record, feeding)
@@ -192,14 +176,14 @@ class BatchDriver:
         batch = record.batch
         try:
             total, valid, dups, errors = await asyncio.to_thread(
-                _validated, self.store, store_name(batch.input_file_id), batch.endpoint)
+                validated, self.store, store_name(batch.input_file_id), batch.endpoint)
         except FileNotFoundError:
-            await self._fail(record, [BatchError(
+            await batch_ends.fail(self.client, self.store, record, [BatchError(
                 code="file_not_found", param="input_file_id",
                 message=f"the input file {batch.input_file_id} cannot be read: it was deleted")])
             return
         if valid == 0:
-            await self._fail(record, errors or [BatchError(
+            await batch_ends.fail(self.client, self.store, record, errors or [BatchError(
                 code="empty_file", param="input_file_id", message="the input file has no lines")])
             return
         pipe = self.redis.pipeline(transaction=True)
@@ -211,14 +195,6 @@ class BatchDriver:
                          fields={"in_progress_at": str(int(time.time()))}
                          ).run_async(self.redis)
 
-    async def _fail(self, record: BatchRecord, errors: list[BatchError]) -> None:
-        listed = BatchErrors(data=errors[:MAX_ERRORS]).model_dump_json()
-        await batch_move(self.keys, record.batch.id, allowed=("validating",), status="failed",
-                         fields={"failed_at": str(int(time.time())), "errors": listed}
-                         ).run_async(self.redis)
-        await self._ended(record.batch.id, await read_record(self.redis, self.keys,
-                                                             record.batch.id))
-
     # -- in progress --------------------------------------------------------------
 
     async def _resume(self, record: BatchRecord) -> Feeding:
@@ -228,9 +204,9 @@ class BatchDriver:
         running = await self._running(batch.id)
         dups = {int(i) for i in await self.redis.smembers(self.keys.batch_dups(batch.id))}
         lines, raws = await asyncio.to_thread(
-            _skipped, self.store, store_name(batch.input_file_id), record.next_line,
+            skipped, self.store, store_name(batch.input_file_id), record.next_line,
             set(running))
-        feeding = Feeding(lines, dups)
+        feeding = Feeding(lines, dups, record.next_line)
         for index, raw in raws.items():
             parsed = batch_lines.parse(raw, batch.endpoint)
             if isinstance(parsed.body, dict):
@@ -350,7 +326,7 @@ class BatchDriver:
             return
         if len(feeding.waiting) < room:
             feeding.waiting += await asyncio.to_thread(
-                _take, feeding.lines, room - len(feeding.waiting))
+                take, feeding.lines, room - len(feeding.waiting))
         started: dict[int, str] = {}
         err: list[tuple[int, bytes]] = []
         fed = 0
@@ -382,6 +358,7 @@ class BatchDriver:
             del feeding.waiting[:fed]
             await self._record_done(batch_id, [], err, ended=[], started=started,
                                     next_line=next_line)
+            feeding.next_line = next_line
 
     async def _maybe_done(self, batch_id: str) -> None:
         record = await read_record(self.redis, self.keys, batch_id)
@@ -389,7 +366,7 @@ class BatchDriver:
             return
         counts = record.batch.request_counts
         if counts.completed + counts.failed >= counts.total:
-            await self._to_finalizing(record, "completed", from_=("in_progress",))
+            await batch_ends.to_finalizing(self.client, self.store, record, "completed", from_=("in_progress",))
 
     async def _cancel(self, record: BatchRecord, feeding: Feeding) -> None:
         running = await self._running(record.batch.id)
@@ -399,7 +376,7 @@ class BatchDriver:
                     await self.client.cancel(job_id, timeout=0)
                 feeding.cancel_asked.add(job_id)
         if not running:
-            await self._to_finalizing(record, "cancelled", from_=("cancelling",))
+            await batch_ends.to_finalizing(self.client, self.store, record, "cancelled", from_=("cancelling",))
 
     async def _expire(self, record: BatchRecord, feeding: Feeding) -> None:
         """Past the window: every line not done ends ``batch_expired``."""
@@ -415,7 +392,7 @@ class BatchDriver:
         await self._let_go(batch_id, running)
         while True:
             if not feeding.waiting:
-                feeding.waiting = await asyncio.to_thread(_take, feeding.lines, PART_LINES)
+                feeding.waiting = await asyncio.to_thread(take, feeding.lines, PART_LINES)
             if not feeding.waiting:
                 break
             err = [(index, batch_lines.error_line(
@@ -424,104 +401,7 @@ class BatchDriver:
             next_line = feeding.waiting[-1][0] + 1
             feeding.waiting = []
             await self._record_done(batch_id, [], err, ended=[], next_line=next_line)
-        await self._to_finalizing(record, "expired", from_=("in_progress", "cancelling"))
+            feeding.next_line = next_line
+        await batch_ends.to_finalizing(self.client, self.store, record, "expired", from_=("in_progress", "cancelling"))
 
     # -- finalizing and after ---------------------------------------------------
-
-    async def _to_finalizing(self, record: BatchRecord, ending: str,
-                             from_: tuple[str, ...]) -> None:
-        before = await batch_move(
-            self.keys, record.batch.id, allowed=from_, status="finalizing",
-            fields={"finalizing_at": str(int(time.time())), "ending": ending}
-        ).run_async(self.redis)
-        if before in from_:
-            refreshed = await read_record(self.redis, self.keys, record.batch.id)
-            if refreshed is not None:
-                await self._finalize(refreshed)
-
-    async def _finalize(self, record: BatchRecord) -> None:
-        """Join the parts into the output and error files, then end the batch."""
-        batch = record.batch
-        counts = batch.request_counts
-        ids: dict[str, str | None] = {"out": None, "err": None}
-        for kind, count in (("out", counts.completed), ("err", counts.failed)):
-            if count:
-                name = "output" if kind == "out" else "errors"
-                file = await asyncio.to_thread(
-                    write_file, self.store,
-                    batch_output.joined(self.store, batch.id, kind, record.parts, counts.total),
-                    filename=f"{batch.id}_{name}.jsonl", purpose="batch_output",
-                    max_bytes=MAX_OUTPUT_BYTES)
-                await register(self.redis, self.keys, file, record.tenant)
-                ids[kind] = file.id
-        ending = record.ending or "completed"
-        await batch_move(self.keys, batch.id, allowed=("finalizing",), status=ending, fields={
-            "output_file_id": orjson.dumps(ids["out"]).decode(),
-            "error_file_id": orjson.dumps(ids["err"]).decode(),
-            f"{ending}_at": str(int(time.time()))}).run_async(self.redis)
-        await asyncio.to_thread(batch_output.delete_parts, self.store, batch.id, record.parts)
-        await self._ended(batch.id, await read_record(self.redis, self.keys, batch.id))
-
-    async def _ended(self, batch_id: str, record: BatchRecord | None) -> None:
-        """An ended batch leaves the active set: its event is queued first, so a
-        crash in between queues it again rather than never (at least once)."""
-        self._feeding.pop(batch_id, None)
-        if record is not None and record.batch.status in ENDED:
-            metadata = record.batch.metadata or {}
-            await add_event(self.redis, self.keys, f"batch.{record.batch.status}",
-                            {"id": batch_id}, url=metadata.get("webhook_url"))
-            keys = self.keys
-            await self.redis.delete(keys.batch_running(batch_id), keys.batch_done(batch_id),
-                                    keys.batch_dups(batch_id))
-        await self.redis.srem(self.keys.active_batches, batch_id)
-        await self.redis.delete(self.keys.batch_lease(batch_id))
-
-
-def _validated(store: FileStore, name: str, endpoint: str
-               ) -> tuple[int, int, list[int], list[BatchError]]:
-    """The input's count of lines, of valid ones, the duplicates' indexes and
-    the first problems found (blocking: one pass over the file)."""
-    total = valid = 0
-    dups: list[int] = []
-    errors: list[BatchError] = []
-    seen: set[str] = set()
-    for index, raw in numbered_lines(store, name):
-        total += 1
-        parsed = batch_lines.parse(raw, endpoint)
-        if isinstance(parsed.body, LineError):
-            if len(errors) < MAX_ERRORS:
-                errors.append(BatchError(code=parsed.body.code, message=parsed.body.message,
-                                         line=index + 1))
-            continue
-        assert parsed.custom_id is not None
-        if parsed.custom_id in seen:
-            dups.append(index)
-            continue
-        seen.add(parsed.custom_id)
-        valid += 1
-    return total, valid, dups, errors
-
-
-def _skipped(store: FileStore, name: str, next_line: int, wanted: set[int]
-             ) -> tuple[Iterator[tuple[int, bytes]], dict[int, bytes]]:
-    """The input's lines from ``next_line`` on, and the lines before it that
-    are ``wanted`` (blocking)."""
-    lines = numbered_lines(store, name)
-    raws: dict[int, bytes] = {}
-    if next_line == 0:
-        return lines, raws
-    for index, raw in lines:
-        if index in wanted:
-            raws[index] = raw
-        if index + 1 >= next_line:
-            break
-    return lines, raws
-
-
-def _take(lines: Iterator[tuple[int, bytes]], n: int) -> list[tuple[int, bytes]]:
-    out = []
-    for item in lines:
-        out.append(item)
-        if len(out) >= n:
-            break
-    return out
