@@ -58,6 +58,12 @@ from tokenfleet.shared.keys import job_model
 log = logging.getLogger("tokenfleet.batches")
 
 STEP_S = 0.2
+# With no batch active anywhere, the active set is read this often, on a
+# connection closed after the read: a gateway at rest holds no Redis connection
+# (its pool closes one idle for 5 s, and a read every step would keep one
+# open). A batch made through a gateway wakes that gateway's driver at once;
+# one made elsewhere is taken up within this time.
+IDLE_STEP_S = 2.0
 # Long enough for a step that reads a whole input file (validating, joining
 # the parts); a driver that stops holds its batches this long at most.
 LEASE_MS = 20_000
@@ -96,17 +102,46 @@ class BatchDriver:
         self.name = name or f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
         self.step_s, self.lease_ms = step_s, lease_ms
         self.window = client.settings.batch_window
+        self.idle_step_s = max(step_s, IDLE_STEP_S)
         self._feeding: dict[str, Feeding] = {}
+        self._wake = asyncio.Event()
+
+    def wake(self) -> None:
+        """Step now (a batch was just made here), not at the next idle step."""
+        self._wake.set()
 
     async def run(self) -> None:
-        """Step every active batch, every ``step_s``, until cancelled."""
+        """Step every active batch, every ``step_s`` (while there is none, look
+        for one every ``idle_step_s``), until cancelled."""
+        busy = True
         while True:
             try:
-                await self.step()
+                if busy or self._wake.is_set() or await self._any_active():
+                    self._wake.clear()
+                    busy = await self.step()
             except (RedisError, OSError, TimeoutError) as exc:
+                busy = True
                 log.info("batch step failed (%s); tried again in %.1f s",
                          type(exc).__name__, self.step_s)
-            await asyncio.sleep(self.step_s)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(),
+                                       self.step_s if busy else self.idle_step_s)
+
+    async def _any_active(self) -> bool:
+        """Whether any batch is active. Read on a connection of the client's pool
+        (its bound holds) that is closed after the read: a gateway at rest keeps
+        no connection open for the driver's sake."""
+        pool = getattr(self.redis, "connection_pool", None)
+        if pool is None:  # a cluster's client: a pool per node
+            return bool(await self.redis.scard(self.keys.active_batches))
+        connection = await pool.get_connection()
+        try:
+            await connection.send_command("SCARD", self.keys.active_batches)
+            count = await connection.read_response()
+        finally:
+            await connection.disconnect()
+            await pool.release(connection)
+        return bool(count)
 
     async def drive(self, batch_id: str, timeout: float | None = None) -> BatchRecord:
         """Step until ``batch_id`` has ended (another driver may hold it: then
@@ -123,8 +158,9 @@ class BatchDriver:
                 raise TimeoutError(f"batch {batch_id} did not end within {timeout} s")
             await asyncio.sleep(self.step_s)
 
-    async def step(self) -> None:
-        """One step of every active batch this driver holds the lease of."""
+    async def step(self) -> bool:
+        """One step of every active batch this driver holds the lease of; False
+        when there is no active batch (anyone's)."""
         active = {i.decode() for i in await self.redis.smembers(self.keys.active_batches)}
         for batch_id in list(self._feeding):
             if batch_id not in active:
@@ -141,6 +177,7 @@ class BatchDriver:
                 raise
             except Exception:
                 log.exception("batch %s: step failed; tried again next step", batch_id)
+        return bool(active)
 
     async def step_batch(self, batch_id: str) -> None:
         record = await read_record(self.redis, self.keys, batch_id)

@@ -156,7 +156,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             log.warning("could not read the API keys (Redis does not answer): each request "
                         "reads them again (TOKENFLEET_GATEWAY_AUTH=%s)", settings.gateway_auth)
         try:
-            async with openai_batches.driving(app.state.fleet):
+            async with openai_batches.driving(app):
                 yield
         finally:
             await app.state.limits.close()

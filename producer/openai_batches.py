@@ -96,6 +96,9 @@ async def create(request: Request) -> Response:
                                endpoint=ask.endpoint, completion_window=ask.completion_window,
                                metadata=ask.metadata, tenant=tenant,
                                queues=None if key is None else key.queues)
+    driver: BatchDriver | None = getattr(request.app.state, "batch_driver", None)
+    if driver is not None:
+        driver.wake()
     return _answer(batch)
 
 
@@ -127,19 +130,21 @@ async def cancel(batch_id: str, request: Request) -> Response:
 
 
 @contextlib.asynccontextmanager
-async def driving(client: AsyncFleetClient) -> AsyncIterator[BatchDriver | None]:
+async def driving(app: Any) -> AsyncIterator[None]:
     """A batch driver on a task of its own while the block runs (none when the
-    file store's URL is unusable: the gateway serves the rest, and says so)."""
+    file store's URL is unusable: the gateway serves the rest, and says so),
+    as ``app.state.batch_driver``."""
+    client: AsyncFleetClient = app.state.fleet
     try:
         store = open_store(client.settings.files_url)
     except ValueError as exc:
         log.warning("batches are not run here: %s", exc)
-        yield None
+        yield
         return
-    driver = BatchDriver(client, store)
+    driver = app.state.batch_driver = BatchDriver(client, store)
     task = asyncio.get_running_loop().create_task(driver.run())
     try:
-        yield driver
+        yield
     finally:
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
