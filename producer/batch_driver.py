@@ -120,9 +120,9 @@ class BatchDriver:
                     self._wake.clear()
                     busy = await self.step()
             except (RedisError, OSError, TimeoutError) as exc:
-                busy = True
+                busy = False  # Redis out of reach: looked at again at the idle pace
                 log.info("batch step failed (%s); tried again in %.1f s",
-                         type(exc).__name__, self.step_s)
+                         type(exc).__name__, self.idle_step_s)
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wake.wait(),
                                        self.step_s if busy else self.idle_step_s)
