@@ -412,3 +412,29 @@ def test_a_stopped_drivers_batch_is_taken_over_and_each_line_runs_once(
             assert not store.exists(batch_output.part_name(batch.id, "out", 1))  # parts gone
 
     asyncio.run(main())
+
+
+def test_an_async_stream_of_generation_requests_is_a_chat_batch(fleet: dict[str, Any]) -> None:
+    from tokenfleet import GenerationRequest
+
+    async def requests() -> Any:
+        for prompt in PROMPTS:
+            yield GenerationRequest(messages=[{"role": "user", "content": prompt}],
+                                    sampling={"max_new_tokens": 4, "temperature": 0.0})
+
+    async def main() -> list[dict[str, Any]]:
+        async with AsyncFleetClient(settings=fleet["settings"]) as client:
+            batch = await client.submit_batch(requests(), metadata={"run": "async"})
+            assert batch.endpoint == "/v1/chat/completions"
+            while not (await client.batch(batch.id)).is_ended:
+                await asyncio.sleep(0.1)
+            assert (await client.batch(batch.id)).status == "completed"
+            return [line async for line in client.batch_results(batch.id, order="input")]
+
+    lines = asyncio.run(main())
+    assert [line["custom_id"] for line in lines] == [f"request-{i}" for i in range(4)]
+    client: FleetClient = fleet["client"]
+    for prompt, line in zip(PROMPTS, lines):
+        single = client.wait(client.submit(messages=[{"role": "user", "content": prompt}],
+                                           max_new_tokens=4, temperature=0.0), timeout=60)
+        assert line["response"]["body"]["choices"][0]["message"]["content"] == single.text
