@@ -191,7 +191,8 @@ class BatchDriver:
         elif status == "finalizing":
             await batch_ends.finalize(self.client, self.store, record)
         elif status == "cancelling" and record.batch.in_progress_at is None:
-            await batch_ends.to_finalizing(self.client, self.store, record, "cancelled", from_=("cancelling",))
+            await batch_ends.to_finalizing(self.client, self.store, record, "cancelled",
+                                           from_=("cancelling",))
         else:
             feeding = self._feeding.get(batch_id)
             if feeding is None or feeding.next_line != record.next_line:
@@ -403,7 +404,8 @@ class BatchDriver:
             return
         counts = record.batch.request_counts
         if counts.completed + counts.failed >= counts.total:
-            await batch_ends.to_finalizing(self.client, self.store, record, "completed", from_=("in_progress",))
+            await batch_ends.to_finalizing(self.client, self.store, record, "completed",
+                                           from_=("in_progress",))
 
     async def _cancel(self, record: BatchRecord, feeding: Feeding) -> None:
         running = await self._running(record.batch.id)
@@ -413,7 +415,8 @@ class BatchDriver:
                     await self.client.cancel(job_id, timeout=0)
                 feeding.cancel_asked.add(job_id)
         if not running:
-            await batch_ends.to_finalizing(self.client, self.store, record, "cancelled", from_=("cancelling",))
+            await batch_ends.to_finalizing(self.client, self.store, record, "cancelled",
+                                           from_=("cancelling",))
 
     async def _expire(self, record: BatchRecord, feeding: Feeding) -> None:
         """Past the window: every line not done ends ``batch_expired``."""
@@ -439,6 +442,7 @@ class BatchDriver:
             feeding.waiting = []
             await self._record_done(batch_id, [], err, ended=[], next_line=next_line)
             feeding.next_line = next_line
-        await batch_ends.to_finalizing(self.client, self.store, record, "expired", from_=("in_progress", "cancelling"))
+        await batch_ends.to_finalizing(self.client, self.store, record, "expired",
+                                       from_=("in_progress", "cancelling"))
 
     # -- finalizing and after ---------------------------------------------------
