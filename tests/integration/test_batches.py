@@ -144,6 +144,13 @@ def results(fleet: dict[str, Any], file_id: str | None) -> dict[str, Any]:
     return {line["custom_id"]: line for line in lines}
 
 
+def events(fleet: dict[str, Any], batch_id: str) -> list[str]:
+    """The webhook events queued for the batch, by type."""
+    entries = fleet["r"].xrange(fleet["keys"].webhook_outbox)
+    return [fields[b"type"].decode() for _, fields in entries
+            if orjson.loads(fields[b"data"]) == {"id": batch_id}]
+
+
 def test_submit_batch_runs_to_completed_with_one_output_line_per_request(
     fleet: dict[str, Any]
 ) -> None:
@@ -192,6 +199,7 @@ def test_the_openai_client_runs_200_lines_each_equal_to_the_single_request(
         assert (done.request_counts.total, done.request_counts.completed,
                 done.request_counts.failed) == (100, 100, 0)
         assert done.metadata == {"purpose": "test"}
+        assert events(fleet, batch.id) == ["batch.completed"]
         assert done.in_progress_at and done.finalizing_at and done.completed_at
         out = results(fleet, done.output_file_id)
         prefix = "c" if endpoint == "/v1/completions" else "m"
@@ -254,6 +262,7 @@ def test_a_batch_of_only_bad_lines_or_of_a_deleted_file_fails_saying_why(
     assert done.status == "failed" and done.failed_at
     assert done.errors is not None and done.errors.data
     assert done.errors.data[0].code == "invalid_json" and done.errors.data[0].line == 1
+    assert events(fleet, batch.id) == ["batch.failed"]
 
     file_id = upload(fleet, jsonl([completion_line(0)]))
     open_store(fleet["settings"].files_url).delete(store_name(file_id))  # its bytes lost
@@ -282,6 +291,7 @@ def test_cancel_keeps_the_finished_lines_and_cancels_the_rest(fleet: dict[str, A
     errors = results(fleet, done.error_file_id)
     assert sorted(errors) == ["idle-0", "idle-1", "idle-2"]
     assert {e["error"]["code"] for e in errors.values()} == {"batch_cancelled"}
+    assert events(fleet, batch.id) == ["batch.cancelled"]
     r, keys = fleet["r"], fleet["keys"]
     assert r.xlen(keys.queue(f"{IDLE}:batch:acme")) == 0  # nothing left queued
 
@@ -301,6 +311,7 @@ def test_lines_not_done_when_the_window_ends_expire(fleet: dict[str, Any]) -> No
     errors = results(fleet, done.error_file_id)
     assert sorted(errors) == [f"idle-{i}" for i in range(4)]
     assert {e["error"]["code"] for e in errors.values()} == {"batch_expired"}
+    assert events(fleet, batch.id) == ["batch.expired"]
 
 
 def test_another_tenants_batch_and_input_file_are_404(fleet: dict[str, Any]) -> None:
