@@ -5,7 +5,8 @@
 -- A log never has a hole: an event of tokens [i, j) is appended (at '0-<j>')
 -- only where the log holds exactly i tokens, and published only once appended.
 -- The attempt is checked once per event: a worker that lost the job to a
--- reclaim writes nothing more to it.
+-- reclaim writes nothing more to it, nor one that handed it back (requeue.lua:
+-- the record is 'queued' under the same attempt until a worker starts it again).
 -- A write Redis refuses (OOM, READONLY, MISCONF, ...) ends the script with that
 -- error. The events before it stay logged and published; a retry of the whole
 -- call finds them logged (their entries are there) and neither logs nor
@@ -26,7 +27,8 @@ for i = 0, #KEYS / 3 - 1 do
   local attempt, index, payload = ARGV[a + 1], tonumber(ARGV[a + 2]), ARGV[a + 4]
   local top = index + tonumber(ARGV[a + 3])
   local id = '0-' .. top
-  if redis.call('HGET', job, 'attempts') ~= attempt then
+  local cur = redis.call('HMGET', job, 'attempts', 'status')
+  if cur[1] ~= attempt or cur[2] == 'queued' then
     fenced[#fenced + 1] = i
   else
     local logged = log_end(log)
