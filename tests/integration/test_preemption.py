@@ -57,22 +57,56 @@ def ttfts(client: FleetClient, job_ids: list[str]) -> list[float]:
 
 
 @pytest.fixture
-def sim_worker(settings: Any) -> Iterator[Worker]:
-    built = build_gpu_sim(settings.model_copy(update=SIM))
-    worker = Worker(built.settings, built.engine, built.tokenizer, name="sim@test")
-    worker.start()
-    served = worker.keys.queue_workers(worker.queue)
-    wait_until(lambda: worker.redis.zscore(served, worker.name) is not None, timeout=30,
-               what="the worker's first heartbeat")
-    yield worker
-    worker.stop(grace_s=0)
+def start_sim(settings: Any) -> Iterator[Callable[..., Worker]]:
+    """An in-process worker on the gpu-sim engine (``SIM``, then ``overrides``)."""
+    started: list[Worker] = []
+
+    def start(**overrides: Any) -> Worker:
+        built = build_gpu_sim(settings.model_copy(update={**SIM, **overrides}))
+        worker = Worker(built.settings, built.engine, built.tokenizer, name="sim@test")
+        worker.start()
+        started.append(worker)
+        served = worker.keys.queue_workers(worker.queue)
+        wait_until(lambda: worker.redis.zscore(served, worker.name) is not None, timeout=30,
+                   what="the worker's first heartbeat")
+        return worker
+
+    yield start
+    for worker in started:
+        worker.stop(grace_s=0)
+
+
+@pytest.mark.parametrize("fair_share", [True, False])
+def test_batch_jobs_fill_the_free_slots_and_none_waits_in_the_worker(
+        settings: Any, start_sim: Callable[..., Worker], fair_share: bool) -> None:
+    worker = start_sim(max_batch=8, prefetch=4, fair_share=fair_share)
+    with FleetClient(settings=settings) as client:
+        live = [client.submit(f"live {i}", max_new_tokens=1024) for i in range(3)]
+        batch = [client.submit(f"batch {i}", priority="batch", max_new_tokens=1024)
+                 for i in range(20)]
+        wait_until(lambda: worker.engine.num_running == 8, timeout=10,
+                   what="batch jobs to fill the free slots")
+        # Prefetch is for live jobs: the worker holds no batch job beyond its
+        # slots, step after step (the feeder reads all along).
+        held: list[int] = []
+        steps = worker.engine.stats.steps
+        wait_until(lambda: held.append(worker.engine.num_held) or
+                   worker.engine.stats.steps >= steps + 20, timeout=10, what="20 more steps")
+        statuses = [client.status(j).status for j in batch]
+        for job_id in live + batch:
+            client.cancel(job_id)
+    assert max(held) == 8, held
+    assert statuses.count(JobStatus.RUNNING) == 5 and statuses.count(JobStatus.QUEUED) == 15
+
+
 
 
 def test_live_jobs_start_as_soon_beside_a_full_batch_as_on_an_idle_worker(
-        settings: Any, sim_worker: Worker, r: redis.Redis) -> None:
-    """Three bursts of 32 live jobs each way (one burst is one sample of where
+        settings: Any, start_sim: Callable[..., Worker], r: redis.Redis) -> None:
+    """Five bursts of 32 live jobs each way (one burst is one sample of where
     the worker is in its step when they come)."""
     keys = Keys(settings.namespace)
+    sim_worker = start_sim()
     with FleetClient(settings=settings) as client:
         # A first job loads the scripts the pipelined bursts call by hash.
         assert client.wait(client.submit("warm up", max_new_tokens=1), timeout=10).text
