@@ -126,6 +126,9 @@ class _Step:
     emit: ScriptCall[Emitted] | None
     finish: ScriptCall[Finished] | None
     sent: bool = False
+    # Jobs of the step that were handed back meanwhile (preemption): Redis
+    # refuses their writes, as expected.
+    handed_back: frozenset[str] = frozenset()
 
     @property
     def calls(self) -> list[ScriptCall[object]]:
@@ -186,8 +189,12 @@ class Publisher:
             raise RuntimeError("collect() the step sent before sending the next")
         events = self._due(outputs)
         endings = [self._ending(o) for o in outputs if o.finished]
+        handed_back = frozenset(
+            [e.seq.job_id for e in events if e.seq.handed_back]
+            + [o.seq.job_id for o in outputs if o.finished and o.seq.handed_back])
         step = self._pending = _Step(events, self._emit(events) if events else None,
-                                     self._finish(endings) if endings else None)
+                                     self._finish(endings) if endings else None,
+                                     handed_back=handed_back)
         if not step.calls:
             return
         try:
@@ -266,8 +273,13 @@ class Publisher:
                         set(emitted.gaps | finished.untrusted))
         stored.untrusted -= stored.fenced
         # The caller drops these jobs: what they hold here is never to be sent.
+        # A job handed back is no longer this worker's: nothing to drop (what it
+        # holds here goes; a later attempt's, should this worker run one, stays).
         for job_id in stored.fenced | stored.untrusted:
-            self.held.pop(job_id, None)
+            held = self.held.get(job_id)
+            if held is not None and (job_id not in step.handed_back or held.seq.handed_back):
+                del self.held[job_id]
+        stored.fenced -= step.handed_back
         return stored
 
     def _connection(self) -> Any:

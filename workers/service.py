@@ -503,9 +503,7 @@ class Worker:
         if finished:
             self._held.difference_update(finished)
             self.feeder.slots_freed.set()
-        # A job this worker handed back (preemption) is refused as expected.
-        handed_back = {o.seq.job_id for o in outputs if o.seq.handed_back}
-        self._drop(stored.fenced - handed_back, "a newer attempt owns it")
+        self._drop(stored.fenced, "a newer attempt owns it")
         self._drop(stored.untrusted, "its log lacks tokens made here (Redis lost them)")
         return stored.fenced | stored.untrusted
 

@@ -31,7 +31,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
 # in the batch beside nothing else.
 SIM = {"engine": "gpu-sim", "gpu_sim_step_ms": 5, "max_batch": 32, "prefetch": 2}
 LIVE = 32
-ROUNDS = 5
+ROUNDS = 8
 
 
 def burst(client: FleetClient, n: int, priority: str, max_new_tokens: int) -> list[str]:
@@ -103,7 +103,7 @@ def test_batch_jobs_fill_the_free_slots_and_none_waits_in_the_worker(
 
 def test_live_jobs_start_as_soon_beside_a_full_batch_as_on_an_idle_worker(
         settings: Any, start_sim: Callable[..., Worker], r: redis.Redis) -> None:
-    """Five bursts of 32 live jobs each way (one burst is one sample of where
+    """Eight bursts of 32 live jobs each way (one burst is one sample of where
     the worker is in its step when they come)."""
     keys = Keys(settings.namespace)
     sim_worker = start_sim()
