@@ -218,3 +218,16 @@ def test_a_handed_back_job_is_refused_quietly_held_tokens_and_all(
     assert not stored.fenced and not stored.untrusted
     assert seq.job_id not in publisher.held and len(log(r, settings, seq)) == 1
     assert len(log(r, settings, other)) == 2
+
+
+def test_a_job_handed_back_while_its_step_is_on_the_wire_is_no_fence_either(
+    make: Any, r: redis.Redis, settings: Any
+) -> None:
+    """The engine thread hands a job back between the step's send and its
+    collect, and Redis runs the hand-back first: the refusal is expected."""
+    publisher, [seq] = make()
+    r.hset(Keys(settings.namespace).job(seq.job_id), "status", "queued")  # requeue.lua, first
+    publisher.send([SeqOutput(seq, 0, TOKEN, "x", False)])
+    seq.handed_back = True  # flagged before the hand-back was sent
+    stored = publisher.collect()
+    assert not stored.fenced and not stored.untrusted and not log(r, settings, seq)

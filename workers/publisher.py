@@ -126,9 +126,14 @@ class _Step:
     emit: ScriptCall[Emitted] | None
     finish: ScriptCall[Finished] | None
     sent: bool = False
-    # Jobs of the step that were handed back meanwhile (preemption): Redis
-    # refuses their writes, as expected.
-    handed_back: frozenset[str] = frozenset()
+    ends: list[Sequence] = field(default_factory=list)  # the jobs ``finish`` ends
+
+    def handed_back(self) -> set[str]:
+        """Jobs of the step handed back by now (preemption): Redis refuses
+        their writes, as expected. Asked once Redis answered: a hand-back that
+        fenced a write was flagged before it was sent."""
+        return {seq.job_id for seq in [*(e.seq for e in self.events), *self.ends]
+                if seq.handed_back}
 
     @property
     def calls(self) -> list[ScriptCall[object]]:
@@ -189,12 +194,9 @@ class Publisher:
             raise RuntimeError("collect() the step sent before sending the next")
         events = self._due(outputs)
         endings = [self._ending(o) for o in outputs if o.finished]
-        handed_back = frozenset(
-            [e.seq.job_id for e in events if e.seq.handed_back]
-            + [o.seq.job_id for o in outputs if o.finished and o.seq.handed_back])
         step = self._pending = _Step(events, self._emit(events) if events else None,
                                      self._finish(endings) if endings else None,
-                                     handed_back=handed_back)
+                                     ends=[o.seq for o in outputs if o.finished])
         if not step.calls:
             return
         try:
@@ -275,11 +277,12 @@ class Publisher:
         # The caller drops these jobs: what they hold here is never to be sent.
         # A job handed back is no longer this worker's: nothing to drop (what it
         # holds here goes; a later attempt's, should this worker run one, stays).
+        handed_back = step.handed_back() if stored.fenced else set()
         for job_id in stored.fenced | stored.untrusted:
             held = self.held.get(job_id)
-            if held is not None and (job_id not in step.handed_back or held.seq.handed_back):
+            if held is not None and (job_id not in handed_back or held.seq.handed_back):
                 del self.held[job_id]
-        stored.fenced -= step.handed_back
+        stored.fenced -= handed_back
         return stored
 
     def _connection(self) -> Any:
