@@ -9,14 +9,15 @@ jobs run, and wait in the engine. Between two steps the engine loop calls
 in ``max_batch`` slots, it hands back as many batch jobs as it takes for every
 live job to have a slot, the newest-started first (they lose the least work).
 
-A job handed back goes through the drain's path (``Publisher.hand_back``,
+The worker drops each victim from the engine at once (its slot and cache are
+free at the next step, which runs the live jobs) and, once that step is
+handed over, hands it back through the drain's path (``Publisher.hand_back``,
 ``requeue.lua``): a new entry at the end of its batch stream, not counted as an
 attempt. Its record is ``queued`` from then on, so any write this worker still
 sends for it (a step already handed to the output thread) is refused by the
-attempt fence; the engine drops its sequence (and frees its cache) at the next
-step. When a worker takes it again, it resumes from its token log with the
-tokens already made as its prefix: greedy sampling gives the same text, and no
-token is made twice in the log (each is logged at its own index).
+attempt fence. When a worker takes it again, it resumes from its token log
+with the tokens already made as its prefix: greedy sampling gives the same
+text, and no token is made twice in the log (each is logged at its own index).
 
 The check is counts only, so a loop turn with nothing waiting costs one
 comparison: a live job can wait for a slot only when the engine holds more
@@ -68,7 +69,7 @@ class Preemption:
         self.max_batch = max_batch
         self._held = held  # every sequence the engine holds (a snapshot)
         self._num_held = num_held
-        # Forgets the jobs in the worker and the engine, then hands them back.
+        # Forgets the jobs in the worker and the engine, and hands them back.
         self._hand_back = hand_back
         self.preempted = 0  # jobs handed back so far
 

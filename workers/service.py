@@ -115,6 +115,8 @@ class Worker:
         # stored or when it is dropped here, never earlier: the feeder skips
         # the entries of held jobs, so a job left in it would be stranded.
         self._held: set[str] = set()
+        # Preempted, not yet handed back (the engine thread's; see _preempt).
+        self._preempted: list[Sequence] = []
         self.preemption = Preemption(settings.preempt_batch, self.max_batch,
                                      held=engine.unfinished, num_held=lambda: engine.num_held,
                                      hand_back=self._preempt)
@@ -260,7 +262,7 @@ class Worker:
         suspects = failure.suspects if failure is not None else []
         handed_over = [*self._drain_steps(), *self._unhanded]
         left = [*self.engine.unfinished(), *suspects, *(o.seq for o in self._sent),
-                *(m.seq for m in handed_over)]
+                *(m.seq for m in handed_over), *self._preempted]
         # The jobs of a step that failed may have caused it (on a GPU a bad
         # input can trip a device-side assert): theirs counts as an attempt.
         # requeue.lua skips the jobs that are no longer this worker's.
@@ -305,16 +307,24 @@ class Worker:
         return self.max_batch - self.engine.num_held
 
     def _preempt(self, seqs: list[Sequence]) -> None:
-        """Hand batch jobs back for live ones (engine thread, between steps).
-        Each leaves ``_held`` before its new entry exists, so the feeder never
-        skips that entry as one of a job held here; the engine frees its slot
-        and cache at the next step."""
+        """Give batch jobs' slots to live ones (engine thread, between steps):
+        the engine frees their slots and cache at the next step, which runs
+        the live jobs. Each leaves ``_held`` before its new entry exists, so
+        the feeder never skips that entry as one of a job held here. The
+        hand-back itself follows that step (``_hand_back_preempted``): the
+        live jobs' first tokens do not wait on Redis for it."""
         for seq in seqs:
             seq.handed_back = True
             self._held.discard(seq.job_id)
             self.engine.drop(seq.job_id)
-        self._hand_back(seqs)
+        self._preempted.extend(seqs)
         self.engine.stats.preempted += len(seqs)
+
+    def _hand_back_preempted(self) -> None:
+        """Engine thread: hand back the jobs preempted before the last step."""
+        if self._preempted:
+            seqs, self._preempted = self._preempted, []
+            self._hand_back(seqs)
 
     def cancel(self, job_id: str) -> None:
         self.engine.abort(job_id, FinishReason.CANCELLED)
@@ -350,6 +360,7 @@ class Worker:
             try:
                 self.preemption.turn()
                 self._step()
+                self._hand_back_preempted()
             except DeviceFailure as failure:
                 self._fail(failure)
                 break

@@ -99,35 +99,37 @@ def test_batch_jobs_fill_the_free_slots_and_none_waits_in_the_worker(
     assert statuses.count(JobStatus.RUNNING) == 5 and statuses.count(JobStatus.QUEUED) == 15
 
 
-
-
 def test_live_jobs_start_as_soon_beside_a_full_batch_as_on_an_idle_worker(
         settings: Any, start_sim: Callable[..., Worker], r: redis.Redis) -> None:
-    """Eight bursts of 32 live jobs each way (one burst is one sample of where
-    the worker is in its step when they come)."""
+    """Rounds of two bursts of 32 live jobs: one on the idle worker, one while
+    batch jobs fill its batch (a burst is one sample of where the worker is in
+    its step when it comes; the rounds alternate, so a load on the machine
+    falls on both alike)."""
     keys = Keys(settings.namespace)
-    sim_worker = start_sim()
+    worker = start_sim()
+    idle: list[float] = []
+    busy: list[float] = []
+    handbacks = 0
     with FleetClient(settings=settings) as client:
         # A first job loads the scripts the pipelined bursts call by hash.
         assert client.wait(client.submit("warm up", max_new_tokens=1), timeout=10).text
-        idle = [t for _ in range(ROUNDS)
-                for t in ttfts(client, burst(client, LIVE, "normal", max_new_tokens=8))]
-        # Batch jobs fill every slot, and more wait in their stream.
-        batch = burst(client, 48, "batch", max_new_tokens=1024)
-        busy: list[float] = []
         for _ in range(ROUNDS):
-            wait_until(lambda: sim_worker.engine.num_running == SIM["max_batch"]
-                       and sim_worker.engine.num_held == SIM["max_batch"], timeout=10,
+            idle += ttfts(client, burst(client, LIVE, "normal", max_new_tokens=8))
+            # Batch jobs fill every slot, and more wait in their stream.
+            batch = burst(client, 48, "batch", max_new_tokens=1024)
+            wait_until(lambda: worker.engine.num_running == SIM["max_batch"]
+                       and worker.engine.num_held == SIM["max_batch"], timeout=10,
                        what="batch jobs to fill the batch")
             busy += ttfts(client, burst(client, LIVE, "normal", max_new_tokens=8))
-        handed_back = [int(r.hget(keys.job(j), "handbacks") or 0) for j in batch]
-        for job_id in batch:  # the rest of the batch is not this test's business
-            client.cancel(job_id)
+            handbacks += sum(int(r.hget(keys.job(j), "handbacks") or 0) for j in batch)
+            for job_id in batch:  # idle again for the next round
+                client.cancel(job_id)
+            wait_until(lambda: not worker.busy, timeout=10, what="the batch's cancels")
     idle_p50, busy_p50 = statistics.median(idle), statistics.median(busy)
     print(f"live TTFT p50: idle {idle_p50 * 1000:.1f} ms, beside a full batch "
-          f"{busy_p50 * 1000:.1f} ms; {sum(handed_back)} batch job hand-backs")
-    assert sum(handed_back) >= ROUNDS * LIVE, "batch jobs were not handed back for live ones"
-    assert sim_worker.engine.stats.preempted >= ROUNDS * LIVE
+          f"{busy_p50 * 1000:.1f} ms; {handbacks} batch job hand-backs")
+    assert handbacks >= ROUNDS * LIVE, "batch jobs were not handed back for live ones"
+    assert worker.engine.stats.preempted >= ROUNDS * LIVE
     assert busy_p50 <= 1.5 * idle_p50, (
         f"live TTFT p50 {busy_p50:.3f}s is over 1.5x {idle_p50:.3f}s idle")
 
