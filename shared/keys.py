@@ -26,6 +26,10 @@ GROUP = "workers"
 # "normal" keeps the plain queue name, so the stream a KEDA scaler or a dashboard
 # watches by default is <ns>:q:<model>.
 PRIORITIES = ("high", "normal", "low", "batch")
+# The batch level takes only the slots the live levels (the others) leave free,
+# and gives them back when live jobs wait (workers/preemption.py).
+BATCH = "batch"
+LIVE_PRIORITIES = tuple(p for p in PRIORITIES if p != BATCH)
 
 # A queue (model) name. Checked with fullmatch: with re.match and '^...$' a name
 # ending in a newline passed ('$' matches before a final '\n') and its jobs

@@ -11,6 +11,7 @@ from typing import Any
 
 import click
 
+from tokenfleet.shared.keys import PRIORITIES
 from tokenfleet.workers import engines
 from tokenfleet.workers.bench.workload import WORKLOADS
 
@@ -249,7 +250,7 @@ def _check_names(nodes: list[str]) -> None:
 @click.option("--stop", multiple=True, help="a stop string (repeatable)")
 @click.option("--model", "queue", default="default", show_default=True,
               help="the queue a worker serves (see `tokenfleet status`)")
-@click.option("--priority", type=click.Choice(["high", "normal", "low"]), default="normal",
+@click.option("--priority", type=click.Choice(PRIORITIES), default="normal",
               show_default=True)
 @click.option("--queue-ahead", is_flag=True,
               help="enqueue even if no live worker serves the queue yet")
