@@ -384,7 +384,7 @@ class BatchDriver:
                 except (QueueFull, TenantQueueFull):
                     break  # the queue is full: this line and the rest wait for room
                 except TokenfleetError as exc:
-                    outcome = batch_lines.fleet_error(exc)
+                    outcome = batch_lines.fleet_error(exc, record.batch.endpoint)
                 else:
                     started[index] = job_id
                     feeding.made[index] = (parsed.custom_id, outcome.made)

@@ -9,11 +9,13 @@ import pytest
 
 from tokenfleet import batch_output
 from tokenfleet.batch_client import line_of, openai_body
-from tokenfleet.batch_lines import LineError, error_line, parse
+from tokenfleet.batch_lines import LineError, error_line, job_error, parse, refusal
 from tokenfleet.batch_records import Batch, BatchRecord, RequestCounts, window_s
 from tokenfleet.shared.errors import InvalidRequest
 from tokenfleet.shared.file_store import DirectoryStore
-from tokenfleet.shared.schemas import GenerationRequest
+from tokenfleet.openai_answer import failure
+from tokenfleet.openai_errors import CONTEXT_LENGTH
+from tokenfleet.shared.schemas import GenerationRequest, JobState, JobStatus
 from tokenfleet.workers.batch_cli import progress
 
 COMPLETIONS = "/v1/completions"
@@ -49,6 +51,30 @@ def test_a_good_line_gives_its_custom_id_and_body() -> None:
     line = orjson.loads(error_line("a", LineError("c", "m")))
     assert line["id"].startswith("batch_req_") and line["response"] is None
     assert line["error"] == {"code": "c", "message": "m"}
+
+
+def test_a_refused_request_is_a_response_with_the_single_routes_status_and_body() -> None:
+    refused = refusal(CONTEXT_LENGTH, "prompt has 9 tokens; this gateway allows 4",
+                      param="prompt")
+    line = orjson.loads(error_line("a", refused))
+    assert line["error"] is None and line["custom_id"] == "a"
+    response = line["response"]
+    assert response["status_code"] == 400 and response["request_id"].startswith("req_")
+    single = CONTEXT_LENGTH.response("prompt has 9 tokens; this gateway allows 4",
+                                     param="prompt")
+    assert response["body"] == orjson.loads(bytes(single.body))
+
+
+def test_a_job_that_failed_on_its_worker_is_a_500_naming_its_job() -> None:
+    state = JobState(id="default:ab", status=JobStatus.FAILED, error="out of memory")
+    line = orjson.loads(error_line("a", job_error(state)))
+    assert line["error"] is None and line["response"]["status_code"] == 500
+    assert line["response"]["request_id"] == "default:ab"
+    assert line["response"]["body"]["error"] == {
+        "message": failure(state), "type": "server_error", "param": None, "code": None}
+    cancelled = JobState(id="default:ab", status=JobStatus.CANCELLED)
+    line = orjson.loads(error_line("a", job_error(cancelled)))
+    assert line["response"] is None and line["error"]["code"] == "batch_cancelled"
 
 
 def test_joining_parts_keeps_each_line_once_in_the_order_they_finished(tmp_path: Path) -> None:

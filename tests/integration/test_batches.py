@@ -243,13 +243,19 @@ def test_bad_lines_go_to_the_error_file_with_the_single_requests_message(
     assert sorted(results(fleet, done.output_file_id)) == ["c-0", "c-1"]
     errors = [orjson.loads(line) for line in
               content(fleet, done.error_file_id or "").splitlines()]
-    by_id = {e["custom_id"]: e["error"] for e in errors}
-    assert by_id["too-long"]["message"] == single.value.body["message"]  # type: ignore[index]
-    assert by_id["wrong-url"]["code"] == "invalid_url"
-    assert by_id["c-0"]["code"] == "duplicate_custom_id"
+    by_id = {e["custom_id"]: e for e in errors}
+    # A request the endpoint refused: its status and whole error body, as OpenAI writes it.
+    too_long_line = by_id.pop("too-long")
+    assert too_long_line["error"] is None
+    assert too_long_line["response"]["status_code"] == single.value.status_code == 400
+    assert too_long_line["response"]["body"] == single.value.response.json()
+    assert too_long_line["response"]["request_id"]
+    # Lines that made no request: an error code, no response.
+    assert all(e["response"] is None for e in errors if e["custom_id"] != "too-long")
+    assert by_id["wrong-url"]["error"]["code"] == "invalid_url"
+    assert by_id["c-0"]["error"]["code"] == "duplicate_custom_id"
     assert sorted(e["error"]["code"] for e in errors if e["custom_id"] is None) == [
         "invalid_json", "missing_custom_id"]
-    assert all(e["response"] is None for e in errors)
 
 
 def test_a_batch_of_only_bad_lines_or_of_a_deleted_file_fails_saying_why(
