@@ -18,7 +18,7 @@ import pytest
 from tokenfleet import FleetClient
 from tokenfleet.aio import AsyncFleetClient
 from tokenfleet.batch_records import RequestCounts
-from tokenfleet.files import create_file, store_name
+from tokenfleet.files import store_name
 from tokenfleet.shared.api_keys import create_key, new_key
 from tokenfleet.shared.file_store import open_store
 from tokenfleet.shared.keys import Keys
@@ -98,22 +98,8 @@ def jsonl(lines: list[Any]) -> bytes:
 
 
 def upload(fleet: dict[str, Any], data: bytes, oa: openai.OpenAI | None = None) -> str:
-    """The input file, uploaded through ``/v1/files``; where the gateway has no
-    such route, made as it makes one (``tokenfleet.files``), as the key's tenant."""
-    oa = oa or fleet["oa"]
-    try:
-        return oa.files.create(file=("in.jsonl", data), purpose="batch").id
-    except openai.NotFoundError:
-        pass
-    settings = fleet["settings"]
-    tenant = "acme" if oa is fleet["oa"] else "other"
-
-    async def main() -> str:
-        async with AsyncFleetClient(settings=settings) as c:
-            file = await create_file(c.redis, c.keys, open_store(settings.files_url), [data],
-                                     filename="in.jsonl", purpose="batch", tenant=tenant)
-            return file.id
-    return asyncio.run(main())
+    """The input file, uploaded through ``/v1/files`` as the key's tenant."""
+    return (oa or fleet["oa"]).files.create(file=("in.jsonl", data), purpose="batch").id
 
 
 def ended(oa: openai.OpenAI, batch_id: str, timeout: float = 60) -> Any:
@@ -127,13 +113,8 @@ def ended(oa: openai.OpenAI, batch_id: str, timeout: float = 60) -> Any:
 
 
 def content(fleet: dict[str, Any], file_id: str) -> bytes:
-    """A file's bytes through ``/v1/files/{id}/content``; where the gateway has
-    no such route, read from the store."""
-    try:
-        return fleet["oa"].files.content(file_id).content
-    except openai.NotFoundError:
-        store = open_store(fleet["settings"].files_url)
-        return b"".join(store.read(store_name(file_id)))
+    """A file's bytes through ``/v1/files/{id}/content``."""
+    return fleet["oa"].files.content(file_id).content
 
 
 def results(fleet: dict[str, Any], file_id: str | None) -> dict[str, Any]:
