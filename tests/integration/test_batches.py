@@ -301,6 +301,43 @@ def test_lines_not_done_when_the_window_ends_expire(fleet: dict[str, Any]) -> No
     assert events(fleet, batch.id) == ["batch.expired"]
 
 
+def test_a_line_that_ends_just_before_its_expiry_cancel_keeps_its_result(
+    settings: Settings, start_worker: Any, tmp_path: Any
+) -> None:
+    """The window ends while a line's job is queued; its job ends (succeeded)
+    before the driver's cancel reaches it: the line is in the output file, not
+    expired."""
+    from tokenfleet.batch_driver import BatchDriver
+
+    settings = settings.model_copy(update={"files_url": f"file://{tmp_path}/files"})
+    pin_live_worker(redis_client(settings.redis_url), settings.namespace, "default")
+
+    async def main() -> None:
+        async with AsyncFleetClient(settings=settings) as client:
+            keys = client.keys
+            batch = await client.submit_batch([completion_line(0)])
+            driver = BatchDriver(client, open_store(settings.files_url), step_s=0.05)
+            while not await client.redis.hlen(keys.batch_running(batch.id)):
+                await driver.step()  # fed: queued, no worker reads it yet
+            cancel = client.cancel
+
+            async def cancel_too_late(job_id: str, timeout: float = 0) -> bool:
+                await asyncio.to_thread(start_worker)
+                await client.wait(job_id, timeout=60)  # it ended first
+                return await cancel(job_id, timeout=timeout)
+
+            client.cancel = cancel_too_late  # type: ignore[method-assign]
+            await client.redis.hset(keys.batch(batch.id), "expires_at", int(time.time()) - 1)
+            done = await driver.drive(batch.id, timeout=60)
+            assert done.batch.status == "expired"
+            assert done.batch.request_counts.completed == 1
+            lines = [line async for line in client.batch_results(batch.id)]
+            assert [line["custom_id"] for line in lines] == ["c-0"]
+            assert lines[0]["response"]["status_code"] == 200
+
+    asyncio.run(main())
+
+
 def test_another_tenants_batch_and_input_file_are_404(fleet: dict[str, Any]) -> None:
     oa, other = fleet["oa"], fleet["other"]
     file_id = upload(fleet, jsonl([completion_line(0)]))
