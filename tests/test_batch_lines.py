@@ -8,7 +8,7 @@ import orjson
 import pytest
 
 from tokenfleet import batch_output
-from tokenfleet.batch_client import line_of, openai_body
+from tokenfleet.batch_client import line_of, openai_body, results
 from tokenfleet.batch_lines import LineError, error_line, job_error, parse, refusal
 from tokenfleet.batch_records import Batch, BatchRecord, RequestCounts, window_s
 from tokenfleet.shared.errors import InvalidRequest
@@ -86,6 +86,22 @@ def test_joining_parts_keeps_each_line_once_in_the_order_they_finished(tmp_path:
     assert joined.splitlines() == [b'{"x":2}', b'{"x":0}', b'{"x":1}']
     batch_output.delete_parts(store, "b1", 3)
     assert not (tmp_path / "batches" / "b1").exists()
+
+
+def test_results_in_input_order_keep_every_line_of_a_duplicate_or_missing_custom_id(
+    tmp_path: Path
+) -> None:
+    store = DirectoryStore(tmp_path)
+    store.put("files/in", [b'{"custom_id": "a"}\n{not json\n{"custom_id": "b"}\n'
+                           b'{"custom_id": "a"}\n{"body": {}}\n'])
+    store.put("files/out", [b'{"custom_id": "b", "n": 2}\n{"custom_id": "a", "n": 0}\n'])
+    store.put("files/err", [b'{"custom_id": null, "n": 1}\n{"custom_id": "a", "n": 3}\n'
+                            b'{"custom_id": null, "n": 4}\n'])
+    batch = Batch(id="batch_1", endpoint=COMPLETIONS, input_file_id="in",
+                  completion_window="24h", status="completed", created_at=0,
+                  output_file_id="out", error_file_id="err")
+    assert [line["n"] for line in results(store, batch, "input")] == [0, 1, 2, 3, 4]
+    assert [line["n"] for line in results(store, batch)] == [2, 0, 1, 3, 4]
 
 
 def test_a_generation_request_becomes_the_openai_body_of_its_endpoint() -> None:
