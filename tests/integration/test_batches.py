@@ -338,6 +338,54 @@ def test_a_line_that_ends_just_before_its_expiry_cancel_keeps_its_result(
     asyncio.run(main())
 
 
+def test_finalizing_twice_or_again_after_a_crash_leaves_no_orphan_file(
+    settings: Settings, tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two drivers finalize a batch at once (a lease that lapsed), and one
+    stopped after registering its output file but before ending the batch:
+    the ended batch names one output file, and the tenant lists no other."""
+    from tokenfleet import batch_ends, batch_output
+    from tokenfleet.batch_records import read_record
+    from tokenfleet.files import list_files
+
+    settings = settings.model_copy(update={"files_url": f"file://{tmp_path}/files"})
+
+    async def finalizing(client: AsyncFleetClient) -> Any:
+        batch = await client.submit_batch([completion_line(0)])
+        store = open_store(settings.files_url)
+        batch_output.write_part(store, batch.id, "out", 1, [(0, b'{"custom_id": "c-0"}')])
+        await client.redis.hset(client.keys.batch(batch.id), mapping={
+            "status": '"finalizing"', "ending": "completed", "parts": 1, "total": 1,
+            "completed": 1})
+        return await read_record(client.redis, client.keys, batch.id)
+
+    async def main() -> None:
+        async with AsyncFleetClient(settings=settings) as client:
+            store = open_store(settings.files_url)
+            record = await finalizing(client)
+            move = batch_ends.batch_move
+
+            def stopped(*args: Any, **kwargs: Any) -> Any:
+                raise RuntimeError("the driver stopped here")
+            monkeypatch.setattr(batch_ends, "batch_move", stopped)
+            with pytest.raises(RuntimeError):
+                await batch_ends.finalize(client, store, record)  # registered, not ended
+            monkeypatch.setattr(batch_ends, "batch_move", move)
+            await asyncio.gather(batch_ends.finalize(client, store, record),
+                                 batch_ends.finalize(client, store, record))
+            done = await read_record(client.redis, client.keys, record.batch.id)
+            assert done is not None and done.batch.status == "completed"
+            outputs = await list_files(client.redis, client.keys, None,
+                                       purpose="batch_output")
+            assert [f.id for f in outputs] == [done.batch.output_file_id]
+            assert [line["custom_id"] async for line in
+                    client.batch_results(record.batch.id)] == ["c-0"]
+            assert not [f for f in await client.redis.hkeys(client.keys.batch(record.batch.id))
+                        if f.startswith(b"made:")]
+
+    asyncio.run(main())
+
+
 def test_another_tenants_batch_and_input_file_are_404(fleet: dict[str, Any]) -> None:
     oa, other = fleet["oa"], fleet["other"]
     file_id = upload(fleet, jsonl([completion_line(0)]))
