@@ -51,7 +51,7 @@ from tokenfleet.batch_records import BatchError, BatchRecord, read_record
 from tokenfleet.files import store_name
 from tokenfleet.openai_chat import Chat
 from tokenfleet.openai_compat import Completion
-from tokenfleet.shared.batch_scripts import batch_lease, batch_move
+from tokenfleet.shared.batch_scripts import batch_done, batch_lease, batch_move
 from tokenfleet.shared.errors import QueueFull, TenantQueueFull, TokenfleetError
 from tokenfleet.shared.file_store import FileStore
 from tokenfleet.shared.keys import job_model
@@ -284,7 +284,7 @@ class BatchDriver:
         statuses = await pipe.execute()
         out: list[tuple[int, bytes]] = []
         err: list[tuple[int, bytes]] = []
-        tokens = 0
+        tokens: dict[int, int] = {}
         for (index, job_id), status in zip(running.items(), statuses):
             if status is not None and status.decode() in ("queued", "running"):
                 continue
@@ -299,7 +299,7 @@ class BatchDriver:
                 continue
             if state.status.value == "succeeded" and made is not None:
                 body = await batch_lines.answer(self.client, made, job_id, state)
-                tokens += len(state.token_ids)
+                tokens[index] = len(state.token_ids)
                 out.append((index, batch_lines.output_line(custom_id, job_id, body)))
             else:
                 why = (batch_lines.expired() if expiring and state.status.value == "cancelled"
@@ -312,11 +312,12 @@ class BatchDriver:
     async def _record_done(self, batch_id: str, out: list[tuple[int, bytes]],
                            err: list[tuple[int, bytes]], *, ended: list[int],
                            started: dict[int, str] | None = None,
-                           next_line: int | None = None, tokens: int = 0) -> None:
-        """Write a part of the lines done, then (one transaction) mark them done,
-        count them, and note the lines started and the next line to feed. A
-        crash between the two writes the lines again later: joining the parts
-        keeps one of each."""
+                           next_line: int | None = None,
+                           tokens: dict[int, int] | None = None) -> None:
+        """Write a part of the lines done, then mark them done and count those not
+        done before (``batch_done.lua``: a line collected twice counts once), then
+        note the lines started and the next line to feed. A crash in between
+        writes the lines again later: joining the parts keeps one of each."""
         keys = self.keys
         if out or err:
             part = await self.redis.hincrby(keys.batch(batch_id), "parts", 1)
@@ -324,19 +325,15 @@ class BatchDriver:
                 if lines:
                     await asyncio.to_thread(batch_output.write_part, self.store, batch_id,
                                             kind, part, lines)
+        done = ([(i, "out", (tokens or {}).get(i, 0)) for i, _ in out]
+                + [(i, "err", 0) for i, _ in err])
+        if done:
+            await batch_done(keys, batch_id, done).run_async(self.redis)
         pipe = self.redis.pipeline(transaction=True)
-        for index, _ in out + err:
-            pipe.setbit(keys.batch_done(batch_id), index, 1)
         if ended:
             pipe.hdel(keys.batch_running(batch_id), *ended)
         if started:
             pipe.hset(keys.batch_running(batch_id), mapping=started)
-        if out:
-            pipe.hincrby(keys.batch(batch_id), "completed", len(out))
-        if err:
-            pipe.hincrby(keys.batch(batch_id), "failed", len(err))
-        if tokens:
-            pipe.hincrby(keys.batch(batch_id), "tokens", tokens)
         if next_line is not None:
             pipe.hset(keys.batch(batch_id), "next_line", next_line)
         if len(pipe):

@@ -386,6 +386,21 @@ def test_finalizing_twice_or_again_after_a_crash_leaves_no_orphan_file(
     asyncio.run(main())
 
 
+def test_a_line_collected_twice_is_counted_once(settings: Settings) -> None:
+    """Two drivers (a lease that lapsed) or one after a crash collect the same
+    line: it counts once, so the batch does not end before every line is done."""
+    from tokenfleet.shared.batch_scripts import batch_done
+
+    r, keys = redis_client(settings.redis_url), Keys(settings.namespace)
+    r.hset(keys.batch("batch_x"), mapping={"completed": 0, "failed": 0, "tokens": 0})
+    r.hset(keys.batch_running("batch_x"), mapping={0: "default:a", 1: "default:b"})
+    assert batch_done(keys, "batch_x", [(0, "out", 5), (1, "err", 0)]).run(r) == 2
+    assert batch_done(keys, "batch_x", [(0, "out", 5), (1, "out", 3)]).run(r) == 0
+    assert r.hmget(keys.batch("batch_x"), "completed", "failed", "tokens") == [b"1", b"1", b"5"]
+    assert not r.exists(keys.batch_running("batch_x"))
+    r.close()
+
+
 def test_another_tenants_batch_and_input_file_are_404(fleet: dict[str, Any]) -> None:
     oa, other = fleet["oa"], fleet["other"]
     file_id = upload(fleet, jsonl([completion_line(0)]))
