@@ -8,9 +8,10 @@ line's ``response`` carries the route's status and its whole error body, as
 OpenAI's error file does (``error`` is set only where no request was made: a
 line that is not JSON, has no custom_id or is a duplicate, names another url,
 or expired or was cancelled before its end). Its answer is built as the
-endpoint builds it (``completion_answer``, ``chat_answer``). A line runs as a job of priority ``batch`` under an
-idempotency key naming the batch and the line: fed again after a crash, it
-names the same job, and nothing is generated twice.
+endpoint builds it (``completion_answer``, ``chat_answer``). A line runs as a
+job of priority ``batch`` under an idempotency key naming the batch and the
+line: fed again after a crash, it names the same job, and nothing is
+generated twice.
 """
 
 from __future__ import annotations
