@@ -193,7 +193,8 @@ class AsyncFleetClient:
 
     def batch_results(self, batch_id: str, order: Literal["input", "finished"] = "finished",
                       *, tenant: str | None = None) -> AsyncIterator[dict[str, Any]]:
-        """The ended batch's result lines (output, then errors; or in input order)."""
+        """The ended batch's result lines: output, then errors, streamed; or in input
+        order (held in memory to sort them: about the size of the result files)."""
         return batch_client.aresults(self, batch_id, order, tenant)
 
     async def served_queues(self) -> list[str]:

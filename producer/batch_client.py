@@ -12,6 +12,7 @@ and ``body``; ``method`` and ``url`` may be left out) or ``GenerationRequest``s
 from __future__ import annotations
 
 import asyncio
+from collections import deque
 from collections.abc import AsyncIterable, AsyncIterator, Iterable, Iterator
 from typing import Any, Literal
 
@@ -138,24 +139,36 @@ async def cancel(client: Any, batch_id: str, tenant: str | None = None) -> Batch
 def results(store: FileStore, found: Batch, order: Order = "finished"
             ) -> Iterator[dict[str, Any]]:
     """The batch's result lines (its output file's, then its error file's), in
-    the order they finished or, with ``order="input"``, in its input's order
-    (held in memory to sort them: one dict a line). Blocking."""
+    the order they finished, streamed; or, with ``order="input"``, in its
+    input's order: the result files hold no line number, so their lines are
+    held in memory (as their bytes) to be sorted. Blocking."""
     files = [f for f in (found.output_file_id, found.error_file_id) if f]
-    lines = (orjson.loads(line) for f in files for line in read_lines(store, store_name(f))
-             if line.strip())
+    lines = (line for f in files for line in read_lines(store, store_name(f)) if line.strip())
     if order == "finished":
-        yield from lines
+        yield from (orjson.loads(line) for line in lines)
         return
-    by_id = {line["custom_id"]: line for line in lines}
+    # By custom_id, in the files' order: a duplicate custom_id (or none) names
+    # more than one line, each given to the next input line that names it.
+    by_id: dict[str | None, deque[bytes]] = {}
+    for line in lines:
+        by_id.setdefault(custom_id_of(line), deque()).append(line)
     for raw in read_lines(store, store_name(found.input_file_id)):
         if raw.strip():
-            try:
-                custom_id = orjson.loads(raw).get("custom_id")
-            except (orjson.JSONDecodeError, AttributeError):
-                continue
-            if custom_id in by_id:
-                yield by_id.pop(custom_id)
-    yield from by_id.values()  # lines whose custom_id the input does not give
+            waiting = by_id.get(custom_id_of(raw))
+            if waiting:
+                yield orjson.loads(waiting.popleft())
+    for rest in by_id.values():  # lines whose custom_id the input does not give
+        yield from (orjson.loads(line) for line in rest)
+
+
+def custom_id_of(raw: bytes) -> str | None:
+    """A line's custom_id; None for a line that is not JSON or names none."""
+    try:
+        line = orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        return None
+    custom_id = line.get("custom_id") if isinstance(line, dict) else None
+    return custom_id if isinstance(custom_id, str) and custom_id else None
 
 
 async def aresults(client: Any, batch_id: str, order: Order = "finished",

@@ -19,8 +19,9 @@ One step of a batch:
   ``TOKENFLEET_BATCH_WINDOW`` queued or running at once, at priority
   ``batch``; a line its endpoint would refuse goes to the error file with the
   endpoint's message. Once every line is done: ``finalizing``.
-- past ``expires_at``: the lines not done (running ones are cancelled) go to
-  the error file as ``batch_expired``; then ``finalizing`` to ``expired``.
+- past ``expires_at``: the running lines' jobs are cancelled (one that ends
+  first keeps its result); the lines not done go to the error file as
+  ``batch_expired``; then ``finalizing`` to ``expired``.
 - ``cancelling`` (``POST /v1/batches/{id}/cancel``): the running lines' jobs
   are cancelled; what finished is kept; then ``finalizing`` to ``cancelled``.
 - ``finalizing``: the parts are joined into the output and error files
@@ -50,7 +51,7 @@ from tokenfleet.batch_records import BatchError, BatchRecord, read_record
 from tokenfleet.files import store_name
 from tokenfleet.openai_chat import Chat
 from tokenfleet.openai_compat import Completion
-from tokenfleet.shared.batch_scripts import batch_lease, batch_move
+from tokenfleet.shared.batch_scripts import batch_done, batch_lease, batch_move
 from tokenfleet.shared.errors import QueueFull, TenantQueueFull, TokenfleetError
 from tokenfleet.shared.file_store import FileStore
 from tokenfleet.shared.keys import job_model
@@ -67,6 +68,10 @@ IDLE_STEP_S = 2.0
 # Long enough for a step that reads a whole input file (validating, joining
 # the parts); a driver that stops holds its batches this long at most.
 LEASE_MS = 20_000
+# Past a batch's window, a running line's job asked to stop is waited for this
+# long (its worker stops it at its next step, or it ends first and keeps its
+# result); one still running then (its worker gone) is written expired.
+EXPIRY_GRACE_S = 10.0
 # Lines expired (or found invalid) are written in parts of this many.
 PART_LINES = 1000
 # Once a line's result is in a part, its job's record and token log are kept
@@ -199,10 +204,11 @@ class BatchDriver:
                 # New to this driver, or fed by another while this one's lease
                 # had lapsed (a step that took longer than the lease).
                 feeding = self._feeding[batch_id] = await self._resume(record)
-            await self._collect(record, feeding)
+            expiring = status != "cancelling" and time.time() >= (record.batch.expires_at or 0)
+            await self._collect(record, feeding, expiring=expiring)
             if status == "cancelling":
                 await self._cancel(record, feeding)
-            elif time.time() >= (record.batch.expires_at or 0):
+            elif expiring:
                 await self._expire(record, feeding)
             else:
                 await self._feed(record, feeding)
@@ -264,8 +270,10 @@ class BatchDriver:
             self.client, parsed.body, endpoint=record.batch.endpoint, batch_id=record.batch.id,
             index=index, tenant=record.tenant, queues=record.queues)
 
-    async def _collect(self, record: BatchRecord, feeding: Feeding) -> None:
-        """Write the lines whose jobs ended, then mark them done."""
+    async def _collect(self, record: BatchRecord, feeding: Feeding, *,
+                       expiring: bool = False) -> None:
+        """Write the lines whose jobs ended, then mark them done (past the window,
+        a job cancelled ended by the expiry: its line is ``batch_expired``)."""
         batch_id = record.batch.id
         running = await self._running(batch_id)
         if not running:
@@ -276,7 +284,7 @@ class BatchDriver:
         statuses = await pipe.execute()
         out: list[tuple[int, bytes]] = []
         err: list[tuple[int, bytes]] = []
-        tokens = 0
+        tokens: dict[int, int] = {}
         for (index, job_id), status in zip(running.items(), statuses):
             if status is not None and status.decode() in ("queued", "running"):
                 continue
@@ -291,10 +299,12 @@ class BatchDriver:
                 continue
             if state.status.value == "succeeded" and made is not None:
                 body = await batch_lines.answer(self.client, made, job_id, state)
-                tokens += len(state.token_ids)
+                tokens[index] = len(state.token_ids)
                 out.append((index, batch_lines.output_line(custom_id, job_id, body)))
             else:
-                err.append((index, batch_lines.error_line(custom_id, batch_lines.job_error(state))))
+                why = (batch_lines.expired() if expiring and state.status.value == "cancelled"
+                       else batch_lines.job_error(state))
+                err.append((index, batch_lines.error_line(custom_id, why)))
         ended = [i for i, _ in out + err]
         await self._record_done(batch_id, out, err, ended=ended, tokens=tokens)
         await self._let_go(batch_id, {i: running[i] for i in ended})
@@ -302,11 +312,12 @@ class BatchDriver:
     async def _record_done(self, batch_id: str, out: list[tuple[int, bytes]],
                            err: list[tuple[int, bytes]], *, ended: list[int],
                            started: dict[int, str] | None = None,
-                           next_line: int | None = None, tokens: int = 0) -> None:
-        """Write a part of the lines done, then (one transaction) mark them done,
-        count them, and note the lines started and the next line to feed. A
-        crash between the two writes the lines again later: joining the parts
-        keeps one of each."""
+                           next_line: int | None = None,
+                           tokens: dict[int, int] | None = None) -> None:
+        """Write a part of the lines done, then mark them done and count those not
+        done before (``batch_done.lua``: a line collected twice counts once), then
+        note the lines started and the next line to feed. A crash in between
+        writes the lines again later: joining the parts keeps one of each."""
         keys = self.keys
         if out or err:
             part = await self.redis.hincrby(keys.batch(batch_id), "parts", 1)
@@ -314,19 +325,15 @@ class BatchDriver:
                 if lines:
                     await asyncio.to_thread(batch_output.write_part, self.store, batch_id,
                                             kind, part, lines)
+        done = ([(i, "out", (tokens or {}).get(i, 0)) for i, _ in out]
+                + [(i, "err", 0) for i, _ in err])
+        if done:
+            await batch_done(keys, batch_id, done).run_async(self.redis)
         pipe = self.redis.pipeline(transaction=True)
-        for index, _ in out + err:
-            pipe.setbit(keys.batch_done(batch_id), index, 1)
         if ended:
             pipe.hdel(keys.batch_running(batch_id), *ended)
         if started:
             pipe.hset(keys.batch_running(batch_id), mapping=started)
-        if out:
-            pipe.hincrby(keys.batch(batch_id), "completed", len(out))
-        if err:
-            pipe.hincrby(keys.batch(batch_id), "failed", len(err))
-        if tokens:
-            pipe.hincrby(keys.batch(batch_id), "tokens", tokens)
         if next_line is not None:
             pipe.hset(keys.batch(batch_id), "next_line", next_line)
         if len(pipe):
@@ -384,7 +391,7 @@ class BatchDriver:
                 except (QueueFull, TenantQueueFull):
                     break  # the queue is full: this line and the rest wait for room
                 except TokenfleetError as exc:
-                    outcome = batch_lines.fleet_error(exc)
+                    outcome = batch_lines.fleet_error(exc, record.batch.endpoint)
                 else:
                     started[index] = job_id
                     feeding.made[index] = (parsed.custom_id, outcome.made)
@@ -419,12 +426,21 @@ class BatchDriver:
                                            from_=("cancelling",))
 
     async def _expire(self, record: BatchRecord, feeding: Feeding) -> None:
-        """Past the window: every line not done ends ``batch_expired``."""
+        """Past the window: the running lines' jobs are cancelled, and every line
+        not done ends ``batch_expired``. A job that ends before its cancel takes
+        hold keeps its result: the lines are collected after the cancels, and a
+        running job asked to stop is waited for (up to ``EXPIRY_GRACE_S``)."""
         batch_id = record.batch.id
         running = await self._running(batch_id)
         for job_id in running.values():
-            with contextlib.suppress(TokenfleetError):
-                await self.client.cancel(job_id, timeout=0)
+            if job_id not in feeding.cancel_asked:
+                with contextlib.suppress(TokenfleetError):
+                    await self.client.cancel(job_id, timeout=0)
+                feeding.cancel_asked.add(job_id)
+        await self._collect(record, feeding, expiring=True)
+        running = await self._running(batch_id)
+        if running and time.time() < (record.batch.expires_at or 0) + EXPIRY_GRACE_S:
+            return  # their workers stop them at their next step: collected then
         expired = batch_lines.expired()
         err = [(index, batch_lines.error_line(feeding.made.get(index, (None,))[0], expired))
                for index in running]

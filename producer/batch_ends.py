@@ -3,7 +3,10 @@ files), its end status, its webhook event, and its keys and parts let go.
 
 Each step is safe to run again: a driver that takes a ``finalizing`` batch
 over joins its parts again; an ended batch still in the active set has its
-event queued again and leaves the set (at least once, never lost).
+event queued again and leaves the set (at least once, never lost). A result
+file is noted in the batch's record before it is registered: one that the
+ended batch does not name (a driver that lost the end to another, or stopped
+before it) is deleted when the batch ends, so no tenant lists an orphan.
 """
 
 from __future__ import annotations
@@ -16,8 +19,15 @@ import orjson
 from tokenfleet import batch_output
 from tokenfleet.aio import AsyncFleetClient
 from tokenfleet.batch_input import MAX_ERRORS
-from tokenfleet.batch_records import ENDED, BatchError, BatchErrors, BatchRecord, read_record
-from tokenfleet.files import register, write_file
+from tokenfleet.batch_records import (
+    ENDED,
+    MADE,
+    BatchError,
+    BatchErrors,
+    BatchRecord,
+    read_record,
+)
+from tokenfleet.files import delete_file, register, write_file
 from tokenfleet.shared.batch_scripts import batch_move
 from tokenfleet.shared.file_store import FileStore
 from tokenfleet.shared.webhook_outbox import add_event
@@ -64,14 +74,33 @@ async def finalize(client: AsyncFleetClient, store: FileStore, record: BatchReco
                 batch_output.joined(store, batch.id, kind, record.parts, counts.total),
                 filename=f"{batch.id}_{name}.jsonl", purpose="batch_output",
                 max_bytes=MAX_OUTPUT_BYTES)
+            await client.redis.hset(client.keys.batch(batch.id), MADE + file.id, "true")
             await register(client.redis, client.keys, file, record.tenant)
             ids[kind] = file.id
     ending = record.ending or "completed"
-    await batch_move(client.keys, batch.id, allowed=("finalizing",), status=ending, fields={
-        "output_file_id": orjson.dumps(ids["out"]).decode(),
-        "error_file_id": orjson.dumps(ids["err"]).decode(),
-        f"{ending}_at": str(int(time.time()))}).run_async(client.redis)
+    before = await batch_move(client.keys, batch.id, allowed=("finalizing",), status=ending,
+                              fields={"output_file_id": orjson.dumps(ids["out"]).decode(),
+                                      "error_file_id": orjson.dumps(ids["err"]).decode(),
+                                      f"{ending}_at": str(int(time.time()))}
+                              ).run_async(client.redis)
+    if before != "finalizing":  # another driver ended it meanwhile: its files stand
+        for file_id in filter(None, ids.values()):
+            await delete_file(client.redis, client.keys, store, file_id, record.tenant)
     await ended(client, store, batch.id, await read_record(client.redis, client.keys, batch.id))
+
+
+async def drop_unnamed(client: AsyncFleetClient, store: FileStore, record: BatchRecord
+                       ) -> None:
+    """Delete the result files made for the ended batch that it does not name."""
+    key = client.keys.batch(record.batch.id)
+    made = [f.decode()[len(MADE):] for f in await client.redis.hkeys(key)
+            if f.startswith(MADE.encode())]
+    named = (record.batch.output_file_id, record.batch.error_file_id)
+    for file_id in made:
+        if file_id not in named:
+            await delete_file(client.redis, client.keys, store, file_id, record.tenant)
+    if made:
+        await client.redis.hdel(key, *(MADE + f for f in made))
 
 
 async def ended(client: AsyncFleetClient, store: FileStore, batch_id: str,
@@ -86,5 +115,6 @@ async def ended(client: AsyncFleetClient, store: FileStore, batch_id: str,
         await client.redis.delete(keys.batch_running(batch_id), keys.batch_done(batch_id),
                                   keys.batch_dups(batch_id))
         await asyncio.to_thread(batch_output.delete_parts, store, batch_id, record.parts)
+        await drop_unnamed(client, store, record)
     await client.redis.srem(keys.active_batches, batch_id)
     await client.redis.delete(keys.batch_lease(batch_id))

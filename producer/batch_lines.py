@@ -3,17 +3,21 @@ its line in the output or error file.
 
 A line's body goes through the same checks as the single request to its
 endpoint (``openai_compat.completion``, ``openai_chat.chat_request``), so a
-line the endpoint would refuse is refused with the same message, and its
-answer is built as the endpoint builds it (``completion_answer``,
-``chat_answer``). A line runs as a job of priority ``batch`` under an
-idempotency key naming the batch and the line: fed again after a crash, it
-names the same job, and nothing is generated twice.
+line the endpoint would refuse is refused as it refuses the request: the
+line's ``response`` carries the route's status and its whole error body, as
+OpenAI's error file does (``error`` is set only where no request was made: a
+line that is not JSON, has no custom_id or is a duplicate, names another url,
+or expired or was cancelled before its end). Its answer is built as the
+endpoint builds it (``completion_answer``, ``chat_answer``). A line runs as a
+job of priority ``batch`` under an idempotency key naming the batch and the
+line: fed again after a crash, it names the same job, and nothing is
+generated twice.
 """
 
 from __future__ import annotations
 
 import secrets
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
@@ -23,7 +27,7 @@ from tokenfleet.aio import AsyncFleetClient
 from tokenfleet.openai_answer import failed, failure
 from tokenfleet.openai_chat import Chat, chat_answer, chat_request
 from tokenfleet.openai_compat import Completion, completion, completion_answer
-from tokenfleet.openai_errors import FLEET_ERRORS, INVALID_VALUE
+from tokenfleet.openai_errors import UNSUPPORTED, Refusal, fleet_refusal
 from tokenfleet.shared.errors import QueueNotAllowed, TokenfleetError
 from tokenfleet.shared.keys import named_tenant
 from tokenfleet.shared.schemas import GenerationRequest, JobState, JobStatus
@@ -35,6 +39,23 @@ class LineError:
 
     code: str
     message: str
+
+
+@dataclass(frozen=True)
+class Refused(LineError):
+    """A request the endpoint refused, or whose job failed: the single route's
+    HTTP status and error body, written as the line's ``response``."""
+
+    status: int = 400
+    body: dict[str, Any] = field(default_factory=dict)
+    request_id: str | None = None  # the job's id, where one was made
+
+
+def refusal(row: Refusal, message: str, *, param: str | None = None,
+            request_id: str | None = None) -> Refused:
+    """The refusal ``row`` with ``message``, as the single route answers it."""
+    return Refused(row.code or row.type, message, status=row.status,
+                   body=row.body(message, param=param), request_id=request_id)
 
 
 @dataclass(frozen=True)
@@ -80,17 +101,19 @@ def parse(raw: bytes, endpoint: str) -> Parsed:
     return Parsed(custom_id, body)
 
 
-def refused(response: Response) -> LineError:
-    """The error of a single request's refusal, as a line's error."""
-    error = orjson.loads(bytes(response.body))["error"]
-    return LineError(error.get("code") or error.get("type") or "invalid_request",
-                     error["message"])
+def refused(response: Response) -> Refused:
+    """A single request's refusal: its status and body, as the line's response."""
+    body = orjson.loads(bytes(response.body))
+    error = body["error"]
+    return Refused(error.get("code") or error.get("type") or "invalid_request",
+                   error["message"], status=response.status_code, body=body)
 
 
-def fleet_error(exc: TokenfleetError) -> LineError:
-    """A refusal at submit (a limit of the queue's workers, say), as a line's error."""
-    refusal = FLEET_ERRORS.get(type(exc).__name__, INVALID_VALUE)
-    return LineError(refusal.code or refusal.type, str(exc))
+def fleet_error(exc: TokenfleetError, endpoint: str) -> Refused:
+    """A refusal at submit (a limit of the queue's workers, say), as the gateway
+    answers it to a single request to ``endpoint``."""
+    row, message, param = fleet_refusal(exc, endpoint)
+    return refusal(row, message, param=param)
 
 
 async def ready(client: AsyncFleetClient, body: dict[str, Any], *, endpoint: str,
@@ -98,18 +121,18 @@ async def ready(client: AsyncFleetClient, body: dict[str, Any], *, endpoint: str
                 ) -> Ready | LineError:
     """The job of a line's body, or the error its endpoint would answer."""
     if body.get("stream"):
-        return LineError("invalid_request", "stream is not supported in a batch: a line's "
-                         "result is written whole; leave it unset")
+        return refusal(UNSUPPORTED, "stream is not supported by this gateway in a batch: a "
+                       "line's result is written whole; leave it unset", param="stream")
     raw = orjson.dumps(body)
     made = await (completion(client, raw) if endpoint == "/v1/completions"
                   else chat_request(client, raw))
     if isinstance(made, Response):
         return refused(made)
     if made.n != 1:
-        return LineError("invalid_request", "n above 1 is not supported in a batch: send one "
-                         "line per choice")
+        return refusal(UNSUPPORTED, "n is not supported by this gateway in a batch above 1: "
+                       "send one line per choice", param="n")
     if queues is not None and made.job.model not in queues:
-        return fleet_error(QueueNotAllowed(made.job.model, queues))
+        return fleet_error(QueueNotAllowed(made.job.model, queues), endpoint)
     job = made.job.model_copy(update={
         "priority": "batch", "tenant": named_tenant(tenant),
         "idempotency_key": job_key(batch_id, index)})
@@ -136,8 +159,7 @@ def job_error(state: JobState) -> LineError:
                          "finished")
     if state.status is JobStatus.EXPIRED:
         return expired()
-    why = failed(state)
-    return LineError(why.code or why.type, failure(state))
+    return refusal(failed(state), failure(state), request_id=state.id)
 
 
 def expired() -> LineError:
@@ -156,5 +178,13 @@ def output_line(custom_id: str | None, job_id: str, body: dict[str, Any]) -> byt
 
 
 def error_line(custom_id: str | None, error: LineError) -> bytes:
+    """The line in the error file: a refused request's response, or the error
+    of a line that made none."""
+    if isinstance(error, Refused):
+        response = {"status_code": error.status,
+                    "request_id": error.request_id or f"req_{secrets.token_hex(12)}",
+                    "body": error.body}
+        return orjson.dumps({"id": request_id(), "custom_id": custom_id,
+                             "response": response, "error": None})
     return orjson.dumps({"id": request_id(), "custom_id": custom_id, "response": None,
                          "error": {"code": error.code, "message": error.message}})

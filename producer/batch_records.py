@@ -92,6 +92,9 @@ COUNTS = ("total", "completed", "failed")
 # allows (JSON, null for any); ending: the end the batch is finalizing to;
 # tokens: the tokens its finished lines generated (for a rate).
 INTERNAL = ("tenant", "next_line", "parts", "queues", "ending", "tokens", *COUNTS)
+# A field per result file made while finalizing (``made:<file id>``), until the
+# batch's end deletes those it does not name.
+MADE = "made:"
 
 
 class BatchRecord(BaseModel):
@@ -163,7 +166,7 @@ async def create_batch(client: Any, keys: Keys, *, input_file_id: str, endpoint:
 
 
 def parse_record(fields: dict[bytes, bytes]) -> BatchRecord:
-    text = {k.decode(): v for k, v in fields.items()}
+    text = {k.decode(): v for k, v in fields.items() if not k.startswith(MADE.encode())}
     counts = {name: int(text.pop(name, b"0")) for name in COUNTS}
     internal = {name: text.pop(name) for name in INTERNAL if name in text}
     obj = {name: orjson.loads(value) for name, value in text.items()}

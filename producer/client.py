@@ -189,7 +189,8 @@ class FleetClient:
 
     def batch_results(self, batch_id: str, order: Literal["input", "finished"] = "finished",
                       *, tenant: str | None = None) -> Iterator[dict[str, Any]]:
-        """The ended batch's result lines (output, then errors; or in input order)."""
+        """The ended batch's result lines: output, then errors, streamed; or in input
+        order (held in memory to sort them: about the size of the result files)."""
         found = self.batch(batch_id, tenant=tenant)
         return batch_client.results(open_store(self.settings.files_url), found, order)
 

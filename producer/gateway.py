@@ -53,13 +53,12 @@ from tokenfleet.gateway_health import router as health_router
 from tokenfleet.key_limits import KeyLimits, submit_as_caller
 from tokenfleet.openai_errors import (
     BODY_TIMEOUT,
-    FLEET_ERRORS,
-    INVALID_VALUE,
     MODEL_NOT_FOUND,
     REDIS_BUSY,
     REDIS_DOWN,
     TOO_LARGE,
     Refusal,
+    fleet_refusal,
 )
 from tokenfleet.served import listed, listed_queues, served, served_queues
 from tokenfleet.shared.api_keys import KeyBook
@@ -258,17 +257,10 @@ async def _redis_busy(request: Request, exc: Exception) -> Response:
 
 
 async def _fleet_error(request: Request, exc: Exception) -> Response:
-    name = type(exc).__name__
-    refusal = FLEET_ERRORS.get(name, INVALID_VALUE)
+    refusal, message, param = fleet_refusal(exc, request.url.path)
     if refusal is MODEL_NOT_FOUND:
         return await _model_not_found(request, getattr(exc, "queue", "?"),
                                       getattr(exc, "served", None))
-    message = refusal.sentence if refusal.status >= 500 else str(exc)  # no URL to callers
-    param = None
-    if name == "PromptTooLong":
-        param = "messages" if request.url.path == "/v1/chat/completions" else "prompt"
-    elif name == "QueueNotAllowed":
-        param = "model"
     # A rate limit's own Retry-After: when the same request would pass.
     return _error(request, refusal, message, param=param, headers=getattr(exc, "headers", None))
 

@@ -15,6 +15,7 @@ reads both and checks that they agree.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from fastapi.responses import JSONResponse
 
@@ -38,10 +39,13 @@ class Refusal:
     def response(self, message: str, *, param: str | None = None,
                  headers: dict[str, str] | None = None) -> JSONResponse:
         """The error in OpenAI's shape; ``message`` is :attr:`sentence` filled in."""
-        body = {"error": {"message": message, "type": self.type, "param": param,
-                          "code": self.code}}
-        return JSONResponse(body, status_code=self.status,
+        return JSONResponse(self.body(message, param=param), status_code=self.status,
                             headers={**self.headers(), **(headers or {})})
+
+    def body(self, message: str, *, param: str | None = None) -> dict[str, Any]:
+        """The response's JSON body (a batch line's refused request carries it too)."""
+        return {"error": {"message": message, "type": self.type, "param": param,
+                          "code": self.code}}
 
     def headers(self) -> dict[str, str]:
         """Tell clients whether to retry, whatever their default for the status is."""
@@ -178,3 +182,17 @@ FLEET_ERRORS = {"QueueFull": QUEUE_FULL, "NoWorker": MODEL_NOT_FOUND,
                 "QueueNotAllowed": QUEUE_NOT_ALLOWED, "RateLimited": RATE_LIMITED,
                 "TokenRateLimited": TOKEN_RATE_LIMITED, "OverTokenRate": OVER_TOKEN_RATE,
                 "TenantQueueFull": TENANT_QUEUE_FULL}
+
+
+def fleet_refusal(exc: Exception, path: str) -> tuple[Refusal, str, str | None]:
+    """The row, message and ``param`` of the fleet's error ``exc`` met by a
+    request to ``path`` (a 5xx says its sentence: no Redis URL reaches callers)."""
+    name = type(exc).__name__
+    refusal = FLEET_ERRORS.get(name, INVALID_VALUE)
+    message = refusal.sentence if refusal.status >= 500 else str(exc)
+    param = None
+    if name == "PromptTooLong":
+        param = "messages" if path == "/v1/chat/completions" else "prompt"
+    elif name == "QueueNotAllowed":
+        param = "model"
+    return refusal, message, param

@@ -1,5 +1,5 @@
 """Typed bindings of the scripts a batch driver and the batch routes run:
-``batch_lease.lua`` and ``batch_move.lua``. Each touches one batch's keys,
+``batch_lease.lua``, ``batch_move.lua`` and ``batch_done.lua``. Each touches one batch's keys,
 which share its hash tag: one slot of a Redis Cluster."""
 
 from __future__ import annotations
@@ -21,3 +21,13 @@ def batch_move(keys: Keys, batch_id: str, *, allowed: tuple[str, ...], status: s
     pairs = [part for item in (fields or {}).items() for part in item]
     return ScriptCall(script("batch_move"), (keys.batch(batch_id),),
                       (" ".join(allowed), status, *pairs), text)
+
+
+def batch_done(keys: Keys, batch_id: str, lines: list[tuple[int, str, int]]
+               ) -> ScriptCall[int]:
+    """Mark the lines (index, 'out' or 'err', tokens) done, no longer running, and
+    count those not done before: the number newly done."""
+    args = [str(part) for line in lines for part in line]
+    return ScriptCall(script("batch_done"), (keys.batch(batch_id), keys.batch_done(batch_id),
+                                             keys.batch_running(batch_id)), tuple(args),
+                      integer)

@@ -8,12 +8,14 @@ import orjson
 import pytest
 
 from tokenfleet import batch_output
-from tokenfleet.batch_client import line_of, openai_body
-from tokenfleet.batch_lines import LineError, error_line, parse
+from tokenfleet.batch_client import line_of, openai_body, results
+from tokenfleet.batch_lines import LineError, error_line, job_error, parse, refusal
 from tokenfleet.batch_records import Batch, BatchRecord, RequestCounts, window_s
 from tokenfleet.shared.errors import InvalidRequest
 from tokenfleet.shared.file_store import DirectoryStore
-from tokenfleet.shared.schemas import GenerationRequest
+from tokenfleet.openai_answer import failure
+from tokenfleet.openai_errors import CONTEXT_LENGTH
+from tokenfleet.shared.schemas import GenerationRequest, JobState, JobStatus
 from tokenfleet.workers.batch_cli import progress
 
 COMPLETIONS = "/v1/completions"
@@ -51,6 +53,30 @@ def test_a_good_line_gives_its_custom_id_and_body() -> None:
     assert line["error"] == {"code": "c", "message": "m"}
 
 
+def test_a_refused_request_is_a_response_with_the_single_routes_status_and_body() -> None:
+    refused = refusal(CONTEXT_LENGTH, "prompt has 9 tokens; this gateway allows 4",
+                      param="prompt")
+    line = orjson.loads(error_line("a", refused))
+    assert line["error"] is None and line["custom_id"] == "a"
+    response = line["response"]
+    assert response["status_code"] == 400 and response["request_id"].startswith("req_")
+    single = CONTEXT_LENGTH.response("prompt has 9 tokens; this gateway allows 4",
+                                     param="prompt")
+    assert response["body"] == orjson.loads(bytes(single.body))
+
+
+def test_a_job_that_failed_on_its_worker_is_a_500_naming_its_job() -> None:
+    state = JobState(id="default:ab", status=JobStatus.FAILED, error="out of memory")
+    line = orjson.loads(error_line("a", job_error(state)))
+    assert line["error"] is None and line["response"]["status_code"] == 500
+    assert line["response"]["request_id"] == "default:ab"
+    assert line["response"]["body"]["error"] == {
+        "message": failure(state), "type": "server_error", "param": None, "code": None}
+    cancelled = JobState(id="default:ab", status=JobStatus.CANCELLED)
+    line = orjson.loads(error_line("a", job_error(cancelled)))
+    assert line["response"] is None and line["error"]["code"] == "batch_cancelled"
+
+
 def test_joining_parts_keeps_each_line_once_in_the_order_they_finished(tmp_path: Path) -> None:
     store = DirectoryStore(tmp_path)
     batch_output.write_part(store, "b1", "out", 1, [(2, b'{"x":2}'), (0, b'{"x":0}')])
@@ -60,6 +86,22 @@ def test_joining_parts_keeps_each_line_once_in_the_order_they_finished(tmp_path:
     assert joined.splitlines() == [b'{"x":2}', b'{"x":0}', b'{"x":1}']
     batch_output.delete_parts(store, "b1", 3)
     assert not (tmp_path / "batches" / "b1").exists()
+
+
+def test_results_in_input_order_keep_every_line_of_a_duplicate_or_missing_custom_id(
+    tmp_path: Path
+) -> None:
+    store = DirectoryStore(tmp_path)
+    store.put("files/in", [b'{"custom_id": "a"}\n{not json\n{"custom_id": "b"}\n'
+                           b'{"custom_id": "a"}\n{"body": {}}\n'])
+    store.put("files/out", [b'{"custom_id": "b", "n": 2}\n{"custom_id": "a", "n": 0}\n'])
+    store.put("files/err", [b'{"custom_id": null, "n": 1}\n{"custom_id": "a", "n": 3}\n'
+                            b'{"custom_id": null, "n": 4}\n'])
+    batch = Batch(id="batch_1", endpoint=COMPLETIONS, input_file_id="in",
+                  completion_window="24h", status="completed", created_at=0,
+                  output_file_id="out", error_file_id="err")
+    assert [line["n"] for line in results(store, batch, "input")] == [0, 1, 2, 3, 4]
+    assert [line["n"] for line in results(store, batch)] == [2, 0, 1, 3, 4]
 
 
 def test_a_generation_request_becomes_the_openai_body_of_its_endpoint() -> None:

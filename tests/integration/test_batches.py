@@ -18,7 +18,7 @@ import pytest
 from tokenfleet import FleetClient
 from tokenfleet.aio import AsyncFleetClient
 from tokenfleet.batch_records import RequestCounts
-from tokenfleet.files import create_file, store_name
+from tokenfleet.files import store_name
 from tokenfleet.shared.api_keys import create_key, new_key
 from tokenfleet.shared.file_store import open_store
 from tokenfleet.shared.keys import Keys
@@ -98,22 +98,8 @@ def jsonl(lines: list[Any]) -> bytes:
 
 
 def upload(fleet: dict[str, Any], data: bytes, oa: openai.OpenAI | None = None) -> str:
-    """The input file, uploaded through ``/v1/files``; where the gateway has no
-    such route, made as it makes one (``tokenfleet.files``), as the key's tenant."""
-    oa = oa or fleet["oa"]
-    try:
-        return oa.files.create(file=("in.jsonl", data), purpose="batch").id
-    except openai.NotFoundError:
-        pass
-    settings = fleet["settings"]
-    tenant = "acme" if oa is fleet["oa"] else "other"
-
-    async def main() -> str:
-        async with AsyncFleetClient(settings=settings) as c:
-            file = await create_file(c.redis, c.keys, open_store(settings.files_url), [data],
-                                     filename="in.jsonl", purpose="batch", tenant=tenant)
-            return file.id
-    return asyncio.run(main())
+    """The input file, uploaded through ``/v1/files`` as the key's tenant."""
+    return (oa or fleet["oa"]).files.create(file=("in.jsonl", data), purpose="batch").id
 
 
 def ended(oa: openai.OpenAI, batch_id: str, timeout: float = 60) -> Any:
@@ -127,13 +113,8 @@ def ended(oa: openai.OpenAI, batch_id: str, timeout: float = 60) -> Any:
 
 
 def content(fleet: dict[str, Any], file_id: str) -> bytes:
-    """A file's bytes through ``/v1/files/{id}/content``; where the gateway has
-    no such route, read from the store."""
-    try:
-        return fleet["oa"].files.content(file_id).content
-    except openai.NotFoundError:
-        store = open_store(fleet["settings"].files_url)
-        return b"".join(store.read(store_name(file_id)))
+    """A file's bytes through ``/v1/files/{id}/content``."""
+    return fleet["oa"].files.content(file_id).content
 
 
 def results(fleet: dict[str, Any], file_id: str | None) -> dict[str, Any]:
@@ -243,13 +224,19 @@ def test_bad_lines_go_to_the_error_file_with_the_single_requests_message(
     assert sorted(results(fleet, done.output_file_id)) == ["c-0", "c-1"]
     errors = [orjson.loads(line) for line in
               content(fleet, done.error_file_id or "").splitlines()]
-    by_id = {e["custom_id"]: e["error"] for e in errors}
-    assert by_id["too-long"]["message"] == single.value.body["message"]  # type: ignore[index]
-    assert by_id["wrong-url"]["code"] == "invalid_url"
-    assert by_id["c-0"]["code"] == "duplicate_custom_id"
+    by_id = {e["custom_id"]: e for e in errors}
+    # A request the endpoint refused: its status and whole error body, as OpenAI writes it.
+    too_long_line = by_id.pop("too-long")
+    assert too_long_line["error"] is None
+    assert too_long_line["response"]["status_code"] == single.value.status_code == 400
+    assert too_long_line["response"]["body"] == single.value.response.json()
+    assert too_long_line["response"]["request_id"]
+    # Lines that made no request: an error code, no response.
+    assert all(e["response"] is None for e in errors if e["custom_id"] != "too-long")
+    assert by_id["wrong-url"]["error"]["code"] == "invalid_url"
+    assert by_id["c-0"]["error"]["code"] == "duplicate_custom_id"
     assert sorted(e["error"]["code"] for e in errors if e["custom_id"] is None) == [
         "invalid_json", "missing_custom_id"]
-    assert all(e["response"] is None for e in errors)
 
 
 def test_a_batch_of_only_bad_lines_or_of_a_deleted_file_fails_saying_why(
@@ -312,6 +299,106 @@ def test_lines_not_done_when_the_window_ends_expire(fleet: dict[str, Any]) -> No
     assert sorted(errors) == [f"idle-{i}" for i in range(4)]
     assert {e["error"]["code"] for e in errors.values()} == {"batch_expired"}
     assert events(fleet, batch.id) == ["batch.expired"]
+
+
+def test_a_line_that_ends_just_before_its_expiry_cancel_keeps_its_result(
+    settings: Settings, start_worker: Any, tmp_path: Any
+) -> None:
+    """The window ends while a line's job is queued; its job ends (succeeded)
+    before the driver's cancel reaches it: the line is in the output file, not
+    expired."""
+    from tokenfleet.batch_driver import BatchDriver
+
+    settings = settings.model_copy(update={"files_url": f"file://{tmp_path}/files"})
+    pin_live_worker(redis_client(settings.redis_url), settings.namespace, "default")
+
+    async def main() -> None:
+        async with AsyncFleetClient(settings=settings) as client:
+            keys = client.keys
+            batch = await client.submit_batch([completion_line(0)])
+            driver = BatchDriver(client, open_store(settings.files_url), step_s=0.05)
+            while not await client.redis.hlen(keys.batch_running(batch.id)):
+                await driver.step()  # fed: queued, no worker reads it yet
+            cancel = client.cancel
+
+            async def cancel_too_late(job_id: str, timeout: float = 0) -> bool:
+                await asyncio.to_thread(start_worker)
+                await client.wait(job_id, timeout=60)  # it ended first
+                return await cancel(job_id, timeout=timeout)
+
+            client.cancel = cancel_too_late  # type: ignore[method-assign]
+            await client.redis.hset(keys.batch(batch.id), "expires_at", int(time.time()) - 1)
+            done = await driver.drive(batch.id, timeout=60)
+            assert done.batch.status == "expired"
+            assert done.batch.request_counts.completed == 1
+            lines = [line async for line in client.batch_results(batch.id)]
+            assert [line["custom_id"] for line in lines] == ["c-0"]
+            assert lines[0]["response"]["status_code"] == 200
+
+    asyncio.run(main())
+
+
+def test_finalizing_twice_or_again_after_a_crash_leaves_no_orphan_file(
+    settings: Settings, tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two drivers finalize a batch at once (a lease that lapsed), and one
+    stopped after registering its output file but before ending the batch:
+    the ended batch names one output file, and the tenant lists no other."""
+    from tokenfleet import batch_ends, batch_output
+    from tokenfleet.batch_records import read_record
+    from tokenfleet.files import list_files
+
+    settings = settings.model_copy(update={"files_url": f"file://{tmp_path}/files"})
+
+    async def finalizing(client: AsyncFleetClient) -> Any:
+        batch = await client.submit_batch([completion_line(0)])
+        store = open_store(settings.files_url)
+        batch_output.write_part(store, batch.id, "out", 1, [(0, b'{"custom_id": "c-0"}')])
+        await client.redis.hset(client.keys.batch(batch.id), mapping={
+            "status": '"finalizing"', "ending": "completed", "parts": 1, "total": 1,
+            "completed": 1})
+        return await read_record(client.redis, client.keys, batch.id)
+
+    async def main() -> None:
+        async with AsyncFleetClient(settings=settings) as client:
+            store = open_store(settings.files_url)
+            record = await finalizing(client)
+            move = batch_ends.batch_move
+
+            def stopped(*args: Any, **kwargs: Any) -> Any:
+                raise RuntimeError("the driver stopped here")
+            monkeypatch.setattr(batch_ends, "batch_move", stopped)
+            with pytest.raises(RuntimeError):
+                await batch_ends.finalize(client, store, record)  # registered, not ended
+            monkeypatch.setattr(batch_ends, "batch_move", move)
+            await asyncio.gather(batch_ends.finalize(client, store, record),
+                                 batch_ends.finalize(client, store, record))
+            done = await read_record(client.redis, client.keys, record.batch.id)
+            assert done is not None and done.batch.status == "completed"
+            outputs = await list_files(client.redis, client.keys, None,
+                                       purpose="batch_output")
+            assert [f.id for f in outputs] == [done.batch.output_file_id]
+            assert [line["custom_id"] async for line in
+                    client.batch_results(record.batch.id)] == ["c-0"]
+            assert not [f for f in await client.redis.hkeys(client.keys.batch(record.batch.id))
+                        if f.startswith(b"made:")]
+
+    asyncio.run(main())
+
+
+def test_a_line_collected_twice_is_counted_once(settings: Settings) -> None:
+    """Two drivers (a lease that lapsed) or one after a crash collect the same
+    line: it counts once, so the batch does not end before every line is done."""
+    from tokenfleet.shared.batch_scripts import batch_done
+
+    r, keys = redis_client(settings.redis_url), Keys(settings.namespace)
+    r.hset(keys.batch("batch_x"), mapping={"completed": 0, "failed": 0, "tokens": 0})
+    r.hset(keys.batch_running("batch_x"), mapping={0: "default:a", 1: "default:b"})
+    assert batch_done(keys, "batch_x", [(0, "out", 5), (1, "err", 0)]).run(r) == 2
+    assert batch_done(keys, "batch_x", [(0, "out", 5), (1, "out", 3)]).run(r) == 0
+    assert r.hmget(keys.batch("batch_x"), "completed", "failed", "tokens") == [b"1", b"1", b"5"]
+    assert not r.exists(keys.batch_running("batch_x"))
+    r.close()
 
 
 def test_another_tenants_batch_and_input_file_are_404(fleet: dict[str, Any]) -> None:
