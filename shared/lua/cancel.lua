@@ -8,9 +8,10 @@
 -- its record so): 'ended'.
 -- Returns 'cancelled', 'requested', 'ended' (nothing to cancel) or 'missing'.
 -- KEYS: 1 job hash, 2 token log, 3 event channel, 4 queue stream, 5 backlog counter,
---       6 end channel
+--       6 end channel, 7 the queue's webhook outbox (job_webhook.lua)
 -- ARGV: 1 now, 2 result TTL, 3 end event JSON, 4 cancels channel, 5 job id, 6 group
 -- include: log_prefix.lua
+-- include: job_webhook.lua
 local cur = redis.call('HMGET', KEYS[1], 'status', 'deadline_at')
 local status = cur[1]
 if not status then return 'missing' end
@@ -38,6 +39,7 @@ if status == 'queued' then
   end
   redis.call('PUBLISH', KEYS[3], ARGV[3])
   redis.call('PUBLISH', KEYS[6], ARGV[3])
+  job_webhook(KEYS[7], KEYS[1], 'cancelled', ARGV[1])
   -- Off the queue now, so it no longer counts against max_queue. If a worker
   -- has read it but not yet taken it, that worker finds it cancelled and acks.
   -- The record names its live entry (submit and requeue keep it so).
