@@ -36,7 +36,6 @@ import os
 import random
 import socket
 import time
-from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -108,28 +107,25 @@ class Outcome:
         return self.status is not None and 200 <= self.status < 300
 
 
-Post = Callable[[str, bytes, dict[str, str]], Awaitable[Outcome]]
-
-
 class Deliverer:
     """Delivers webhook events from the outboxes until ``stop()``.
 
     ``claim_idle_s``: how long a read entry may sit untouched (no attempt
     running, none scheduled) before another deliverer takes it over; longer
     than an attempt (``webhook_timeout_s``). ``poll_s``: the wait between two
-    looks at the outboxes when nothing is due.
+    looks at the outboxes when nothing is due; ``discover_s``: between two
+    listings of the queues' outboxes (a queue's first job event waits for one).
     """
 
     def __init__(self, redis: Any, keys: Keys, settings: Settings, *,
                  consumer: str | None = None, claim_idle_s: float | None = None,
-                 poll_s: float = 0.5, post: Post | None = None) -> None:
+                 poll_s: float = 0.5, discover_s: float = DISCOVER_S) -> None:
         self.redis, self.keys, self.settings = redis, keys, settings
         self.consumer = consumer or consumer_name()
         self.claim_idle_s = claim_idle_s or max(60.0, 3 * settings.webhook_timeout_s)
-        self.poll_s = poll_s
+        self.poll_s, self.discover_s = poll_s, discover_s
         self._key = secret_key(settings.webhook_secret) if settings.webhook_secret else None
         self._http: httpx.AsyncClient | None = None
-        self._post = post or self._http_post
         self._streams: list[str] = []
         self._grouped: set[str] = set()
         self._discovered = self._reclaimed = float("-inf")
@@ -194,7 +190,7 @@ class Deliverer:
         """Start what is due: reclaimed entries, scheduled retries, new events,
         as far as free slots allow; True when any started."""
         now = time.monotonic()
-        full = now - self._discovered >= DISCOVER_S
+        full = now - self._discovered >= self.discover_s
         if full or self.keys.webhook_outbox not in self._grouped:
             await self._discover(full)
             if full:
@@ -315,7 +311,7 @@ class Deliverer:
                 self._warn_once("no-secret", "webhook events go out unsigned: set "
                                 "TOKENFLEET_WEBHOOK_SECRET so receivers can verify them")
             payload = body(event.type, event_time(event.entry_id), event.data)
-            outcome = await self._post(url, payload, headers(event.id, int(time.time()),
+            outcome = await self._http_post(url, payload, headers(event.id, int(time.time()),
                                                              payload, self._key))
             await self._record(event, url, outcome)
         except asyncio.CancelledError:

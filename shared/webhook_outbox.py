@@ -37,7 +37,7 @@ def event_fields(type: str, data: dict[str, Any], url: str | None = None) -> dic
 async def add_event(client: _Adds, keys: Keys, type: str, data: dict[str, Any],
                     url: str | None = None) -> None:
     """Queue one event for delivery (async Redis client)."""
-    await client.xadd(keys.webhook_outbox, event_fields(type, data, url))  # type: ignore[misc]
+    await client.xadd(keys.webhook_outbox, event_fields(type, data, url))
 
 
 def webhook_url_problem(url: str) -> str | None:

@@ -144,7 +144,7 @@ class Fleet:
     def deliverer(self, name: str = "d1", **overrides: Any) -> Deliverer:
         settings = self.settings.model_copy(update=overrides)
         one = Deliverer(self.redis, self.keys, settings, consumer=name, poll_s=0.05,
-                        claim_idle_s=0.5).start()
+                        discover_s=0.2, claim_idle_s=0.5).start()
         self.started.append(one)
         return one
 
