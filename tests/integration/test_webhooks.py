@@ -32,6 +32,8 @@ from tokenfleet.shared.schemas import JobStatus
 from tokenfleet.shared.webhook_outbox import add_event
 from tokenfleet.webhook_delivery import GROUP, Deliverer
 
+from gateway_server import gateway  # noqa: F401  (a fixture)
+
 pytestmark = pytest.mark.timeout(60)
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -348,3 +350,21 @@ async def test_a_deliverer_killed_mid_retry_leaves_the_retry_to_another(
         assert got[1].status == 200 and got[1].id == got[0].id
         assert got[1].verified()["data"] == {"id": "batch_k"}
         await until(lambda: outbox_empty(fleet, fleet.keys.webhook_outbox), 5, "an empty outbox")
+
+
+def test_the_gateway_delivers_the_end_of_a_completion_that_named_a_webhook_url(
+        gateway: Any, start_worker: Any, receiver: Receiver) -> None:
+    """webhook_url in an OpenAI request's body (extra_body), delivered by the
+    deliverer the gateway runs; a bad one is a 400 naming it."""
+    receiver.start()
+    start_worker()
+    http = gateway(webhook_secret=SECRET)
+    bad = http.post("/v1/completions", json={"model": "default", "prompt": "Hi",
+                                              "webhook_url": "ftp://example.com/hook"})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "webhook_url"
+    done = http.post("/v1/completions", json={"model": "default", "prompt": "Hi",
+                                               "max_tokens": 2, "webhook_url": receiver.url})
+    assert done.status_code == 200, done.text
+    got = asyncio.run(receiver.until(lambda r: len(r) == 1, 15, "the job's webhook"))
+    payload = got[0].verified()
+    assert payload["type"] == "job.completed" and payload["data"]["status"] == "succeeded"
