@@ -1,5 +1,5 @@
-"""``tokenfleet webhooks deliver|list``: deliver webhook events without a gateway,
-and see the ones waiting for a retry or given up."""
+"""``tokenfleet webhooks deliver|list|retry``: deliver webhook events without a
+gateway, see the ones waiting for a retry or given up, and send dead letters again."""
 
 from __future__ import annotations
 
@@ -77,6 +77,37 @@ def list_events(as_json: bool, redis_url: str | None) -> None:
     click.echo(f"dead letters ({keys.webhook_dead}): {len(dead)}")
     for one in dead:
         click.echo(_line(one, "attempts", "last_error"))
+
+
+@webhooks.command()
+@click.argument("event_ids", nargs=-1)
+@click.option("--all", "every", is_flag=True, help="every dead letter")
+@redis_option
+def retry(event_ids: tuple[str, ...], every: bool, redis_url: str | None) -> None:
+    """Send dead letters (EVENT_IDS, or --all) again: back to the outbox under
+    their own ids, so a receiver that saw one drops the repeat."""
+    from tokenfleet.workers.keys_cli import _client
+
+    if not event_ids and not every:
+        raise click.UsageError("name the events to send again (their ids), or --all")
+    wanted = set(event_ids)
+    with _client(redis_url) as client:
+        r, keys = client.redis, client.keys
+        again = 0
+        for entry_id, raw in r.xrange(keys.webhook_dead):
+            fields = {k.decode(): v.decode() for k, v in raw.items()}
+            if not every and fields.get("id") not in wanted:
+                continue
+            event = {k: fields[k] for k in ("id", "type", "data", "url") if fields.get(k)}
+            r.xadd(keys.webhook_outbox, event)  # first: a crash here leaves a copy, never none
+            r.xdel(keys.webhook_dead, entry_id)
+            wanted.discard(fields.get("id", ""))
+            again += 1
+    click.echo(f"sent {again} dead letter(s) again")
+    if wanted:
+        from tokenfleet.workers.cli import JobFailed
+
+        raise JobFailed(f"no dead letter with id {', '.join(sorted(wanted))}")
 
 
 def _line(event: dict[str, Any], *fields: str) -> str:

@@ -21,8 +21,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
-import orjson
 import pytest
+from click.testing import CliRunner
 from redis.exceptions import ResponseError
 from standardwebhooks import Webhook
 
@@ -31,6 +31,7 @@ from tokenfleet.fleet import repair_fleet
 from tokenfleet.shared.schemas import JobStatus
 from tokenfleet.shared.webhook_outbox import add_event
 from tokenfleet.webhook_delivery import GROUP, Deliverer
+from tokenfleet.workers.cli import main
 
 from gateway_server import gateway  # noqa: F401  (a fixture)
 
@@ -303,6 +304,14 @@ async def test_an_event_past_its_retry_time_goes_to_the_dead_letters(
         assert fields[b"last_error"].startswith(b"HTTP 503")
         assert int(fields[b"attempts"]) >= 2
         await until(lambda: outbox_empty(fleet, fleet.keys.webhook_outbox), 5, "an empty outbox")
+        # Sent again by the operator, once the receiver is fixed: the same webhook-id.
+        receiver.answers.clear()
+        env = {"TOKENFLEET_REDIS_URL": fleet.settings.redis_url,
+               "TOKENFLEET_NAMESPACE": fleet.settings.namespace}
+        ran = CliRunner().invoke(main, ["webhooks", "retry", "--all"], env=env)
+        assert ran.exit_code == 0, ran.output
+        got = await receiver.until(lambda r: r[-1].status == 200, 10, "the event sent again")
+        assert got[-1].id == got[0].id and await fleet.redis.xlen(fleet.keys.webhook_dead) == 0
 
 
 async def test_an_event_read_by_a_deliverer_that_died_is_delivered_by_another(
