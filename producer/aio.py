@@ -6,7 +6,7 @@ import asyncio
 import contextlib
 import time
 from collections.abc import AsyncGenerator, Awaitable, Callable, Coroutine
-from typing import Any, Literal, overload
+from typing import Any, Literal, cast, overload
 
 from redis.exceptions import RedisError
 
@@ -42,7 +42,9 @@ from tokenfleet.shared.schemas import EndEvent, GenerationRequest, JobState, Job
 from tokenfleet.shared.settings import Settings, get_settings
 from tokenfleet.generation import AsyncGeneration
 from tokenfleet.served import served
-from tokenfleet.subscriptions import Subscriptions
+from tokenfleet.shard_subscriptions import ShardedSubscriptions
+from tokenfleet.shared.redis_cluster import AsyncCluster, ChannelMoved
+from tokenfleet.subscriptions import MOVED, Subscriptions
 
 
 class AsyncFleetClient:
@@ -62,8 +64,10 @@ class AsyncFleetClient:
         self.settings = settings or get_settings()
         # redis-py types replies as bytes | str; with decode_responses off they are bytes.
         self.redis: Any = connect_async(url or self.settings.redis_url, bound)
-        self.keys = Keys(namespace or self.settings.namespace)
-        self._subscriptions = Subscriptions(self.redis)
+        self.keys = Keys.for_url(namespace or self.settings.namespace, url or self.settings.redis_url)
+        self._subscriptions: Subscriptions | ShardedSubscriptions = (
+            ShardedSubscriptions(cast(AsyncCluster, self.redis)) if self.keys.sharded
+            else Subscriptions(self.redis))
         self._background: set[asyncio.Task[Any]] = set()  # strong references, awaited by close()
         # Deadlines and liveness are judged on Redis's clock, not this host's.
         self.clock = FleetClock()
@@ -193,6 +197,11 @@ class AsyncFleetClient:
 
     async def wait(self, job_id: str, timeout: float | None = None) -> JobState:
         deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            with contextlib.suppress(ChannelMoved):  # listened to again where it lives now
+                return await self._wait(job_id, deadline)
+
+    async def _wait(self, job_id: str, deadline: float | None) -> JobState:
         # The end channel: a waiter hears one message, not one per token.
         async with self._subscriptions.listen(self.keys.ends(job_id)) as messages:
             while True:
@@ -237,21 +246,26 @@ class AsyncFleetClient:
     async def _batches(self, job_id: str, timeout: float | None, cursor: EventCursor
                        ) -> AsyncGenerator[list[TokenEvent], None]:
         deadline = None if timeout is None else time.monotonic() + timeout
-        async with self._subscriptions.listen(self.keys.events(job_id)) as messages:
-            await self._catch_up(job_id, cursor)
-            if events := cursor.take():
-                yield events
-            while not cursor.ended:
-                payload = await _next(messages, deadline, cursor.expires_at, self.clock.now())
-                if payload is None or not cursor.feed(payload):
+        while not cursor.ended:
+            try:
+                async with self._subscriptions.listen(self.keys.events(job_id)) as messages:
                     await self._catch_up(job_id, cursor)
-                while not cursor.ended and not messages.empty():
-                    if not cursor.feed(messages.get_nowait()):
-                        await self._catch_up(job_id, cursor)
-                if events := cursor.take():
-                    yield events
-                if not cursor.ended:
-                    check_deadline(deadline, job_id)
+                    if events := cursor.take():
+                        yield events
+                    while not cursor.ended:
+                        payload = await _next(messages, deadline, cursor.expires_at,
+                                              self.clock.now())
+                        if payload is None or not cursor.feed(payload):
+                            await self._catch_up(job_id, cursor)
+                        while not cursor.ended and not messages.empty():
+                            if not cursor.feed(_moved_or(messages.get_nowait())):
+                                await self._catch_up(job_id, cursor)
+                        if events := cursor.take():
+                            yield events
+                        if not cursor.ended:
+                            check_deadline(deadline, job_id)
+            except ChannelMoved:
+                continue  # listened to again where it lives now, from the cursor on
 
     async def _catch_up(self, job_id: str, cursor: EventCursor) -> None:
         log = self.keys.out(job_id)
@@ -270,11 +284,18 @@ async def _next(messages: asyncio.Queue[bytes], deadline: float | None,
     """The next message, or None after a quiet interval (see ``time_slice``;
     ``wake`` and ``now`` on Redis's clock)."""
     if not messages.empty():  # no timer to arm: the common case under load
-        return messages.get_nowait()
+        return _moved_or(messages.get_nowait())
     # asyncio.timeout, not wait_for: on Python 3.11 wait_for can swallow a cancel
     # that arrives as the message does, and a cancelled stream would run on.
     try:
         async with asyncio.timeout(time_slice(deadline, wake, now)):
-            return await messages.get()
+            return _moved_or(await messages.get())
     except TimeoutError:
         return None
+
+
+def _moved_or(payload: bytes) -> bytes:
+    """``payload``; ``ChannelMoved`` for ``MOVED`` (its shard channel left its node)."""
+    if payload is MOVED:
+        raise ChannelMoved("the channel moved to another node")
+    return payload

@@ -59,8 +59,9 @@ class FleetClient:
         self.settings = settings or get_settings()
         # redis-py types replies as bytes | str; with decode_responses off they are bytes.
         self.redis: Any = connect(url or self.settings.redis_url)
-        self.keys = Keys(namespace or self.settings.namespace)
-        self._pubsubs = PubSubPool(self.redis)  # kept from one wait() or stream() to the next
+        self.keys = Keys.for_url(namespace or self.settings.namespace, url or self.settings.redis_url)
+        # Kept from one wait() or stream() to the next.
+        self._pubsubs = PubSubPool(self.redis, sharded=self.keys.sharded)
         # Deadlines and liveness are judged on Redis's clock, not this host's.
         self.clock = FleetClock()
         self._tenants = KnownTenants()  # of each queue, for submit's depth

@@ -8,6 +8,7 @@
 - OpenAI-compatible ``POST /v1/completions`` (``tokenfleet.openai_compat``),
   ``POST /v1/chat/completions`` (``tokenfleet.openai_chat``), ``GET /v1/models`` and
   ``GET /v1/models/{id}`` (the queues live workers serve, and the declared ones);
+- OpenAI's Files API, ``/v1/files`` (``tokenfleet.openai_files``);
 - ``GET /healthz`` (live) and ``GET /readyz`` (ready): ``tokenfleet.gateway_health``.
 
 Every route but ``/healthz`` asks for an API key once any exists
@@ -42,7 +43,7 @@ from redis.exceptions import MaxConnectionsError
 from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from tokenfleet import openai_chat, openai_compat, sse
+from tokenfleet import openai_chat, openai_compat, openai_files, sse
 from tokenfleet.aio import AsyncFleetClient
 from tokenfleet.auth import Authenticate, announce, caller, unauthorized
 from tokenfleet.gateway_health import HEALTH_TIMEOUT_S, GatewayServer
@@ -164,6 +165,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     app = FastAPI(title="tokenfleet gateway", lifespan=lifespan)
     app.include_router(router)
+    app.include_router(openai_files.router)
     app.include_router(health_router)
     app.add_middleware(BodyDeadline, timeout_s=settings.body_timeout_s)
     app.add_middleware(CountRefusals)  # inside Authenticate: it reads the key it set
@@ -229,7 +231,8 @@ async def _handled(scope: Any, exc: Exception) -> Response:
 
 
 def _openai_path(path: str) -> bool:
-    return path in ("/v1/completions", "/v1/chat/completions") or path.startswith("/v1/models")
+    """Every route but the jobs API (the gateway's own) is OpenAI's, and answers in its shape."""
+    return not (path == "/v1/jobs" or path.startswith("/v1/jobs/"))
 
 
 def _error(request: Request, refusal: Refusal, message: str, *, param: str | None = None,

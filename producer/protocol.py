@@ -17,6 +17,7 @@ from tokenfleet.shared.errors import (IdempotencyConflict, InvalidRequest, JobNo
                                       LimitExceeded, PromptTooLong, QueueFull)
 from tokenfleet.shared.keys import Keys, new_job_id
 from tokenfleet.shared.limits import client_limits
+from tokenfleet.shared.redis_cluster import ChannelMoved
 from tokenfleet.shared.liveness import live_since
 from tokenfleet.shared.schemas import (
     EXPIRED_ERROR,
@@ -318,7 +319,7 @@ class EventCursor:
 
     def feed_message(self, message: dict[str, Any] | None) -> bool:
         """Take a pub/sub message (None on a quiet interval); False asks for a re-read."""
-        if message is None or message.get("type") != "message":
+        if message is None or not is_message(message):
             return message is not None
         return self.feed(message["data"])
 
@@ -336,7 +337,21 @@ class EventCursor:
 
 def is_end(message: dict[str, Any]) -> bool:
     """Cheap test on the hot path of ``wait``: does this message end the job?"""
-    return message.get("type") == "message" and is_end_payload(message["data"])
+    return is_message(message) and is_end_payload(message["data"])
+
+
+# What a channel's message is called: a classic channel's, a shard channel's.
+_MESSAGES = ("message", "smessage")
+
+
+def is_message(message: dict[str, Any]) -> bool:
+    """Whether a pub/sub message carries an event. ``ChannelMoved`` for the
+    unsubscribe of a shard channel that the reader did not ask for: its slot
+    moved to another node (a reader unsubscribes only once it stops reading)."""
+    kind = message.get("type")
+    if kind == "sunsubscribe":
+        raise ChannelMoved(f"{message.get('channel')!r} moved to another node")
+    return kind in _MESSAGES
 
 
 def is_end_payload(payload: bytes) -> bool:

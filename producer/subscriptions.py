@@ -17,6 +17,13 @@ which brings the connection's subscriptions to that set. So
   and an await in a listener's cleanup would never finish;
 - a Redis outage delays the keeper alone: no listener waits for another's
   SUBSCRIBE or UNSUBSCRIBE, and leaving never waits for Redis at all.
+
+On a Redis Cluster the per-job channels are shard channels: one such object
+per node (``shard_subscriptions``) subscribes with SSUBSCRIBE to the channels
+whose slots that node serves. When a channel leaves its node (the node
+unsubscribes it: a failover, a resharding; or the connection to the node is
+lost, or it answers MOVED), its listeners find ``MOVED`` on their queue: they
+listen again, on the node that serves it now, and re-read the job's log.
 """
 
 from __future__ import annotations
@@ -24,9 +31,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
+from redis.crc import key_slot
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
@@ -44,12 +52,23 @@ BACKOFF_S = (0.05, 2.0)  # first and longest pause between two tries of the keep
 
 CLOSE_WAIT_S = 3.0
 
+# Put on a listener's queue when its shard channel left this node: listen
+# again (``ShardedSubscriptions.listen`` finds its node now). Never a payload:
+# an event is JSON.
+MOVED = bytes(b"\x00moved")
+
 
 class Subscriptions:
     """Owned by one event loop: every method and both tasks run on it, no thread."""
 
-    def __init__(self, redis: Any) -> None:
+    def __init__(self, redis: Any, *,
+                 moved: Callable[[], Awaitable[None]] | None = None) -> None:
+        """``moved``: this object serves the shard channels of one node (``redis``,
+        a plain client of it); called before its listeners are told that a
+        channel left it (it reads the cluster's slot map again)."""
         self._redis = redis
+        self._sharded = moved is not None
+        self._reread = moved
         self._pubsub: Any = None
         # The wanted channels: a queue per listener, and whether the server has
         # confirmed the channel's subscription since the first of them came.
@@ -61,9 +80,13 @@ class Subscriptions:
         self._sent: set[bytes] = set()
         self._live: set[bytes] = set()
         self._unsure: set[bytes] = set()
+        # Shard channels that left this node, whose listeners are told so and
+        # have yet to leave: no longer subscribed here.
+        self._moved: set[bytes] = set()
         self._wake = asyncio.Event()
         self._keeper: asyncio.Task[None] | None = None
         self._reader: asyncio.Task[None] | None = None
+        self._read_from: Any = None  # the pub/sub the reader reads
         self._closed = False
 
     @contextlib.asynccontextmanager
@@ -73,7 +96,10 @@ class Subscriptions:
         name = channel.encode()
         queue: asyncio.Queue[bytes] = asyncio.Queue()
         listeners = self._listeners.setdefault(name, set())
-        if not listeners:
+        if not listeners or name in self._moved:
+            # A listener back for a channel that left: this node serves it
+            # again (the slot map says so): subscribed anew.
+            self._moved.discard(name)
             self._confirmed[name] = asyncio.Event()
             if name in self._live:  # still subscribed from the listeners before
                 self._confirmed[name].set()
@@ -92,6 +118,7 @@ class Subscriptions:
             listeners.discard(queue)
             if not listeners:
                 del self._listeners[name], self._confirmed[name]
+                self._moved.discard(name)
                 self._changed()
 
     def _changed(self) -> None:
@@ -124,6 +151,8 @@ class Subscriptions:
                 self._wake.set()
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, BACKOFF_S[1])
+                if self._sharded:  # the node may be gone: its channels live elsewhere now
+                    await self._leave_shard_node()
 
     async def _sync(self) -> None:
         """Send what makes the server's subscriptions the wanted ones, until they are.
@@ -132,7 +161,7 @@ class Subscriptions:
         then subscribed by the SUBSCRIBE that follows, in that order on the wire.
         """
         while True:
-            wanted = set(self._listeners)
+            wanted = set(self._listeners) - self._moved
             gone = (self._sent | self._unsure) - wanted
             new = wanted - (self._sent - self._unsure)
             self._unsure.clear()
@@ -144,42 +173,70 @@ class Subscriptions:
                 self._sent -= gone
                 self._live -= gone  # a listener back for one waits for a new confirmation
                 try:
-                    await self._pubsub.unsubscribe(*gone)
+                    await self._command("unsubscribe", gone)
                 except BaseException:
                     self._unsure |= gone
                     raise
             if new:
                 self._sent |= new
                 try:
-                    await self._pubsub.subscribe(*new)
+                    await self._command("subscribe", new)
                 except BaseException:
                     self._unsure |= new
                     raise
                 self._ensure_reader()
 
+    async def _command(self, verb: str, channels: set[bytes]) -> None:
+        """(UN)SUBSCRIBE ``channels``; on a node's shard channels S(UN)SUBSCRIBE,
+        one command per slot (Redis refuses one that spans slots: CROSSSLOT)."""
+        if not self._sharded:
+            await getattr(self._pubsub, verb)(*channels)
+            return
+        by_slot: dict[int, list[bytes]] = {}
+        for channel in channels:
+            by_slot.setdefault(key_slot(channel), []).append(channel)
+        for same_slot in by_slot.values():
+            await getattr(self._pubsub, f"s{verb}")(*same_slot)
+
     def _ensure_reader(self) -> None:
         # Started after the first subscribe: reading needs the connection it opens.
-        if self._reader is None or self._reader.done():
+        # One reader per connection: one made after a shard node was left gets
+        # its own (the old reader ends by itself).
+        if self._reader is None or self._reader.done() or self._read_from is not self._pubsub:
+            self._read_from = self._pubsub
             self._reader = asyncio.get_running_loop().create_task(self._read())
 
     async def _read(self) -> None:
         backoff = BACKOFF_S[0]
+        pubsub = self._pubsub
         # Not ``while True``: redis-py turns a cancel that lands inside its read
         # timeout into its own TimeoutError, which this loop rides out; the flag
-        # ends it whatever became of the cancel.
-        while not self._closed:
+        # ends it whatever became of the cancel. A connection replaced (a shard
+        # node left) has a reader of its own.
+        while not self._closed and self._pubsub is pubsub:
             try:
-                message = await self._pubsub.get_message(timeout=1.0)
+                message = await pubsub.get_message(timeout=1.0)
                 backoff = BACKOFF_S[0]
-            except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
-                log.warning("pub/sub connection lost (%s); reconnecting", exc)
-                await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, BACKOFF_S[1])
-                if await left_node(self._redis, self._pubsub):
-                    await self._leave_node()
+            except (RedisError, RuntimeError, OSError) as exc:
+                if self._pubsub is not pubsub:
                     return
-                continue
-            except (RedisError, RuntimeError) as exc:
+                if self._sharded:
+                    # Lost, or MOVED (the slot map it was picked from is stale): a
+                    # reconnect would subscribe every channel in one command,
+                    # which Redis refuses across slots; the listeners move instead.
+                    log.warning("shard pub/sub failed (%s); its channels move", exc)
+                    await asyncio.sleep(backoff)
+                    if self._pubsub is pubsub:
+                        await self._leave_shard_node()
+                    return
+                if isinstance(exc, (RedisConnectionError, RedisTimeoutError, OSError)):
+                    log.warning("pub/sub connection lost (%s); reconnecting", exc)
+                    await asyncio.sleep(backoff)
+                    backoff = min(backoff * 2, BACKOFF_S[1])
+                    if await left_node(self._redis, pubsub):
+                        await self._leave_node()
+                        return
+                    continue
                 # A reply that is no message, or a connection closed under the
                 # read: the keeper's (un)subscribe reconnected while this read
                 # waited on the same connection, and the read got the new
@@ -190,12 +247,12 @@ class Subscriptions:
                 # and subscribes to every channel it had.
                 log.warning("pub/sub connection confused (%s); reconnecting", exc)
                 with contextlib.suppress(Exception):
-                    await self._pubsub.connection.disconnect()
+                    await pubsub.connection.disconnect()
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, BACKOFF_S[1])
                 continue
-            if message is not None:
-                self._take(message)
+            if message is not None and (moved := self._take(message)):
+                await self._tell_moved(moved)
 
     async def _leave_node(self) -> None:
         """On a cluster, the pub/sub's node may be gone for good (a master whose
@@ -210,12 +267,48 @@ class Subscriptions:
         self._unsure.clear()
         self._changed()
 
-    def _take(self, message: dict[str, Any]) -> None:
+    async def _leave_shard_node(self) -> None:
+        """The node may be gone (a master whose replica took over) or no longer
+        serve these slots: every wanted channel is told it moved, and a new
+        connection serves the listeners that come back here."""
+        pubsub, self._pubsub = self._pubsub, None
+        if pubsub is not None:
+            with contextlib.suppress(Exception):
+                await pubsub.aclose()
+        self._sent.clear()
+        self._live.clear()
+        self._unsure.clear()
+        await self._tell_moved(set(self._listeners) - self._moved)
+
+    async def _tell_moved(self, channels: set[bytes]) -> None:
+        """Tell the listeners of ``channels`` that they left this node, once the
+        slot map is read again (so they find the node that serves them now)."""
+        assert self._reread is not None
+        log.info("%d shard channels left their node; their listeners listen again", len(channels))
+        await self._reread()
+        for channel in channels:
+            if channel not in self._listeners:
+                continue
+            self._moved.add(channel)
+            self._confirmed[channel].set()  # a listener waiting to be confirmed goes on
+            for queue in self._listeners[channel]:
+                queue.put_nowait(MOVED)
+        self._changed()
+
+    def _take(self, message: dict[str, Any]) -> set[bytes]:
+        """Deliver one message; the channels that left this node (none but for
+        an unsubscribe this object did not ask for)."""
         channel = message["channel"]
-        if message["type"] == "message":
+        kind = message["type"]
+        if kind in ("message", "smessage"):
             for queue in self._listeners.get(channel, ()):
                 queue.put_nowait(message["data"])
-        elif message["type"] == "subscribe":
+        elif kind == "sunsubscribe" and channel in self._sent:
+            # The node dropped it: its slot is another node's now.
+            self._sent.discard(channel)
+            self._live.discard(channel)
+            return {channel}
+        elif kind in ("subscribe", "ssubscribe"):
             if channel in self._sent:
                 self._live.add(channel)
                 event = self._confirmed.get(channel)
@@ -227,6 +320,7 @@ class Subscriptions:
                 # lost with the old connection. Let the keeper unsubscribe it.
                 self._unsure.add(channel)
                 self._changed()
+        return set()
 
     async def close(self) -> None:
         self._closed = True

@@ -129,7 +129,7 @@ def cancel(keys: Keys, *, job_id: str, model: str, priority: str, now: float,
     """Cancel a job of queue ``model`` at level ``priority`` for ``tenant`` (its
     stream's key goes to the script with the others: declared keys only)."""
     return ScriptCall(
-        script("cancel"),
+        script("cancel", keys.sharded),
         (keys.job(job_id), keys.out(job_id), keys.events(job_id),
          keys.queue(level_queue(model, priority, tenant)), keys.backlog(model),
          keys.ends(job_id), keys.job_webhooks(model)),
@@ -159,7 +159,7 @@ def expire(keys: Keys, *, job_id: str, model: str, priority: str, now: float,
     """End a job still queued at ``now`` past its deadline, and take it off its
     queue (the stream of its level and ``tenant``)."""
     return ScriptCall(
-        script("expire"),
+        script("expire", keys.sharded),
         (keys.job(job_id), keys.out(job_id), keys.events(job_id),
          keys.queue(level_queue(model, priority, tenant)), keys.backlog(model),
          keys.ends(job_id), keys.job_webhooks(model)),

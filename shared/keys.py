@@ -17,6 +17,8 @@ from functools import lru_cache
 from collections.abc import Iterable
 from typing import NamedTuple
 
+from tokenfleet.shared.redis_url import is_cluster
+
 # The consumer group every worker of a queue joins.
 GROUP = "workers"
 
@@ -138,6 +140,19 @@ def _job_keys(namespace: str, job_id: str) -> JobKeys:
 @dataclass(frozen=True)
 class Keys:
     namespace: str = "tokenfleet"
+    # The per-job channels (``events``, ``ends``) are shard channels: scripts
+    # SPUBLISH to them and readers SSUBSCRIBE on the node that owns their slot,
+    # so a token crosses no cluster bus. True on a Redis Cluster (``for_url``),
+    # where a classic PUBLISH goes to every node; a single Redis keeps classic
+    # pub/sub. Publishers and subscribers of one fleet must agree: both follow
+    # the kind of URL they are given.
+    sharded: bool = False
+
+    @classmethod
+    def for_url(cls, namespace: str, url: str) -> Keys:
+        """The keys of ``namespace`` on the Redis ``url`` names (sharded
+        channels on a cluster)."""
+        return cls(namespace, sharded=is_cluster(url))
 
     def queue(self, level: str) -> str:
         """Stream of queued jobs of one level of a model: ``<ns>:q:{default}``,

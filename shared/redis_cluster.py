@@ -88,6 +88,14 @@ class Cluster(HookedCluster):
         reread_slot_map(self)
 
 
+class ChannelMoved(ConnectionError):
+    """A shard channel's slot is served by another node now (a failover, a
+    resharding): the node unsubscribed its subscribers (or answered MOVED).
+    A connection error, so a reader rides it out as a lost node: it reads the
+    slot map again, subscribes where the channel lives, and catches up from
+    the job's log."""
+
+
 def reread_slot_map(client: Any) -> None:
     """On a cluster client, read the slot map again from a node that answers;
     on one Redis, nothing. A map no node gave (all down) is read on a later try."""
@@ -193,12 +201,23 @@ class AsyncCluster(AsyncHookedCluster):
         if not nodes:
             self.lost.clear()
             nodes = self.get_nodes()
-        chosen = random.choice(nodes)
-        plain = self.plain_clients.get(chosen.name)
+        return self._plain(random.choice(nodes)).pubsub(**kwargs)
+
+    def _plain(self, node: Any) -> aioredis.Redis:
+        """The plain client of ``node``, made once."""
+        plain = self.plain_clients.get(node.name)
         if plain is None:
-            plain = self.plain_clients[chosen.name] = self.plain_client(
-                node_url(self.url, chosen.host, int(chosen.port)))
-        return plain.pubsub(**kwargs)
+            plain = self.plain_clients[node.name] = self.plain_client(
+                node_url(self.url, node.host, int(node.port)))
+        return plain
+
+    def owner_client(self, channel: str) -> tuple[str, aioredis.Redis]:
+        """The name and plain client of the node that serves ``channel``'s slot
+        in the slot map read last (a shard channel is subscribed there)."""
+        node = self.get_node_from_key(channel)
+        if node is None:
+            raise ConnectionError(f"no node serves the slot of {channel!r}")
+        return node.name, self._plain(node)
 
     async def aclose(self) -> None:
         for plain in self.plain_clients.values():

@@ -38,6 +38,13 @@ R = TypeVar("R", covariant=True)
 # require in Redis): a rule several scripts share is written once.
 _INCLUDE = re.compile(r"^-- include: ([a-z_]+)\.lua$", re.MULTILINE)
 
+# A script that tells a job's subscribers publishes with ``redis.call(PUBLISH,
+# ...)``: the variable is set before its source, to SPUBLISH for a Redis
+# Cluster (a shard channel's messages stay on the shard that owns its slot,
+# instead of crossing the cluster bus to every node) or to PUBLISH. One source,
+# two variants, each with its SHA1.
+_PUBLISH = "local PUBLISH = '{}'\n"
+
 
 class SyncRedis(Protocol):
     """The commands a script call needs of a blocking client (one server, a
@@ -75,9 +82,11 @@ class Script:
 
 
 @cache
-def script(name: str) -> Script:
-    """The script of ``shared/lua/<name>.lua``, read once."""
-    source = _INCLUDE.sub(lambda m: _read(f"{m.group(1)}.lua"), _read(f"{name}.lua"))
+def script(name: str, sharded: bool = False) -> Script:
+    """The script of ``shared/lua/<name>.lua``, read once; ``sharded``: its
+    per-job channels are shard channels (``Keys.sharded``)."""
+    body = _INCLUDE.sub(lambda m: _read(f"{m.group(1)}.lua"), _read(f"{name}.lua"))
+    source = _PUBLISH.format("SPUBLISH" if sharded else "PUBLISH") + body
     return Script(name, source, hashlib.sha1(source.encode()).hexdigest())
 
 

@@ -135,23 +135,48 @@ def _resumed(reply: object) -> Resumed:
     return Resumed(True, tuple(e if isinstance(e, bytes) else text(e).encode() for e in events))
 
 
-def resume(keys: Keys, *, job_id: str, attempt: int) -> ScriptCall[Resumed]:
-    """Keep the log's contiguous prefix under ``attempt`` and give its events."""
-    return ScriptCall(script("resume"), (keys.job(job_id), keys.out(job_id)), (attempt,),
-                      _resumed)
+def resume(keys: Keys, *, job_id: str, attempt: int, result_ttl_s: int) -> ScriptCall[Resumed]:
+    """Keep the log's contiguous prefix under ``attempt`` and give its events;
+    from now on no earlier attempt can write to the log (the fence)."""
+    return ScriptCall(script("resume"), (keys.job(job_id), keys.out(job_id)),
+                      (attempt, result_ttl_s), _resumed)
 
 
 # -- emit.lua: a step's token events --------------------------------------------------
 
+# Attempt a logs the event ending at token j at '0-<(a - 1) * LOG_BAND + j>'
+# (log_prefix.lua, where the scheme is written, with the same constants);
+# attempts past LOG_BANDS share its last band.
+LOG_BAND = 10_000_000_000
+LOG_BANDS = 900_000
+
+
+def banded(attempt: int) -> bool:
+    """Whether ``attempt`` has a band of its own: its writes are fenced by their ids."""
+    return 1 <= attempt <= LOG_BANDS
+
+
+def log_entry_id(attempt: int, end: int) -> str:
+    """The token log id of attempt ``attempt``'s event that ends at token ``end``."""
+    return f"0-{(max(1, min(attempt, LOG_BANDS)) - 1) * LOG_BAND + end}"
+
+
 
 class LogEvent(NamedTuple):
-    """Tokens [first, first + size) of a job, as one event (``payload``, JSON)."""
+    """Tokens [first, first + size) of a job, as one event (``payload``, JSON).
+
+    ``checked``: read the job's record and its log's end before the write.
+    Needed while Redis may have lost writes of the job since its last event
+    the caller stored (an error or a new connection in between, or none stored
+    yet); otherwise the entry ids fence and order the writes by themselves
+    (emit.lua)."""
 
     job_id: str
     attempt: int
     first: int  # index of its first token
     size: int  # tokens it holds
     payload: bytes
+    checked: bool = True
 
 
 @dataclass(frozen=True)
@@ -167,20 +192,25 @@ class Emitted:
 def emit(keys: Keys, *, result_ttl_s: int, now: float,
          events: Sequence[LogEvent]) -> ScriptCall[Emitted]:
     """Log and publish a step's token events, one call for all of them."""
+    # The checked events first: the script reads more of them (emit.lua).
+    events = sorted(events, key=lambda e: not (e.checked or not banded(e.attempt)))
+    checked = sum(1 for e in events if e.checked or not banded(e.attempt))
     job_ids = [e.job_id for e in events]
     script_keys: list[str] = []
-    args: list[Arg] = [result_ttl_s, repr(now)]
-    for e in events:
+    args: list[Arg] = [result_ttl_s, repr(now), checked]
+    for n, e in enumerate(events):
         j = keys.of_job(e.job_id)
         script_keys += (j.job, j.out, j.events)
-        args += (e.attempt, e.first, e.size, e.payload)
+        entry_id = log_entry_id(e.attempt, e.first + e.size)
+        args += ((e.attempt, e.first, entry_id, e.payload) if n < checked
+                 else (entry_id, e.payload))
 
     def decode(reply: object) -> Emitted:
         fenced, gaps = items(reply)
         return Emitted(frozenset(job_ids[integer(i)] for i in items(fenced)),
                        frozenset(job_ids[integer(i)] for i in items(gaps)))
 
-    return ScriptCall(script("emit"), tuple(script_keys), tuple(args), decode)
+    return ScriptCall(script("emit", keys.sharded), tuple(script_keys), tuple(args), decode)
 
 
 # -- finish.lua: final states ------------------------------------------------------------
@@ -247,7 +277,7 @@ def finish(keys: Keys, *, result_ttl_s: int, worker: str, now: float,
             frozenset(j for j, v in zip(job_ids, verdicts) if v == _FENCED),
             frozenset(j for j, v in zip(job_ids, verdicts) if v == _UNTRUSTED))
 
-    return ScriptCall(script("finish"), tuple(script_keys), tuple(args), decode)
+    return ScriptCall(script("finish", keys.sharded), tuple(script_keys), tuple(args), decode)
 
 
 # -- requeue.lua ----------------------------------------------------------------------------

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import shutil
+import socket
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -16,7 +19,7 @@ import pytest
 import redis
 
 from tokenfleet.shared.keys import job_id_in
-from tokenfleet.shared.redis_conn import connect
+from tokenfleet.shared.redis_conn import connect, is_cluster
 from tokenfleet.workers.bench.procs import free_port  # noqa: F401  (the tests use it too)
 
 
@@ -45,7 +48,8 @@ def direct_greedy(loaded: tuple[Any, Any], jobs: list[tuple[str, int]]) -> list[
 
 # -- a job's tokens as Redis and its consumers hold them --------------------------
 # An event carries one token or several (the worker coalesces a job's tokens);
-# its log entry id is '0-<n>', n the index after its last token (log_prefix.lua).
+# its log entry id is '0-<n>', n the index after its last token, plus LOG_BAND
+# per attempt past the first (log_prefix.lua).
 
 def follow_all(settings: Any, job_ids: list[str]) -> tuple[threading.Thread, dict[str, list[Any]]]:
     """Stream every job from the start, on a loop of its own, as async consumers would."""
@@ -66,14 +70,17 @@ def follow_all(settings: Any, job_ids: list[str]) -> tuple[threading.Thread, dic
 
 def logged_count(r: redis.Redis, keys: Any, job_id: str) -> int:
     """How many tokens the job's log holds: its top token entry's id."""
+    from tokenfleet.shared.worker_scripts import LOG_BAND
+
     top = r.xrevrange(keys.out(job_id), "0-18446744073709551615", "-", count=1)
-    return int(top[0][0].split(b"-")[1]) if top else 0
+    return int(top[0][0].split(b"-")[1]) % LOG_BAND if top else 0
 
 
 def logged_tokens(r: redis.Redis, keys: Any, job_id: str) -> tuple[list[int], int, bool]:
     """The job's token log: its tokens in order, how many are missing between
     them (a gap), and whether it ends with the end event."""
     from tokenfleet.shared.serialization import loads
+    from tokenfleet.shared.worker_scripts import LOG_BAND
 
     tokens: list[int] = []
     gaps, ended = 0, False
@@ -83,6 +90,7 @@ def logged_tokens(r: redis.Redis, keys: Any, job_id: str) -> tuple[list[int], in
             ended = True
             continue
         ids = loads(fields[b"e"])["token_ids"]
+        end %= LOG_BAND
         gaps += end - len(ids) - len(tokens) - gaps
         tokens.extend(ids)
     return tokens, gaps, ended
@@ -105,36 +113,54 @@ def stream_fault(events: Any, state: Any) -> str:
 
 class ChannelTally:
     """Counts every token and end event published on every job channel of a
-    namespace: ``tokens[(job id, token index)]``, ``ends[job id]``."""
+    namespace: ``tokens[(job id, token index)]``, ``ends[job id]``. On a
+    cluster the channels are shard channels, which no pattern matches: the
+    tally hears the channels of ``job_ids``."""
 
-    def __init__(self, url: str, keys: Any) -> None:
+    def __init__(self, url: str, keys: Any, job_ids: list[str] | None = None) -> None:
         self.tokens: Counter[tuple[str, int]] = Counter()
         self.ends: Counter[str] = Counter()
         self._ended = threading.Condition()
-        self._pubsub = connect(url).pubsub()  # a plain or a cluster URL
-        self._pubsub.psubscribe(keys.events("*"))
+        self._client = connect(url)  # a plain or a cluster URL
+        if is_cluster(url):
+            # A connection per node, each read by a thread of its own: redis-py's
+            # cluster pub/sub reads its nodes in turn, waiting on each.
+            assert job_ids, "a tally of shard channels names its jobs"
+            by_node: dict[str, Any] = {}
+            for job_id in job_ids:
+                owner = self._client.get_node_from_key(keys.events(job_id))
+                pubsub = by_node.get(owner.name)
+                if pubsub is None:
+                    pubsub = by_node[owner.name] = owner.redis_connection.pubsub()
+                pubsub.ssubscribe(keys.events(job_id))
+            self._pubsubs = list(by_node.values())
+        else:
+            self._pubsubs = [self._client.pubsub()]
+            self._pubsubs[0].psubscribe(keys.events("*"))
         self._prefix = keys.events("")
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
+        self._threads = [threading.Thread(target=self._run, args=(p,), daemon=True)
+                         for p in self._pubsubs]
+        for thread in self._threads:
+            thread.start()
 
-    def _run(self) -> None:
+    def _run(self, pubsub: Any) -> None:
         from tokenfleet.shared.serialization import loads
 
         while not self._stop.is_set():
             try:
-                message = self._pubsub.get_message(timeout=0.2)
+                message = pubsub.get_message(timeout=0.2)
             except redis.exceptions.ConnectionError:
                 continue
-            if message is None or message["type"] != "pmessage":
+            if message is None or message["type"] not in ("pmessage", "smessage"):
                 continue
             job_id = job_id_in(message["channel"].decode(), self._prefix)
             event = loads(message["data"])
-            if event["k"] == "tok":
-                for k in range(event["index"], event["index"] + len(event["token_ids"])):
-                    self.tokens[(job_id, k)] += 1
-            else:
-                with self._ended:
+            with self._ended:
+                if event["k"] == "tok":
+                    for k in range(event["index"], event["index"] + len(event["token_ids"])):
+                        self.tokens[(job_id, k)] += 1
+                else:
                     self.ends[job_id] += 1
                     self._ended.notify_all()
 
@@ -162,8 +188,11 @@ class ChannelTally:
 
     def close(self) -> None:
         self._stop.set()
-        self._thread.join(timeout=5)
-        self._pubsub.close()
+        for thread in self._threads:
+            thread.join(timeout=5)
+        for pubsub in self._pubsubs:
+            pubsub.close()
+        self._client.close()
 
 
 # Figures the fault-injection suite prints at the end of the run (name, figures).
@@ -317,3 +346,54 @@ def _pings(client: redis.Redis) -> bool:
         return bool(client.ping())
     except redis.exceptions.ConnectionError:
         return False
+
+
+class MotoS3Server:
+    """moto's S3 in a process of its own on a free port (so a test's tracemalloc
+    sees only the client's memory), with one bucket, :data:`S3_BUCKET`.
+
+    S3 asks 5 MiB of every multipart part but the last; this server asks
+    ``min_part_bytes``, so that a test can use small parts and small objects."""
+
+    def __init__(self, min_part_bytes: int = 1 << 20) -> None:
+        self.port = free_port()
+        env = {**os.environ, "S3_UPLOAD_PART_MIN_SIZE": str(min_part_bytes)}
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)],
+            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        wait_until(self._listens, timeout=30, what="moto's S3 server to listen")
+        s3_client(self.url).create_bucket(Bucket=S3_BUCKET)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def _listens(self) -> bool:
+        if self.proc.poll() is not None:
+            raise RuntimeError(f"moto's S3 server exited with {self.proc.returncode}")
+        with socket.socket() as sock:
+            return sock.connect_ex(("127.0.0.1", self.port)) == 0
+
+    def close(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(timeout=10)
+
+
+S3_BUCKET = "tokenfleet-test"
+S3_CREDENTIALS = {"aws_access_key_id": "testing", "aws_secret_access_key": "testing",
+                  "region_name": "us-east-1"}
+
+
+def s3_client(endpoint_url: str) -> Any:
+    """A boto3 S3 client of the test server at ``endpoint_url`` (the ``s3_server`` fixture)."""
+    import boto3
+
+    return boto3.session.Session().client("s3", endpoint_url=endpoint_url, **S3_CREDENTIALS)
+
+
+def s3_env(endpoint_url: str) -> dict[str, str]:
+    """The environment in which boto3 finds the test server, as a deployment sets it."""
+    return {"AWS_ENDPOINT_URL_S3": endpoint_url,
+            "AWS_ACCESS_KEY_ID": S3_CREDENTIALS["aws_access_key_id"],
+            "AWS_SECRET_ACCESS_KEY": S3_CREDENTIALS["aws_secret_access_key"],
+            "AWS_DEFAULT_REGION": S3_CREDENTIALS["region_name"]}

@@ -13,6 +13,7 @@ import redis
 from tokenfleet.shared.keys import Keys
 from tokenfleet.shared.schemas import FinishReason, SamplingParams
 from tokenfleet.shared.serialization import loads
+from tokenfleet.shared.worker_scripts import resume
 from tokenfleet.workers.detokenizer import TextStream
 from tokenfleet.workers.null_runner import null_tokenizer
 from tokenfleet.workers.publisher import Publisher, Stored
@@ -191,7 +192,10 @@ def test_a_fenced_job_holds_nothing_more(
 ) -> None:
     publisher, [seq] = make(coalesce_ms=20, coalesce_tokens=16)
     step(publisher, [seq])
-    r.hset(Keys(settings.namespace).job(seq.job_id), "attempts", 2)  # reclaimed elsewhere
+    # Reclaimed elsewhere: attempt 2 taken (start.lua) and resumed (resume.lua).
+    keys = Keys(settings.namespace)
+    r.hset(keys.job(seq.job_id), "attempts", 2)
+    assert resume(keys, job_id=seq.job_id, attempt=2, result_ttl_s=60).run(r).owned
     clock.now += 0.001
     outputs = [SeqOutput(seq, 1, TOKEN, "x", False)]
     assert not store(publisher, outputs).fenced  # held: Redis is not asked yet
@@ -199,3 +203,21 @@ def test_a_fenced_job_holds_nothing_more(
     outputs = [SeqOutput(seq, 2, TOKEN, "x", False)]
     assert store(publisher, outputs).fenced == {seq.job_id}
     assert not publisher.held and len(log(r, settings, seq)) == 1
+
+
+def test_a_log_that_lost_tokens_is_caught_at_the_jobs_next_event_after_a_lost_connection(
+    make: Any, clock: Clock, r: redis.Redis, settings: Any
+) -> None:
+    publisher, [seq, other] = make(2, coalesce_ms=0)
+    steps(publisher, [seq, other], clock, 3)
+    # What a failover does: the newest token of one log lost, every connection cut.
+    pipe = r.pipeline(transaction=True)
+    pipe.xdel(Keys(settings.namespace).out(seq.job_id), "0-3")
+    pipe.execute_command("CLIENT", "KILL", "TYPE", "normal", "SKIPME", "yes")
+    pipe.execute()
+    index = len(seq.generated)
+    stored = store(publisher, [SeqOutput(s, index, TOKEN, "x", False) for s in (seq, other)])
+    # Its event is not logged after the hole; the other job's log was whole: it goes on.
+    assert stored.untrusted == {seq.job_id} and not stored.fenced
+    assert [i for i, _ in log(r, settings, seq)] == ["0-1", "0-2"]
+    assert [i for i, _ in log(r, settings, other)] == ["0-1", "0-2", "0-3", "0-4"]

@@ -26,6 +26,7 @@ from tokenfleet.shared.redis_conn import connect_async, node_client
 from tokenfleet.shared.scripts import load, script
 from tokenfleet.shared.worker_scripts import (
     Bad,
+    Emitted,
     Ended,
     Ending,
     RunningHere,
@@ -36,6 +37,7 @@ from tokenfleet.shared.worker_scripts import (
     Take,
     emit,
     finish,
+    log_entry_id,
     resume,
     start,
 )
@@ -110,9 +112,9 @@ def test_a_job_goes_through_the_scripts_with_typed_verdicts(r: redis.Redis,
         LogEvent(job_id, 2, 2, 1, b'{"k":"tok","index":2,"token_ids":[7],"text":"c"}'),
     ]).run(node)
     assert emitted.fenced == {job_id} and not emitted.gaps  # the second event's attempt is 2
-    resumed = resume(keys, job_id=job_id, attempt=1).run(node)
+    resumed = resume(keys, job_id=job_id, attempt=1, result_ttl_s=60).run(node)
     assert resumed.owned and len(resumed.events) == 1
-    assert not resume(keys, job_id=job_id, attempt=2).run(node).owned
+    assert not resume(keys, job_id=job_id, attempt=2, result_ttl_s=60).run(node).owned
     finished = finish(keys, result_ttl_s=60, worker="w", now=time.time(), endings=[
         Ending(job_id, "default", entry_id, 1, JobStatus.SUCCEEDED, FinishReason.LENGTH,
                text="ab", token_ids=[5, 6], logged=2),
@@ -136,3 +138,45 @@ def test_start_verdicts_read_as_their_dataclasses() -> None:
     assert decode(reply) == [Run(3, True, 2), Stale(), RunningHere(), Missing(),
                              Bad("job record's weight is \ufffd", True),
                              Ended(JobStatus.CANCELLED)]
+
+
+def _event(index: int, size: int) -> bytes:
+    ids = ",".join(["5"] * size)
+    return f'{{"k":"tok","index":{index},"token_ids":[{ids}],"text":"x"}}'.encode()
+
+
+def test_the_log_entry_id_fences_an_older_attempt_once_the_new_one_resumed(
+    r: redis.Redis, settings: Any
+) -> None:
+    keys = Keys(settings.namespace)
+    node = _node(r, keys)
+    job_id, lost, fresh = (f"default:{n}" for n in ("job", "lost", "fresh"))
+    for one in (job_id, lost):
+        r.hset(keys.job(one), mapping={"status": "running", "attempts": 1})
+
+    def write(one: str, attempt: int, index: int, size: int, checked: bool = False) -> Any:
+        return emit(keys, result_ttl_s=60, now=time.time(), events=[
+            LogEvent(one, attempt, index, size, _event(index, size), checked=checked)]).run(node)
+
+    assert write(job_id, 1, 0, 1, checked=True) == write(job_id, 1, 1, 2) == Emitted()
+    assert write(job_id, 1, 1, 2) == Emitted()  # a retry finds its entry: nothing twice
+    # Reclaimed: attempt 2 resumes from the 3 tokens logged. Attempt 1, unchecked
+    # (no read of the record), is refused by the id alone.
+    r.hset(keys.job(job_id), "attempts", 2)
+    assert len(resume(keys, job_id=job_id, attempt=2, result_ttl_s=60).run(node).events) == 2
+    assert write(job_id, 1, 3, 1) == Emitted(fenced=frozenset({job_id}))
+    assert write(job_id, 2, 3, 4) == Emitted()
+    assert [i for i, _ in r.xrange(keys.out(job_id))] == [
+        b"0-1", b"0-3", log_entry_id(2, 7).encode()] == [b"0-1", b"0-3", b"0-10000000007"]
+    # A log that is gone is not made again by an unchecked event: a gap.
+    assert write(lost, 1, 3, 1) == Emitted(gaps=frozenset({lost})) and not r.exists(keys.out(lost))
+    # A job resumed before anything was logged: an empty log in the new band,
+    # so attempt 1 cannot make it, even with its first (checked) event.
+    r.hset(keys.job(fresh), mapping={"status": "running", "attempts": 3})
+    assert resume(keys, job_id=fresh, attempt=3, result_ttl_s=60).run(node).events == ()
+    assert r.xlen(keys.out(fresh)) == 0 and 0 < r.ttl(keys.out(fresh)) <= 60
+    assert write(fresh, 1, 0, 1, checked=True) == Emitted(fenced=frozenset({fresh}))
+    # Even were the record read before the resume: the id is refused, nothing logged.
+    r.hset(keys.job(fresh), "attempts", 1)
+    assert write(fresh, 1, 0, 1, checked=True) == Emitted(gaps=frozenset({fresh}))
+    assert r.xlen(keys.out(fresh)) == 0

@@ -247,7 +247,8 @@ class Intake:
         """What earlier attempts logged: the log's contiguous prefix (resume.lua
         deletes anything past a gap, under this attempt). None when the attempt
         is no longer this worker's."""
-        resumed = resume(self.keys, job_id=job_id, attempt=attempt).run(self.redis)
+        resumed = resume(self.keys, job_id=job_id, attempt=attempt,
+                         result_ttl_s=self.settings.result_ttl_s).run(self.redis)
         if not resumed.owned:
             return None
         events = [loads(payload) for payload in resumed.events]

@@ -2,8 +2,16 @@
 
 Token events of the step go to each job's log and channel in one script call;
 the final states of the jobs it finished go in one more script call in the same
-pipeline. Both scripts check the attempt number, so a worker that lost a job
-to a reclaim finds out here and drops it.
+pipeline. Both scripts fence off a worker that lost a job to a reclaim: it finds out
+here and drops the job. ``emit.lua`` does it without a read: the attempt is in
+the log entry's id, and a newer attempt's resume moves the log's last id past
+every id an older one writes, so Redis refuses the stale write.
+
+What ``emit.lua`` does not read is whether a log still holds what this worker
+wrote: it cannot lose tokens but by Redis losing writes, which this side sees
+as a refused step or a new connection. So a job's events are sent "checked"
+(the record and the log's end read first) until one of them is stored, and
+again after each refused step or new connection (``_verified``).
 
 Tokens are coalesced per job: the tokens a job makes within ``coalesce_ms`` of
 the oldest one held (at most ``coalesce_tokens``) go to Redis as one event, one
@@ -36,6 +44,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from redis.exceptions import (
+    AskError,
     ClusterDownError,
     ConnectionError,
     MasterDownError,
@@ -49,6 +58,7 @@ from redis.exceptions import (
 
 from tokenfleet.shared.clock import FleetClock
 from tokenfleet.shared.keys import GROUP, Keys
+from tokenfleet.shared.redis_cluster import reread_slot_map
 from tokenfleet.shared.redis_conn import node_client
 from tokenfleet.shared.schemas import FinishReason
 from tokenfleet.shared.scripts import ScriptCall, load
@@ -77,9 +87,10 @@ __all__ = ["Ending", "Held", "Publisher", "Stored", "is_transient"]
 
 # Error replies about the server's state, not the write: the same write
 # succeeds once Redis is back to normal (memory freed, a primary again, a save
-# that works, scripts loaded, a cluster slot served).
+# that works, scripts loaded, a cluster slot served, by the node the slot map
+# read again names: MOVED, ASK).
 _TRANSIENT_TYPES = (ConnectionError, TimeoutError, OSError, OutOfMemoryError, ReadOnlyError,
-                    NoScriptError, TryAgainError, ClusterDownError, MasterDownError)
+                    NoScriptError, TryAgainError, ClusterDownError, MasterDownError, AskError)
 _TRANSIENT_CODES = ("OOM", "READONLY", "MISCONF", "LOADING", "BUSY", "NOSCRIPT", "TRYAGAIN",
                     "CLUSTERDOWN", "MASTERDOWN", "NOREPLICAS", "UNBLOCKED")
 
@@ -125,6 +136,7 @@ class _Step:
     events: list[Held]
     emit: ScriptCall[Emitted] | None
     finish: ScriptCall[Finished] | None
+    ended: list[tuple[str, int]] = field(default_factory=list)  # the runs ``finish`` ends
     sent: bool = False
 
     @property
@@ -158,6 +170,10 @@ class Publisher:
         self.max_tokens = settings.coalesce_tokens if self.window_s > 0 else 1
         self.held: dict[str, Held] = {}  # by job id
         self._last_send: float | None = None
+        # Jobs whose log held what this side wrote when their last event was
+        # stored, with no refused step or new connection since: their next
+        # event goes unchecked (emit.lua).
+        self._verified: set[tuple[str, int]] = set()  # (job id, attempt)
 
     @property
     def in_flight(self) -> bool:
@@ -172,6 +188,7 @@ class Publisher:
                 self._drop_connection()  # its replies must not answer a later step
             for event in self._pending.events:
                 self.held.pop(event.seq.job_id, None)
+                self._verified.discard(_run(event.seq))
         self._pending = None
 
     def send(self, outputs: list[SeqOutput]) -> None:
@@ -186,16 +203,22 @@ class Publisher:
             raise RuntimeError("collect() the step sent before sending the next")
         events = self._due(outputs)
         endings = [self._ending(o) for o in outputs if o.finished]
+        conn = None
+        if events or endings:
+            try:
+                conn = self._connection()  # first: a new one unverifies every log
+            except (ConnectionError, TimeoutError, OSError):
+                self._drop_connection()  # collect() writes the step through the pool instead
         step = self._pending = _Step(events, self._emit(events) if events else None,
-                                     self._finish(endings) if endings else None)
-        if not step.calls:
+                                     self._finish(endings) if endings else None,
+                                     [(e.job_id, e.attempt or 0) for e in endings])
+        if conn is None:
             return
         try:
-            conn = self._connection()
             conn.send_packed_command(_pack(conn, [call.command() for call in step.calls]))
             step.sent = True
         except (ConnectionError, TimeoutError, OSError):
-            self._drop_connection()  # collect() writes the step through the pool instead
+            self._drop_connection()
 
     def _due(self, outputs: list[SeqOutput]) -> list[Held]:
         """Take this step's tokens into their jobs' held events; return the
@@ -254,9 +277,12 @@ class Publisher:
                 self._drop_connection()
         step.sent = False
         if results is None or any(isinstance(r, NoScriptError) for r in results):
+            self._unverify(step)
             results = self._execute(step.calls)  # raises while Redis refuses: step kept
         for result in results:
             if isinstance(result, Exception):
+                self._if_moved(result)
+                self._unverify(step)
                 raise result  # the step stays pending: the next collect() runs it again
         self._pending = None
         replies = iter(results)
@@ -265,16 +291,31 @@ class Publisher:
         stored = Stored(set(emitted.fenced | finished.fenced),
                         set(emitted.gaps | finished.untrusted))
         stored.untrusted -= stored.fenced
+        self._verified.update(_run(e.seq) for e in step.events)
+        self._verified.difference_update(step.ended)
         # The caller drops these jobs: what they hold here is never to be sent.
         for job_id in stored.fenced | stored.untrusted:
             self.held.pop(job_id, None)
+        dropped = stored.fenced | stored.untrusted
+        if dropped:
+            # A snapshot: the feeder's thread may take runs out meanwhile (``end``).
+            self._verified -= {run for run in list(self._verified) if run[0] in dropped}
         return stored
+
+    def _unverify(self, step: _Step) -> None:
+        """Redis refused a step, or its reply was lost: it may have lost writes
+        (a restart, a failover), so every job's next event is checked, this
+        step's too (its emit is rebuilt so)."""
+        self._verified.clear()
+        if step.emit is not None:
+            step.emit = self._emit(step.events)
 
     def _connection(self) -> Any:
         """The publisher's own connection: replies are read a step later, so no
         other command may share it. On a cluster: to the node of this worker's
         queue, whose slot all its jobs' keys share."""
         if self._conn is None:
+            self._verified.clear()  # what Redis holds is read again, job by job
             self._node = self._node_client()
             self._conn = self._node.connection_pool.get_connection()
         return self._conn
@@ -283,6 +324,14 @@ class Publisher:
         """The client of the node of this worker's queue: all its jobs' keys share
         the queue's slot, and a cluster client refuses scripts in a pipeline."""
         return node_client(self.redis, self.keys.queue(self.settings.queue))
+
+    def _if_moved(self, error: Exception) -> None:
+        """After a MOVED (or ASK) reply: the queue's slot is another node's now
+        (a failover, a resharding); the next try goes to the node that the slot
+        map, read again, names (this connection would be answered MOVED for good)."""
+        if isinstance(error, AskError):
+            self._drop_connection()
+            reread_slot_map(self.redis)
 
     def _drop_connection(self) -> None:
         if self._conn is not None:
@@ -302,6 +351,7 @@ class Publisher:
         endings = list(endings)
         if endings:
             self._execute([self._finish(endings)])
+            self._verified.difference_update((e.job_id, e.attempt or 0) for e in endings)
 
     def hand_back(self, seqs: Iterable[Sequence], suspects: frozenset[str] = frozenset()) -> int:
         """Put unfinished jobs back on their queue for another worker; returns how many.
@@ -310,6 +360,8 @@ class Publisher:
         breaks the device of every worker that runs it ends failed after
         max_attempts, instead of going round the fleet for ever.
         """
+        seqs = list(seqs)
+        self._verified.difference_update(_run(seq) for seq in seqs)
         calls = [requeue(self.keys, queue=seq.queue, job_id=seq.job_id, entry_id=seq.entry_id,
                          attempt=seq.attempt, entry_json=seq.entry_json,
                          counts_as_attempt=seq.job_id in suspects)
@@ -346,9 +398,11 @@ class Publisher:
 
     def _emit(self, events: list[Held]) -> ScriptCall[Emitted]:
         return emit(self.keys, result_ttl_s=self.settings.result_ttl_s,
-                    now=self.fleet_clock.now(), events=[LogEvent(e.seq.job_id, e.seq.attempt, e.index, len(e.token_ids),
+                    now=self.fleet_clock.now(),
+                    events=[LogEvent(e.seq.job_id, e.seq.attempt, e.index, len(e.token_ids),
                                      token_event(e.index, e.token_ids, e.texts,
-                                                 wire(e.seq, e.token_ids, e.logprobs)))
+                                                 wire(e.seq, e.token_ids, e.logprobs)),
+                                     checked=_run(e.seq) not in self._verified)
                             for e in events])
 
     def _finish(self, endings: list[Ending]) -> ScriptCall[Finished]:
@@ -370,6 +424,7 @@ class Publisher:
             results = self._pipeline(calls)
         for result in results:
             if isinstance(result, Exception):
+                self._if_moved(result)
                 raise result
         return results
 
@@ -378,6 +433,11 @@ class Publisher:
         for call in calls:
             pipe.execute_command(*call.command())
         return pipe.execute(raise_on_error=False)  # type: ignore[no-any-return]
+
+
+def _run(seq: Sequence) -> tuple[str, int]:
+    """A job's run here: a new attempt of the job is a new run, checked anew."""
+    return seq.job_id, seq.attempt
 
 
 def _pack(conn: Any, commands: list[tuple[str | bytes | int | float, ...]]) -> Any:

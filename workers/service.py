@@ -97,7 +97,7 @@ class Worker:
         self.name = name
         self.queue = settings.queue
         self.model_name = model_name or settings.model
-        self.keys = Keys(settings.namespace)
+        self.keys = Keys.for_url(settings.namespace, settings.redis_url)
         self.redis = redis or connect(settings.redis_url)
         # Numbers, not "auto": build_worker sizes them for the engine.
         self.max_batch, _ = resolved(settings)

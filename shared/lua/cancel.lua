@@ -7,6 +7,8 @@
 -- readers report it expired (the worker that reads its entry, or a repair, ends
 -- its record so): 'ended'.
 -- Returns 'cancelled', 'requested', 'ended' (nothing to cancel) or 'missing'.
+-- PUBLISH: SPUBLISH on a Redis Cluster, else PUBLISH (set before the source: scripts.py),
+-- for the job's channels; the cancels channel, one for the fleet, is a classic one.
 -- KEYS: 1 job hash, 2 token log, 3 event channel, 4 queue stream, 5 backlog counter,
 --       6 end channel, 7 the queue's webhook outbox (job_webhook.lua)
 -- ARGV: 1 now, 2 result TTL, 3 end event JSON, 4 cancels channel, 5 job id, 6 group
@@ -37,8 +39,8 @@ if status == 'queued' then
     end
     redis.call('EXPIRE', KEYS[2], ARGV[2])
   end
-  redis.call('PUBLISH', KEYS[3], ARGV[3])
-  redis.call('PUBLISH', KEYS[6], ARGV[3])
+  redis.call(PUBLISH, KEYS[3], ARGV[3])
+  redis.call(PUBLISH, KEYS[6], ARGV[3])
   job_webhook(KEYS[7], KEYS[1], 'cancelled', ARGV[1])
   -- Off the queue now, so it no longer counts against max_queue. If a worker
   -- has read it but not yet taken it, that worker finds it cancelled and acks.

@@ -4,6 +4,7 @@
 -- expired, but write nothing). A worker that takes the job afterwards finds
 -- it expired and only acknowledges it; a job a worker already started is not
 -- touched here (its worker ends it at the deadline).
+-- PUBLISH: SPUBLISH on a Redis Cluster, else PUBLISH (set before the source: scripts.py)
 -- KEYS: 1 job hash, 2 token log, 3 event channel, 4 queue stream, 5 backlog counter,
 --       6 end channel, 7 the queue's webhook outbox (job_webhook.lua)
 -- ARGV: 1 now, 2 result TTL, 3 end event JSON, 4 group, 5 error message
@@ -23,8 +24,8 @@ redis.call('EXPIRE', KEYS[2], ARGV[2])
 redis.call('HSET', KEYS[1], 'status', 'expired', 'finish_reason', 'deadline',
            'error', ARGV[5], 'finished_at', ARGV[1])
 redis.call('EXPIRE', KEYS[1], ARGV[2])
-redis.call('PUBLISH', KEYS[3], ARGV[3])
-redis.call('PUBLISH', KEYS[6], ARGV[3])
+redis.call(PUBLISH, KEYS[3], ARGV[3])
+redis.call(PUBLISH, KEYS[6], ARGV[3])
 job_webhook(KEYS[7], KEYS[1], 'expired', ARGV[1])
 -- Off the queue and out of the backlog. A worker that has read the entry but not
 -- yet taken it finds the job expired and acknowledges it (again: harmless).

@@ -9,6 +9,7 @@
 -- (OOM, READONLY, MISCONF: checked before a script's first write only) ends the
 -- script with nothing of that job written; jobs before it in the call stay
 -- ended, and a retry of the whole call finds them ended (2) and acknowledges.
+-- PUBLISH: SPUBLISH on a Redis Cluster, else PUBLISH (set before the source: scripts.py)
 -- KEYS: 1 dead letters, 2 the queue's webhook outbox (job_webhook.lua), then per
 --       job 5: job hash, token log, event channel, end channel (the end event
 --       alone, for waiters), queue stream
@@ -55,8 +56,8 @@ for i = 0, (#KEYS - 2) / 5 - 1 do
         return added
       end
       redis.call('EXPIRE', log, ttl)
-      redis.call('PUBLISH', chan, event)
-      redis.call('PUBLISH', ends, event)
+      redis.call(PUBLISH, chan, event)
+      redis.call(PUBLISH, ends, event)
       if ARGV[a + 4] ~= '' then redis.call('XADD', KEYS[1], '*', 'data', ARGV[a + 4]) end
       job_webhook(KEYS[2], job, ARGV[a + 5], now)
     end

@@ -36,7 +36,7 @@ def test_kill_9_mid_batch_loses_nothing_and_runs_nothing_twice(
     # Queued ahead of the workers: the whole batch waits when the first one starts.
     job_ids = [client.submit(p, max_new_tokens=n, temperature=0.0, require_worker=False)
                for p, n in jobs]
-    tally = ChannelTally(settings.redis_url, keys)
+    tally = ChannelTally(settings.redis_url, keys, job_ids)
     consumers, seen = follow_all(settings, job_ids)
     first = celery_workers("cpu@first", TOKENFLEET_MAX_BATCH="32", TOKENFLEET_CLAIM_IDLE_S="2")
 

@@ -27,11 +27,13 @@ WAITING = "waiting"  # a queue whose (pinned) live worker never reads: its jobs 
 def job_channels(r: redis.Redis, namespace: str) -> list[bytes]:
     """The job channels someone (the gateway) is subscribed to: events and ends."""
     keys = Keys(namespace)
-    # A cluster client asks one node unless told otherwise; the gateway's
-    # subscriptions are on whichever node its client chose.
-    every = {"target_nodes": r.ALL_NODES} if hasattr(r, "ALL_NODES") else {}
-    return [*r.pubsub_channels(keys.events("*"), **every),
-            *r.pubsub_channels(keys.ends("*"), **every)]
+    if hasattr(r, "ALL_NODES"):
+        # On a cluster they are shard channels, each on its slot's node: every
+        # node is asked.
+        every = {"target_nodes": r.ALL_NODES}
+        return [*r.pubsub_shardchannels(keys.events("*"), **every),
+                *r.pubsub_shardchannels(keys.ends("*"), **every)]
+    return [*r.pubsub_channels(keys.events("*")), *r.pubsub_channels(keys.ends("*"))]
 
 
 async def stream_then_hang_up(http: httpx.AsyncClient, method: str, path: str,

@@ -68,7 +68,7 @@ def test_kill_9_on_a_cluster_with_two_queues_loses_nothing_and_runs_nothing_twic
                for p, n in jobs[q]] for q in QUEUES}
     every = [j for q in QUEUES for j in ids[q]]
     assert all(j.startswith(f"{q}:") for q in QUEUES for j in ids[q])
-    tally = ChannelTally(settings.redis_url, keys)
+    tally = ChannelTally(settings.redis_url, keys, every)
     consumers, seen = follow_all(settings, every)
     slow = {"TOKENFLEET_MAX_BATCH": "4", "TOKENFLEET_CLAIM_IDLE_S": "2"}
     celery_workers("cpu@other", TOKENFLEET_QUEUE="other", **slow)

@@ -216,6 +216,8 @@ def test_a_healthy_worker_serves_a_burst_without_a_warning(
     assert [r.getMessage() for r in caplog.records if r.name.startswith("workers")] == []
 
 
+@pytest.mark.single_redis("hears every job's channels by pattern; a cluster's are shard "
+                          "channels, which no pattern matches")
 def test_a_waiter_hears_the_end_alone_not_every_token(
         client: FleetClient, start_worker: Any, r: Any, settings: Any) -> None:
     """wait() (and the gateway's plain completions) follow the job's end channel:
