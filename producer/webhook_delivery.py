@@ -273,12 +273,15 @@ class Deliverer:
             while self._free > 0:
                 reply = await self.redis.xautoclaim(stream, GROUP, self.consumer, idle_ms,
                                                     start_id=cursor, count=100)
-                cursor, entries = _s(reply[0]), reply[1]
-                for entry_id, fields in entries:
-                    event = Event.of(stream, entry_id, fields or {})
-                    if (not fields or event.member in self._running
-                            or await self.redis.zscore(self.keys.webhook_schedule, event.member)
-                            is not None):
+                cursor = _s(reply[0])
+                events = [Event.of(stream, entry_id, fields)
+                          for entry_id, fields in reply[1] if fields]
+                pipe = self.redis.pipeline(transaction=False)
+                for event in events:
+                    pipe.zscore(self.keys.webhook_schedule, event.member)
+                scheduled = await pipe.execute() if events else []
+                for event, when in zip(events, scheduled):
+                    if when is not None or event.member in self._running:
                         continue  # waiting for its retry: the schedule owns it
                     log.info("webhook deliverer: took over %s (%s) left by another", event.id,
                              event.type)
