@@ -133,6 +133,7 @@ class Deliverer:
         self._freed = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._stopping = False
+        self._turn = 0  # which outbox _read_new reads first
         self._warned: set[str] = set()
 
     # -- life ------------------------------------------------------------------------
@@ -229,16 +230,20 @@ class Deliverer:
         self._streams = sorted(self._grouped)
 
     async def _read_new(self) -> int:
-        if self._free <= 0 or not self._streams:
-            return 0
-        pipe = self.redis.pipeline(transaction=False)
-        for stream in self._streams:
-            pipe.xreadgroup(GROUP, self.consumer, {stream: ">"}, count=self._free)
+        """New events, as many as free slots take: one stream after another
+        (each on its own node of a cluster), starting one further each pass so
+        that a busy outbox does not keep the others waiting."""
         started = 0
-        for reply in await pipe.execute():
-            for raw_stream, entries in reply or []:
+        self._turn += 1
+        for i in range(len(self._streams)):
+            if self._free <= 0:
+                break
+            stream = self._streams[(self._turn + i) % len(self._streams)]
+            reply = await self.redis.xreadgroup(GROUP, self.consumer, {stream: ">"},
+                                                count=self._free)
+            for _, entries in reply or []:
                 for entry_id, fields in entries:
-                    self._begin(Event.of(_s(raw_stream), entry_id, fields))
+                    self._begin(Event.of(stream, entry_id, fields))
                     started += 1
         return started
 
@@ -340,15 +345,15 @@ class Deliverer:
         """Store the attempt; then acknowledge, schedule the next, or give up."""
         now = time.time()
         state = self.keys.webhook_event(event.id)
-        failures = 0 if outcome.delivered else await self.redis.hincrby(state, "attempts", 1)
-        await self.redis.xadd(self.keys.webhook_attempts, {
-            "id": event.id, "type": event.type, "url": url, "at": repr(now),
-            "status": "" if outcome.status is None else str(outcome.status),
-            "error": outcome.error, "deliverer": self.consumer}, maxlen=ATTEMPTS_KEPT,
-            approximate=True)
+        attempt = {"id": event.id, "type": event.type, "url": url, "at": repr(now),
+                   "status": "" if outcome.status is None else str(outcome.status),
+                   "error": outcome.error, "deliverer": self.consumer}
         if outcome.delivered:
-            await self._forget(event)
+            await self._forget(event, attempt)
             return
+        failures = await self.redis.hincrby(state, "attempts", 1)
+        await self.redis.xadd(self.keys.webhook_attempts, attempt, maxlen=ATTEMPTS_KEPT,
+                              approximate=True)
         await self.redis.hsetnx(state, "first_failed_at", repr(now))
         first = float(_s(await self.redis.hget(state, "first_failed_at") or repr(now)))
         wait = backoff_s(failures, self.settings.webhook_backoff_s,
@@ -378,14 +383,18 @@ class Deliverer:
             "stream": event.stream, "entry": event.entry_id})
         await self._forget(event)
 
-    async def _forget(self, event: Event) -> None:
-        """Acknowledge and delete the entry, then its retry state."""
+    async def _forget(self, event: Event, attempt: dict[str, str] | None = None) -> None:
+        """Acknowledge and delete the entry, then its retry state (and record
+        the ``attempt`` that delivered it): one round trip. Should the cleanup
+        be lost, a retry due finds no entry, and the state's TTL ends it."""
         pipe = self.redis.pipeline(transaction=False)
         pipe.xack(event.stream, GROUP, event.entry_id)
         pipe.xdel(event.stream, event.entry_id)
+        pipe.zrem(self.keys.webhook_schedule, event.member)
+        pipe.delete(self.keys.webhook_event(event.id))
+        if attempt is not None:
+            pipe.xadd(self.keys.webhook_attempts, attempt, maxlen=ATTEMPTS_KEPT, approximate=True)
         await pipe.execute()
-        await self.redis.zrem(self.keys.webhook_schedule, event.member)
-        await self.redis.delete(self.keys.webhook_event(event.id))
 
     def _warn_once(self, kind: str, message: str) -> None:
         if kind not in self._warned:
