@@ -10,6 +10,7 @@ lives in ``tokenfleet.workers`` and needs the ``worker`` extra (torch, Celery).
 """
 
 from tokenfleet.aio import AsyncFleetClient
+from tokenfleet.batch_records import Batch
 from tokenfleet.client import FleetClient
 from tokenfleet.generation import AsyncGeneration, Generation
 from tokenfleet.shared.errors import (
@@ -46,6 +47,7 @@ from tokenfleet.shared.schemas import (
 __all__ = [
     "AsyncFleetClient",
     "AsyncGeneration",
+    "Batch",
     "ChatMessage",
     "EndEvent",
     "FinishReason",

@@ -5,11 +5,22 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncGenerator, Awaitable, Callable, Coroutine
+from collections.abc import (
+    AsyncGenerator,
+    AsyncIterable,
+    AsyncIterator,
+    Awaitable,
+    Callable,
+    Coroutine,
+    Iterable,
+)
 from typing import Any, Literal, cast, overload
 
 from redis.exceptions import RedisError
 
+from tokenfleet import batch_client
+from tokenfleet.batch_client import Request as BatchRequest
+from tokenfleet.batch_records import Batch
 from tokenfleet.choices import check_n, choice_requests
 from tokenfleet.prompt_tokens import count_prompt_tokens, worth_counting
 from tokenfleet.protocol import (
@@ -159,6 +170,31 @@ class AsyncFleetClient:
         self._background.add(task)
         task.add_done_callback(self._background.discard)
         return task
+
+    async def submit_batch(self, requests: Iterable[BatchRequest] | AsyncIterable[BatchRequest],
+                           *, endpoint: str | None = None, completion_window: str = "24h",
+                           metadata: dict[str, str] | None = None,
+                           tenant: str | None = None) -> Batch:
+        """Stream ``requests`` (batch-file lines as dicts, or ``GenerationRequest``s)
+        into the file store and create a batch of them; a batch driver runs it
+        (every gateway runs one; ``tokenfleet batch drive`` without one). The
+        endpoint is the first request's unless given."""
+        return await batch_client.submit_batch(self, requests, endpoint=endpoint,
+                                               completion_window=completion_window,
+                                               metadata=metadata, tenant=tenant)
+
+    async def batch(self, batch_id: str, *, tenant: str | None = None) -> Batch:
+        """The batch (``KeyError`` when there is none of the tenant's)."""
+        return await batch_client.batch(self, batch_id, tenant)
+
+    async def cancel_batch(self, batch_id: str, *, tenant: str | None = None) -> Batch:
+        """Ask for the batch to be cancelled: finished lines are kept."""
+        return await batch_client.cancel(self, batch_id, tenant)
+
+    def batch_results(self, batch_id: str, order: Literal["input", "finished"] = "finished",
+                      *, tenant: str | None = None) -> AsyncIterator[dict[str, Any]]:
+        """The ended batch's result lines (output, then errors; or in input order)."""
+        return batch_client.aresults(self, batch_id, order, tenant)
 
     async def served_queues(self) -> list[str]:
         """The queues at least one live worker serves now."""

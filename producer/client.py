@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import time
-from collections.abc import Iterator
-from typing import Any, Literal, overload
+from collections.abc import Awaitable, Callable, Iterable, Iterator
+from typing import Any, Literal, TypeVar, overload
 
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 
+from tokenfleet import batch_client
+from tokenfleet.aio import AsyncFleetClient
+from tokenfleet.batch_client import Request as BatchRequest
+from tokenfleet.batch_records import Batch
 from tokenfleet.choices import check_n, choice_requests
 from tokenfleet.generation import Generation
 from tokenfleet.prompt_tokens import count_prompt_tokens, worth_counting
@@ -36,11 +41,14 @@ from tokenfleet.protocol import (
 from tokenfleet.shared.client_scripts import CancelVerdict
 from tokenfleet.shared.clock import FleetClock
 from tokenfleet.shared.errors import JobNotFound, NoWorker, TokenfleetError
+from tokenfleet.shared.file_store import open_store
 from tokenfleet.shared.keys import Keys
 from tokenfleet.shared.liveness import live_since
 from tokenfleet.shared.redis_conn import connect, resubscribe_after
 from tokenfleet.shared.schemas import EndEvent, GenerationRequest, JobState, JobStatus, TokenEvent
 from tokenfleet.shared.settings import Settings, get_settings
+
+T = TypeVar("T")
 
 
 class FleetClient:
@@ -58,6 +66,7 @@ class FleetClient:
     ) -> None:
         self.settings = settings or get_settings()
         # redis-py types replies as bytes | str; with decode_responses off they are bytes.
+        self._url = url
         self.redis: Any = connect(url or self.settings.redis_url)
         self.keys = Keys.for_url(namespace or self.settings.namespace, url or self.settings.redis_url)
         # Kept from one wait() or stream() to the next.
@@ -165,6 +174,37 @@ class FleetClient:
             pipe.hget(self.keys.worker(name.decode()), "model")
         models = sorted({m.decode() for m in pipe.execute() if m}) if names else []
         return count_prompt_tokens(request, models)
+
+    def submit_batch(self, requests: Iterable[BatchRequest], *, endpoint: str | None = None,
+                     completion_window: str = "24h", metadata: dict[str, str] | None = None,
+                     tenant: str | None = None) -> Batch:
+        """See ``AsyncFleetClient.submit_batch`` (not from inside an event loop)."""
+        return self._async(lambda c: batch_client.submit_batch(
+            c, requests, endpoint=endpoint, completion_window=completion_window,
+            metadata=metadata, tenant=tenant))
+
+    def batch(self, batch_id: str, *, tenant: str | None = None) -> Batch:
+        """The batch (``KeyError`` when there is none of the tenant's)."""
+        return self._async(lambda c: batch_client.batch(c, batch_id, tenant))
+
+    def cancel_batch(self, batch_id: str, *, tenant: str | None = None) -> Batch:
+        """Ask for the batch to be cancelled: finished lines are kept."""
+        return self._async(lambda c: batch_client.cancel(c, batch_id, tenant))
+
+    def batch_results(self, batch_id: str, order: Literal["input", "finished"] = "finished",
+                      *, tenant: str | None = None) -> Iterator[dict[str, Any]]:
+        """The ended batch's result lines (output, then errors; or in input order)."""
+        found = self.batch(batch_id, tenant=tenant)
+        return batch_client.results(open_store(self.settings.files_url), found, order)
+
+    def _async(self, work: Callable[[AsyncFleetClient], Awaitable[T]]) -> T:
+        """``work`` on an asyncio client of the same fleet, on a loop of its own:
+        the batch records and the store's streaming have one implementation."""
+        async def run() -> T:
+            async with AsyncFleetClient(self._url, settings=self.settings,
+                                        namespace=self.keys.namespace) as client:
+                return await work(client)
+        return asyncio.run(run())
 
     def served_queues(self) -> list[str]:
         """The queues at least one live worker serves now."""

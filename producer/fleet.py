@@ -266,7 +266,7 @@ def tables(report: dict[str, Any]) -> list[Table]:
                         w.get("queue", "?"), f"{w.get('running', 0)}/{w.get('max_batch', '?')}",
                         str(stats.get("peak_batch", 0)), f"{stats.get('tokens_per_s', 0):.1f}",
                         jobs, f"{w['age_s']:.1f}s ago"])
-    return [("queues", ["queue", "depth (high/normal/low)", "lag", "pending", "oldest wait",
+    return [("queues", ["queue", f"depth ({'/'.join(PRIORITIES)})", "lag", "pending", "oldest wait",
                         "backlog tokens", "dead letters", "workers"], queues),
             ("workers", ["node", "device", "model", "queue", "batch", "peak", "tokens/s", "jobs",
                          "heartbeat"], workers)]

@@ -9,6 +9,8 @@
   ``POST /v1/chat/completions`` (``tokenfleet.openai_chat``), ``GET /v1/models`` and
   ``GET /v1/models/{id}`` (the queues live workers serve, and the declared ones);
 - OpenAI's Files API, ``/v1/files`` (``tokenfleet.openai_files``);
+- OpenAI-compatible ``/v1/batches`` (``tokenfleet.openai_batches``), whose
+  lines every gateway's batch driver runs;
 - ``GET /healthz`` (live) and ``GET /readyz`` (ready): ``tokenfleet.gateway_health``.
 
 Every route but ``/healthz`` asks for an API key once any exists
@@ -43,7 +45,7 @@ from redis.exceptions import MaxConnectionsError
 from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from tokenfleet import openai_chat, openai_compat, openai_files, sse
+from tokenfleet import openai_batches, openai_chat, openai_compat, openai_files, sse
 from tokenfleet.aio import AsyncFleetClient
 from tokenfleet.auth import Authenticate, announce, caller, unauthorized
 from tokenfleet.gateway_health import HEALTH_TIMEOUT_S, GatewayServer
@@ -157,7 +159,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                         "reads them again (TOKENFLEET_GATEWAY_AUTH=%s)", settings.gateway_auth)
         webhooks = Deliverer(app.state.fleet.redis, app.state.fleet.keys, settings).start()
         try:
-            yield
+            async with openai_batches.driving(app):
+                yield
         finally:
             await webhooks.stop()
             await app.state.limits.close()
@@ -166,6 +169,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app = FastAPI(title="tokenfleet gateway", lifespan=lifespan)
     app.include_router(router)
     app.include_router(openai_files.router)
+    app.include_router(openai_batches.router)
     app.include_router(health_router)
     app.add_middleware(BodyDeadline, timeout_s=settings.body_timeout_s)
     app.add_middleware(CountRefusals)  # inside Authenticate: it reads the key it set

@@ -18,6 +18,7 @@ the job's metadata; ``developer`` messages are system messages.
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import Request
@@ -48,7 +49,7 @@ from tokenfleet.openai_tools import (
     history_refusal,
 )
 from tokenfleet.served import served
-from tokenfleet.shared.schemas import MAX_TOP_LOGPROBS, GenerationRequest, IntNotBool
+from tokenfleet.shared.schemas import MAX_TOP_LOGPROBS, GenerationRequest, IntNotBool, JobState
 from tokenfleet.shared.structured import StructuredOutput
 
 REFUSED: dict[str, tuple[tuple[Any, ...], str | None]] = {
@@ -221,8 +222,26 @@ OPENING = {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_re
            "logprobs": None}
 
 
-async def chat(client: AsyncFleetClient, body: bytes, request: Request,
-               keepalive_s: float) -> Response:
+@dataclass(frozen=True)
+class Chat:
+    """A chat request checked as the endpoint checks it: the job it makes, how
+    many choices, and what the answer's shape depends on (a constrained tool
+    call; the queue's tool-call format where the model writes its own calls)."""
+
+    ask: ChatRequest
+    job: GenerationRequest
+    n: int
+    call: ToolCall | None
+    fmt: Any
+
+    def head(self, first_job_id: str) -> dict[str, Any]:
+        return {"id": f"chatcmpl-{first_job_id}", "created": int(time.time()),
+                "model": self.job.model}
+
+
+async def chat_request(client: AsyncFleetClient, body: bytes) -> Chat | Response:
+    """The chat in ``body`` as the fleet's job, or the 400 (404) that refuses it:
+    the one check both the endpoint and a batch's lines go through."""
     try:
         ask = ChatRequest.model_validate_json(body)
     except ValidationError as exc:
@@ -255,35 +274,49 @@ async def chat(client: AsyncFleetClient, body: bytes, request: Request,
                if auto else None) or history_refusal(queue, job.model, ask.messages)
     if refused is not None:
         return refused
-    fmt = queue.tools if auto and queue is not None else None
-    # As its API key allows (the app maps the fleet's errors to statuses).
-    job_ids = await submit_as_caller(request, client, job, n=n)
-    head = {"id": f"chatcmpl-{job_ids[0]}", "created": int(time.time()), "model": job.model}
-    if ask.stream:
-        stream = {**head, "object": "chat.completion.chunk"}
-        choose, opening = ((chat_choice, OPENING) if call is None
-                           else (call.stream_choice(), call.opening()))
-        if fmt:
-            choose = auto_stream_choice(fmt)
-        return sse.response(chunks(client, job_ids, stream, choose, ask.include_usage,
-                                   opening=opening,
-                                   logprobs=(lambda: chat_logprobs) if ask.logprobs else None),
-                            keepalive_s)
-    states = await succeeded(client, job_ids, request)
-    if isinstance(states, Response):
-        return states
+    return Chat(ask, job, n, call, queue.tools if auto and queue is not None else None)
+
+
+async def chat_answer(client: AsyncFleetClient, made: Chat, job_ids: list[str],
+                      states: list[JobState]) -> dict[str, Any]:
+    """The endpoint's answer (not streamed) for the succeeded jobs of ``made``."""
     choices = []
     for i, (state, job_id) in enumerate(zip(states, job_ids, strict=True)):
         message: dict[str, Any] = {"role": "assistant", "content": state.text, "refusal": None}
         finish_reason = finish(state)
-        calls = call.calls(state.text) if call is not None else None
-        if fmt:
-            message, finish_reason = auto_message(fmt, state.text, finish_reason)
+        calls = made.call.calls(state.text) if made.call is not None else None
+        if made.fmt:
+            message, finish_reason = auto_message(made.fmt, state.text, finish_reason)
         elif calls is not None:
             message.update(content=None, tool_calls=calls)
             finish_reason = "tool_calls" if finish_reason == "stop" else finish_reason
         choices.append({"index": i, "message": message, "finish_reason": finish_reason,
                         "logprobs": (chat_logprobs(await logged(client, job_id))
-                                     if ask.logprobs else None)})
-    return JSONResponse({**head, "object": "chat.completion", "choices": choices,
-                         "usage": usage(states)})
+                                     if made.ask.logprobs else None)})
+    return {**made.head(job_ids[0]), "object": "chat.completion", "choices": choices,
+            "usage": usage(states)}
+
+
+async def chat(client: AsyncFleetClient, body: bytes, request: Request,
+               keepalive_s: float) -> Response:
+    made = await chat_request(client, body)
+    if isinstance(made, Response):
+        return made
+    # As its API key allows (the app maps the fleet's errors to statuses).
+    job_ids = await submit_as_caller(request, client, made.job, n=made.n)
+    if made.ask.stream:
+        stream = {**made.head(job_ids[0]), "object": "chat.completion.chunk"}
+        call = made.call
+        choose, opening = ((chat_choice, OPENING) if call is None
+                           else (call.stream_choice(), call.opening()))
+        if made.fmt:
+            choose = auto_stream_choice(made.fmt)
+        return sse.response(chunks(client, job_ids, stream, choose, made.ask.include_usage,
+                                   opening=opening,
+                                   logprobs=(lambda: chat_logprobs) if made.ask.logprobs
+                                   else None),
+                            keepalive_s)
+    states = await succeeded(client, job_ids, request)
+    if isinstance(states, Response):
+        return states
+    return JSONResponse(await chat_answer(client, made, job_ids, states))

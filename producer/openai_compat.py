@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import orjson
@@ -42,7 +43,7 @@ from tokenfleet.openai_logprobs import MAX_COMPLETION_LOGPROBS, CompletionLogpro
 from tokenfleet.openai_structured import Refused, requested
 from tokenfleet.served import served
 from tokenfleet.shared.errors import NO_FIM, InvalidRequest, invalid_field, invalid_input
-from tokenfleet.shared.schemas import FloatNotBool, GenerationRequest, IntNotBool
+from tokenfleet.shared.schemas import FloatNotBool, GenerationRequest, IntNotBool, JobState
 from tokenfleet.shared.structured import StructuredOutput
 
 # OpenAI's names for the fields of a GenerationRequest, to name the right ``param``.
@@ -239,8 +240,27 @@ def _same(value: Any, ok: Any) -> bool:
     return bool(value == ok)
 
 
-async def complete(client: AsyncFleetClient, body: bytes, request: Request,
-                   keepalive_s: float) -> Response:
+@dataclass(frozen=True)
+class Completion:
+    """A completions request checked as the endpoint checks it: the job it makes,
+    how many choices, and what the answer's shape depends on."""
+
+    ask: CompletionRequest
+    job: GenerationRequest
+    n: int
+
+    def head(self, first_job_id: str) -> dict[str, Any]:
+        return {"id": f"cmpl-{first_job_id}", "object": "text_completion",
+                "created": int(time.time()), "model": self.job.model}
+
+    @property
+    def echo(self) -> str:
+        return self.ask.prompt if self.ask.echo and isinstance(self.ask.prompt, str) else ""
+
+
+async def completion(client: AsyncFleetClient, body: bytes) -> Completion | Response:
+    """The request in ``body`` as the fleet's job, or the 400 (404) that refuses
+    it: the one check both the endpoint and a batch's lines go through."""
     try:
         ask = CompletionRequest.model_validate_json(body)
     except ValidationError as exc:
@@ -264,25 +284,38 @@ async def complete(client: AsyncFleetClient, body: bytes, request: Request,
         queue = await served(client, job.model)
         if queue is not None and queue.fim is False:  # None: a worker that does not say
             return UNSUPPORTED.response(f"model {job.model!r} {NO_FIM}", param="suffix")
+    return Completion(ask, job, n)
+
+
+async def completion_answer(client: AsyncFleetClient, made: Completion, job_ids: list[str],
+                            states: list[JobState]) -> dict[str, Any]:
+    """The endpoint's answer (not streamed) for the succeeded jobs of ``made``."""
+    choices = [completion_choice(i, made.echo + state.text, finish(state))
+               for i, state in enumerate(states)]
+    if made.ask.logprobs is not None:
+        for choice, job_id in zip(choices, job_ids, strict=True):
+            choice["logprobs"] = CompletionLogprobs()(await logged(client, job_id))
+    return {**made.head(job_ids[0]), "choices": choices, "usage": usage(states)}
+
+
+async def complete(client: AsyncFleetClient, body: bytes, request: Request,
+                   keepalive_s: float) -> Response:
+    made = await completion(client, body)
+    if isinstance(made, Response):
+        return made
     # As its API key allows (the app maps the fleet's errors to statuses).
-    job_ids = await submit_as_caller(request, client, job, n=n)
-    head = {"id": f"cmpl-{job_ids[0]}", "object": "text_completion",
-            "created": int(time.time()), "model": job.model}
-    echo = ask.prompt if ask.echo and isinstance(ask.prompt, str) else ""
-    shape = None if ask.logprobs is None else CompletionLogprobs
-    if ask.stream:
+    job_ids = await submit_as_caller(request, client, made.job, n=made.n)
+    if made.ask.stream:
+        echo = made.echo
         opening = completion_choice(0, echo, None) if echo else None
-        return sse.response(chunks(client, job_ids, head, completion_choice, ask.include_usage,
-                                   opening, logprobs=shape), keepalive_s)
+        shape = None if made.ask.logprobs is None else CompletionLogprobs
+        return sse.response(chunks(client, job_ids, made.head(job_ids[0]), completion_choice,
+                                   made.ask.include_usage, opening, logprobs=shape),
+                            keepalive_s)
     states = await succeeded(client, job_ids, request)
     if isinstance(states, Response):
         return states
-    choices = [completion_choice(i, echo + state.text, finish(state))
-               for i, state in enumerate(states)]
-    if shape is not None:
-        for choice, job_id in zip(choices, job_ids, strict=True):
-            choice["logprobs"] = shape()(await logged(client, job_id))
-    return JSONResponse({**head, "choices": choices, "usage": usage(states)})
+    return JSONResponse(await completion_answer(client, made, job_ids, states))
 
 
 def completion_choice(index: int, text: str, finish_reason: str | None) -> dict[str, Any]:

@@ -44,6 +44,7 @@ from redis.exceptions import RedisError, ResponseError
 
 from tokenfleet.shared.keys import Keys
 from tokenfleet.shared.settings import Settings
+from tokenfleet.shared.webhook_outbox import webhook_url_problem
 from tokenfleet.webhook_signing import body, event_time, headers, secret_key
 
 log = logging.getLogger("tokenfleet.webhooks")
@@ -315,6 +316,10 @@ class Deliverer:
                                 "TOKENFLEET_WEBHOOK_URL is not set")
                 await self._forget(event)
                 return
+            problem = webhook_url_problem(url)
+            if problem:  # no attempt could ever land: given up at once, with the reason
+                await self._dead(event, url, 0, Outcome(None, problem))
+                return
             if self._key is None:
                 self._warn_once("no-secret", "webhook events go out unsigned: set "
                                 "TOKENFLEET_WEBHOOK_SECRET so receivers can verify them")
@@ -372,9 +377,8 @@ class Deliverer:
         await self.redis.zadd(self.keys.webhook_schedule, {event.member: now + wait})
 
     async def _dead(self, event: Event, url: str, attempts: int, outcome: Outcome) -> None:
-        log.warning("webhook %s (%s) to %s: no 2xx answer within %.0fs of its first failure "
-                    "(%d attempts; last: %s): moved to %s", event.id, event.type, url,
-                    self.settings.webhook_retry_s, attempts, outcome.error,
+        log.warning("webhook %s (%s) to %s given up after %d failed attempts (last: %s): "
+                    "moved to %s", event.id, event.type, url, attempts, outcome.error,
                     self.keys.webhook_dead)
         await self.redis.xadd(self.keys.webhook_dead, {
             "id": event.id, "type": event.type, "data": event.data, "url": url,

@@ -26,6 +26,10 @@ GROUP = "workers"
 # "normal" keeps the plain queue name, so the stream a KEDA scaler or a dashboard
 # watches by default is <ns>:q:<model>.
 PRIORITIES = ("high", "normal", "low", "batch")
+# The batch level takes only the slots the live levels (the others) leave free,
+# and gives them back when live jobs wait (workers/preemption.py).
+BATCH = "batch"
+LIVE_PRIORITIES = tuple(p for p in PRIORITIES if p != BATCH)
 
 # A queue (model) name. Checked with fullmatch: with re.match and '^...$' a name
 # ending in a newline passed ('$' matches before a final '\n') and its jobs
@@ -259,6 +263,38 @@ class Keys:
     def files(self) -> str:
         """Sorted set: every file id, scored by its creation time (for listing)."""
         return f"{self.namespace}:files"
+
+    def batch(self, batch_id: str) -> str:
+        """Hash: one batch's record (``producer/batch_records.py``): OpenAI's batch
+        object's fields, its tenant and the driver's position in its input. The
+        batch's other keys share its hash tag, so one transaction covers them."""
+        return f"{self.namespace}:batch:{{{batch_id}}}"
+
+    def batch_lease(self, batch_id: str) -> str:
+        """String with a TTL: the driver that works on the batch now (renewed)."""
+        return f"{self.batch(batch_id)}:lease"
+
+    def batch_running(self, batch_id: str) -> str:
+        """Hash: line index -> job id of the batch's lines queued or running."""
+        return f"{self.batch(batch_id)}:running"
+
+    def batch_done(self, batch_id: str) -> str:
+        """Bitmap: bit i set once line i's result is written to a part."""
+        return f"{self.batch(batch_id)}:done"
+
+    def batch_dups(self, batch_id: str) -> str:
+        """Set: indexes of the lines whose custom_id an earlier line has."""
+        return f"{self.batch(batch_id)}:dups"
+
+    @property
+    def batches(self) -> str:
+        """Sorted set: every batch id, scored by its creation time (for listing)."""
+        return f"{self.namespace}:batches"
+
+    @property
+    def active_batches(self) -> str:
+        """Set: the batches not yet ended, which the drivers work on."""
+        return f"{self.namespace}:batches:active"
 
     @property
     def webhook_outbox(self) -> str:

@@ -191,6 +191,12 @@ class Settings(BaseSettings):
     fair_share_burst_tokens: int = Field(default=4096, ge=0, description=(
         "How many tokens ahead of the busiest tenants a tenant coming back from idle starts, "
         "so a short burst runs at once; it banks no more than this while idle."))
+    # The batch level (workers/preemption.py): its jobs fill only free slots;
+    # on, a worker hands running batch jobs back when live jobs wait for a slot.
+    preempt_batch: bool = Field(default=True, description=(
+        "Whether a worker with no free slot hands running batch-level jobs back to their queue "
+        "(they resume later from their tokens) when live jobs wait; false: live jobs wait for "
+        "batch jobs to end."))
     # The gateway's API keys (tokenfleet keys create): "auto" asks for one once
     # any key exists, "on" always, "off" never (a private network only).
     gateway_auth: Literal["auto", "on", "off"] = Field(default="auto", description=(

@@ -42,6 +42,7 @@ READ_BY: dict[str, str] = {
     "fair_share": WORKER,
     "tenant_weights": WORKER,
     "fair_share_burst_tokens": WORKER,
+    "preempt_batch": WORKER,
     "require_worker": CLIENT,
     "max_queue": LIMIT,
     "max_prompt_chars": EACH,

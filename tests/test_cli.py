@@ -150,4 +150,4 @@ def test_status_piped_prints_whole_values(settings: Any, client: Any) -> None:
     out = tokenfleet("status", env=env)  # stdout is a pipe
     assert out.returncode == 0, out.stderr
     (row,) = [line for line in out.stdout.splitlines() if line.startswith(queue)]
-    assert row.split()[1:3] == ["1", "(0/1/0)"] and row.split()[-1] == "none", row
+    assert row.split()[1:3] == ["1", "(0/1/0/0)"] and row.split()[-1] == "none", row

@@ -93,16 +93,16 @@ def test_the_scaler_counts_waiting_and_running_jobs_and_zero_after_a_worker(
     declare(settings, QUEUE)
     assert formula() == dict.fromkeys(PRIORITIES, 0)  # no stream yet: nothing to wake for
     short = [client.submit("Hello", model=QUEUE, priority=level, max_new_tokens=2)
-             for level, n in zip(PRIORITIES, (33, 34, 33)) for _ in range(n)]
+             for level, n in zip(PRIORITIES, (25, 25, 25, 25), strict=True) for _ in range(n)]
     long = client.submit("A long story", model=QUEUE, priority="high", max_new_tokens=1000)
     # A declared queue took 100 jobs with no worker; the pool at zero wakes: 101 > 0.
-    assert formula() == {"high": 34, "normal": 34, "low": 33}
+    assert formula() == {"high": 26, "normal": 25, "low": 25, "batch": 25}
     start_worker(queue=QUEUE, runner=SlowRunner(*loaded_tiny))
     for job_id in short:
         assert client.wait(job_id, timeout=60).status is JobStatus.SUCCEEDED
     # Nothing waits, one job runs: the pool must keep a worker for it.
     assert client.status(long).status is JobStatus.RUNNING
-    assert formula() == {"high": 1, "normal": 0, "low": 0}
+    assert formula() == {"high": 1, "normal": 0, "low": 0, "batch": 0}
     # The group's lag would read nothing to do (0, or -1 where Redis has no
     # lag), and KEDA would scale the pool away under the running job.
     lag = {"consumerGroup": GROUP, "lagCount": "32"}

@@ -221,3 +221,35 @@ def test_a_log_that_lost_tokens_is_caught_at_the_jobs_next_event_after_a_lost_co
     assert stored.untrusted == {seq.job_id} and not stored.fenced
     assert [i for i, _ in log(r, settings, seq)] == ["0-1", "0-2"]
     assert [i for i, _ in log(r, settings, other)] == ["0-1", "0-2", "0-3", "0-4"]
+def test_a_handed_back_job_is_refused_quietly_held_tokens_and_all(
+    make: Any, clock: Clock, r: redis.Redis, settings: Any
+) -> None:
+    """Preemption hands a job back while it has tokens held here: those reach
+    Redis a step later as an unchecked event (its attempt's band is still the
+    log's newest: logged, and the next attempt resumes after them) and nothing
+    is reported as a fenced job (the worker has nothing to drop, and may run
+    the job again meanwhile)."""
+    publisher, [seq, other] = make(2, coalesce_ms=20, coalesce_tokens=16)
+    step(publisher, [seq, other])
+    clock.now += 0.001
+    step(publisher, [seq, other])  # held: the window is not over
+    seq.handed_back = True
+    r.hset(Keys(settings.namespace).job(seq.job_id), "status", "queued")  # requeue.lua
+    clock.now += 0.030
+    stored = store(publisher, [SeqOutput(other, 2, TOKEN, "x", False)])
+    assert not stored.fenced and not stored.untrusted
+    assert seq.job_id not in publisher.held and len(log(r, settings, seq)) == 2
+    assert len(log(r, settings, other)) == 2
+
+
+def test_a_job_handed_back_while_its_step_is_on_the_wire_is_no_fence_either(
+    make: Any, r: redis.Redis, settings: Any
+) -> None:
+    """The engine thread hands a job back between the step's send and its
+    collect, and Redis runs the hand-back first: the refusal is expected."""
+    publisher, [seq] = make()
+    r.hset(Keys(settings.namespace).job(seq.job_id), "status", "queued")  # requeue.lua, first
+    publisher.send([SeqOutput(seq, 0, TOKEN, "x", False)])
+    seq.handed_back = True  # flagged before the hand-back was sent
+    stored = publisher.collect()
+    assert not stored.fenced and not stored.untrusted and not log(r, settings, seq)

@@ -38,6 +38,7 @@ from tokenfleet.shared.worker_scripts import (
     emit,
     finish,
     log_entry_id,
+    requeue,
     resume,
     start,
 )
@@ -129,6 +130,44 @@ def test_a_job_goes_through_the_scripts_with_typed_verdicts(r: redis.Redis,
     ended = start(keys, queue="default", level="default", worker="w", now=time.time(),
                   takes=[Take(job_id, entry_id, False)]).run(node)
     assert ended == [Ended(JobStatus.SUCCEEDED)]
+
+
+def test_a_handed_back_job_refuses_its_old_attempts_writes_until_and_after_a_new_start(
+        r: redis.Redis, settings: Any) -> None:
+    """A preempted job is handed back while its worker may still send a step
+    for it: nothing of that attempt reaches the log or the record."""
+    keys = Keys(settings.namespace)
+    node, job_id = _node(r, keys), "default:pre"
+    submit(keys, job_id=job_id, model="default", priority="batch", entry_json="{}",
+           record={"id": job_id, "status": "queued", "attempts": 0}, weight=7,
+           limits=client_limits(settings), asked=Asked(new_tokens=4, payload_bytes=20),
+           idempotency_key=None, idempotency_ttl_s=60, fingerprint="f",
+           live_since=None).run(node)
+    entry_id = r.hget(keys.job(job_id), "entry").decode()
+    started = start(keys, queue="default", level="default:batch", worker="w", now=time.time(),
+                    takes=[Take(job_id, entry_id, False)]).run(node)
+    assert started == [Run(attempt=1, cancel=False, handbacks=0)]
+
+    def token(index: int, attempt: int) -> LogEvent:
+        return LogEvent(job_id, attempt, index, 1,
+                        b'{"k":"tok","index":%d,"token_ids":[5],"text":"a"}' % index)
+
+    assert not emit(keys, result_ttl_s=60, now=time.time(), events=[token(0, 1)]).run(node).fenced
+    assert requeue(keys, queue="default:batch", job_id=job_id, entry_id=entry_id, attempt=1,
+                   entry_json="{}", counts_as_attempt=False).run(node)
+    late = emit(keys, result_ttl_s=60, now=time.time(), events=[token(1, 1)]).run(node)
+    ending = Ending(job_id, "default:batch", entry_id, 1, JobStatus.SUCCEEDED,
+                    FinishReason.LENGTH, text="aa", token_ids=[5, 5], logged=2)
+    ended = finish(keys, result_ttl_s=60, worker="w", now=time.time(),
+                   endings=[ending]).run(node)
+    assert late.fenced == {job_id} and ended.fenced == {job_id}
+    assert r.hget(keys.job(job_id), "status") == b"queued" and r.xlen(keys.out(job_id)) == 1
+    entry_id = r.hget(keys.job(job_id), "entry").decode()
+    again = start(keys, queue="default", level="default:batch", worker="w2", now=time.time(),
+                  takes=[Take(job_id, entry_id, False)]).run(node)
+    assert again == [Run(attempt=2, cancel=False, handbacks=1)]
+    assert emit(keys, result_ttl_s=60, now=time.time(), events=[token(1, 1)]).run(node).fenced
+    assert not emit(keys, result_ttl_s=60, now=time.time(), events=[token(1, 2)]).run(node).fenced
 
 
 def test_start_verdicts_read_as_their_dataclasses() -> None:

@@ -11,6 +11,7 @@ from typing import Any
 
 import click
 
+from tokenfleet.shared.keys import PRIORITIES
 from tokenfleet.workers import engines
 from tokenfleet.workers.bench.workload import WORKLOADS
 
@@ -249,7 +250,7 @@ def _check_names(nodes: list[str]) -> None:
 @click.option("--stop", multiple=True, help="a stop string (repeatable)")
 @click.option("--model", "queue", default="default", show_default=True,
               help="the queue a worker serves (see `tokenfleet status`)")
-@click.option("--priority", type=click.Choice(["high", "normal", "low"]), default="normal",
+@click.option("--priority", type=click.Choice(PRIORITIES), default="normal",
               show_default=True)
 @click.option("--queue-ahead", is_flag=True,
               help="enqueue even if no live worker serves the queue yet")
@@ -612,11 +613,13 @@ def export_model(name: str, directory: Path) -> None:
 # command's module imports this one's helpers when it runs).
 from tokenfleet.workers.cli_queue import metrics_exporter, queue  # noqa: E402
 from tokenfleet.workers.keys_cli import keys  # noqa: E402
+from tokenfleet.workers.batch_cli import batch  # noqa: E402
 from tokenfleet.workers.webhooks_cli import webhooks  # noqa: E402
 
 main.add_command(queue)
 main.add_command(metrics_exporter)
 main.add_command(keys)
+main.add_command(batch)
 main.add_command(webhooks)
 
 if __name__ == "__main__":

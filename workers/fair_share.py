@@ -16,6 +16,7 @@ of virtual tokens decide which tenant's entry comes next (see the script).
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable
 from typing import Any
 
 from redis.exceptions import ResponseError
@@ -43,9 +44,10 @@ class TenantStreams:
         self.tenants: list[str] = [DEFAULT_TENANT]
         self._refreshed = 0.0
 
-    def levels(self) -> list[tuple[str, str]]:
-        """(level queue name, stream) of every stream, highest priority first."""
-        return [(name, self.keys.queue(name)) for p in PRIORITIES
+    def levels(self, priorities: Iterable[str] = PRIORITIES) -> list[tuple[str, str]]:
+        """(level queue name, stream) of every stream of ``priorities`` (all by
+        default), highest priority first."""
+        return [(name, self.keys.queue(name)) for p in priorities
                 for name in (level_queue(self.queue, p, t) for t in self.tenants)]
 
     def streams_of(self, priority: str) -> list[str]:
@@ -82,13 +84,15 @@ class TenantStreams:
     def weight(self, tenant: str) -> float:
         return self.settings.tenant_weights.get(tenant, 1.0)
 
-    def read_fair(self, shares: dict[str, int]) -> list[tuple[str, StreamEntries]]:
-        """Read ``shares`` (credits per level) through ``fair.lua``: (stream,
-        entries) per stream that gave some."""
+    def read_fair(self, shares: dict[str, int], priorities: Iterable[str] = PRIORITIES
+                  ) -> list[tuple[str, StreamEntries]]:
+        """Read ``shares`` (credits per level) from the levels of ``priorities``
+        through ``fair.lua``: (stream, entries) per stream that gave some. A
+        level's shortfall goes to the next of ``priorities`` only."""
         levels = [FairLevel(self.keys.fair(self.queue, p), shares.get(p, 0),
                             [(self.keys.queue(level_queue(self.queue, p, t)), t, self.weight(t))
                              for t in self.tenants])
-                  for p in PRIORITIES]
+                  for p in priorities]
         call = fair(levels, consumer=self.consumer,
                     burst=float(self.settings.fair_share_burst_tokens))
         return call.run(self.redis)

@@ -6,11 +6,18 @@ engine never waits on Redis for its next prefill. On start it first re-reads
 its own pending entries (a restarted process resumes what it had), and now and
 then it reclaims entries that a dead consumer left idle for ``claim_idle_s``.
 
-Priorities: each level (high, normal, low) has streams of its own. Credits are
-dealt in turns from the cycle ``TURNS``: of every 7 jobs a busy worker takes, 4
-come from high, 2 from normal and 1 from low, so a flood of high-priority work
-slows the lower levels but never stops them. A level with nothing waiting
-leaves its turns to the others, highest first.
+Priorities: each level (high, normal, low, batch) has streams of its own. The
+live levels' credits are dealt in turns from the cycle ``TURNS``: of every 7
+jobs a busy worker takes, 4 come from high, 2 from normal and 1 from low, so a
+flood of high-priority work slows the lower levels but never stops them. A
+level with nothing waiting leaves its turns to the others, highest first.
+
+The batch level is read last and apart, for ``batch_credits`` only: the batch
+slots free once the live levels' entries of the same pass are taken, never
+prefetch, so no batch job waits in the worker where a live one could start.
+With preemption on, the live levels' credits count the slots batch jobs hold
+as free: live entries are read while batch jobs run, and the worker hands those
+back for them (``tokenfleet.workers.preemption``).
 
 Tenants: within a level, each named tenant has a stream of its own
 (``tokenfleet.workers.fair_share``). With fair share on, a level's credits go
@@ -32,7 +39,7 @@ from typing import Any
 
 from redis.exceptions import ConnectionError, ResponseError, TimeoutError
 
-from tokenfleet.shared.keys import GROUP, PRIORITIES, Keys
+from tokenfleet.shared.keys import BATCH, GROUP, LIVE_PRIORITIES, PRIORITIES, Keys, level_priority
 from tokenfleet.shared.settings import Settings
 from tokenfleet.workers.admission import Admission
 from tokenfleet.workers.fair_share import TenantStreams
@@ -72,6 +79,7 @@ class Feeder:
         sink: Callable[[list[Sequence]], None],
         credits: Callable[[], int],
         holds: Callable[[str], bool] = lambda job_id: False,
+        batch_credits: Callable[[], int] = lambda: 0,
     ) -> None:
         self.redis = redis
         self.keys = keys
@@ -86,6 +94,7 @@ class Feeder:
         self._least = max(1, settings.prefetch // 2)
         self.admission = admission
         self.credits = credits
+        self.batch_credits = batch_credits
         self.intake = Intake(redis, keys, settings, consumer, queue, admission, publisher,
                              sink, holds)
         self.take = self.intake.take
@@ -97,6 +106,11 @@ class Feeder:
     def levels(self) -> list[tuple[str, str]]:
         """(queue name, stream) of every level and tenant, highest priority first."""
         return self.tenant_streams.levels()
+
+    @property
+    def live_levels(self) -> list[tuple[str, str]]:
+        """(queue name, stream) of every live level (not batch) and tenant."""
+        return self.tenant_streams.levels(LIVE_PRIORITIES)
 
     def ensure_group(self) -> None:
         self.tenant_streams.ensure_groups()
@@ -146,30 +160,43 @@ class Feeder:
             if self._reclaim(credits):
                 return
         self.tenant_streams.refresh()
-        shares = self.turns.deal(credits)
-        if self.settings.fair_share:
-            got = 0
-            for stream, entries in self.tenant_streams.read_fair(shares):
-                self.take(self.keys.queue_of(stream), entries)
-                got += len(entries)
-        else:
-            got = self._read_in_turn(shares, credits)
+        got = self._read_levels(self.turns.deal(credits), credits, LIVE_PRIORITIES)
+        # Asked after the live entries were handed over: they hold their slots now.
+        room = self.batch_credits()
+        if room > 0:
+            got += self._read_levels({BATCH: room}, room, (BATCH,))
         if not got:
-            # Nothing anywhere: block on every stream at once until something comes.
-            # A tenant new to the queue is not in that read: look for one after it.
-            taken = self._read({stream: 1 for _name, stream in self.levels},
+            # Nothing anywhere: block on every stream at once until something
+            # comes (the batch level's only while a slot is free for it). A
+            # tenant new to the queue is not in that read: look for one after it.
+            levels = self.levels if room > 0 else self.live_levels
+            taken = self._read({stream: 1 for _name, stream in levels},
                                block=self.settings.block_ms)
             if not any(taken.values()):
                 self.tenant_streams.refresh(force=True)
 
-    def _read_in_turn(self, shares: dict[str, int], credits: int) -> int:
+    def _read_levels(self, shares: dict[str, int], credits: int,
+                     priorities: tuple[str, ...]) -> int:
+        """Read ``shares`` (credits per level) from the levels of ``priorities``,
+        a level's shortfall going to the next; returns how many came."""
+        if self.settings.fair_share:
+            got = 0
+            for stream, entries in self.tenant_streams.read_fair(shares, priorities):
+                self.take(self.keys.queue_of(stream), entries)
+                got += len(entries)
+            return got
+        return self._read_in_turn(shares, credits, priorities)
+
+    def _read_in_turn(self, shares: dict[str, int], credits: int,
+                      priorities: tuple[str, ...]) -> int:
         """Fair share off: each level's share from its default tenant's stream,
         then the shortfall from every stream, highest level first (one read each)."""
-        asked = {self.tenant_streams.streams_of(p)[0]: n for p, n in shares.items() if n}
+        asked = {self.tenant_streams.streams_of(p)[0]: n for p, n in shares.items()
+                 if n and p in priorities}
         got = self._read(asked)
         short = credits - sum(got.values())
         # A stream that gave less than it was asked is empty now.
-        for _name, stream in self.levels:
+        for _name, stream in self.tenant_streams.levels(priorities):
             if short <= 0:
                 break
             if got.get(stream, 0) < asked.get(stream, 0):
@@ -228,11 +255,15 @@ class Feeder:
         idle_ms = int(self.settings.claim_idle_s * 1000)
         found = False
         for name, stream in self.levels:
+            # A batch entry only for a free slot, as when it is read.
+            most = self.batch_credits() if level_priority(name) == BATCH else credits
+            if most <= 0:
+                continue
             mine = self.intake.running_entries(stream)
             pending = self.redis.xpending_range(stream, GROUP, min="-", max="+",
-                                                count=credits + len(mine), idle=idle_ms)
+                                                count=most + len(mine), idle=idle_ms)
             ids = [p["message_id"] for p in pending
-                   if p["message_id"].decode() not in mine][:credits]
+                   if p["message_id"].decode() not in mine][:most]
             if not ids:
                 continue
             # With the idle time again: an entry another worker claimed since

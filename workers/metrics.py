@@ -130,16 +130,17 @@ class StatsCounters(Collector):
         self._queue, self._stats = queue, stats
 
     def describe(self) -> list[CounterMetricFamily]:
-        return list(self._families({}, 0, 0, 0))
+        return list(self._families({}, 0, 0, 0, 0))
 
     def collect(self) -> Iterator[CounterMetricFamily]:
         s = self._stats
         # dict() copies in one call, atomic under the GIL: the engine thread adds to it.
         yield from self._families(dict(s.jobs), s.tokens, s.failed_steps, s.store_retries,
-                                  dict(s.tenant_tokens))
+                                  s.preempted, dict(s.tenant_tokens))
 
     def _families(self, jobs: dict[str, int], tokens: int, failed_steps: int,
-                  store_retries: int, tenant_tokens: dict[str, int] | None = None
+                  store_retries: int, preempted: int,
+                  tenant_tokens: dict[str, int] | None = None
                   ) -> Iterator[CounterMetricFamily]:
         created = self._stats.started_at
         family = CounterMetricFamily("tokenfleet_jobs", "Jobs that ended here, by final status",
@@ -163,3 +164,6 @@ class StatsCounters(Collector):
                                   "Times Redis refused a step's writes (a lost connection, "
                                   "OOM, READONLY, MISCONF) and they were sent again",
                                   store_retries, created=created)
+        yield CounterMetricFamily("tokenfleet_preempted_jobs",
+                                  "Batch-level jobs handed back to their queue for live jobs "
+                                  "that waited for a slot", preempted, created=created)

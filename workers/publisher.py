@@ -138,6 +138,14 @@ class _Step:
     finish: ScriptCall[Finished] | None
     ended: list[tuple[str, int]] = field(default_factory=list)  # the runs ``finish`` ends
     sent: bool = False
+    ends: list[Sequence] = field(default_factory=list)  # the jobs ``finish`` ends
+
+    def handed_back(self) -> set[str]:
+        """Jobs of the step handed back by now (preemption): Redis refuses
+        their writes, as expected. Asked once Redis answered: a hand-back that
+        fenced a write was flagged before it was sent."""
+        return {seq.job_id for seq in [*(e.seq for e in self.events), *self.ends]
+                if seq.handed_back}
 
     @property
     def calls(self) -> list[ScriptCall[object]]:
@@ -211,7 +219,8 @@ class Publisher:
                 self._drop_connection()  # collect() writes the step through the pool instead
         step = self._pending = _Step(events, self._emit(events) if events else None,
                                      self._finish(endings) if endings else None,
-                                     [(e.job_id, e.attempt or 0) for e in endings])
+                                     [(e.job_id, e.attempt or 0) for e in endings],
+                                     ends=[o.seq for o in outputs if o.finished])
         if conn is None:
             return
         try:
@@ -294,12 +303,18 @@ class Publisher:
         self._verified.update(_run(e.seq) for e in step.events)
         self._verified.difference_update(step.ended)
         # The caller drops these jobs: what they hold here is never to be sent.
+        # A job handed back is no longer this worker's: nothing to drop (what it
+        # holds here goes; a later attempt's, should this worker run one, stays).
+        handed_back = step.handed_back() if stored.fenced else set()
         for job_id in stored.fenced | stored.untrusted:
-            self.held.pop(job_id, None)
+            held = self.held.get(job_id)
+            if held is not None and (job_id not in handed_back or held.seq.handed_back):
+                del self.held[job_id]
         dropped = stored.fenced | stored.untrusted
         if dropped:
             # A snapshot: the feeder's thread may take runs out meanwhile (``end``).
             self._verified -= {run for run in list(self._verified) if run[0] in dropped}
+        stored.fenced -= handed_back
         return stored
 
     def _unverify(self, step: _Step) -> None:

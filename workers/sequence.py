@@ -60,6 +60,9 @@ class Sequence:
     # length: set by ``take_room`` when an engine takes it.
     max_generated: int = 0
     structured: StructuredOutput | None = None  # what its text must be, if anything
+    # Handed back to its queue while it ran (preemption): the writes still on
+    # their way for it are refused, as expected (the job is no longer this attempt's).
+    handed_back: bool = False
     grammar: SeqGrammar | None = None  # the built-in engine's matcher for ``structured``
 
     @property

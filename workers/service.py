@@ -2,6 +2,8 @@
 
 - the engine loop (this is where the model runs): admit and step, handing
   each step's token ids to the output thread and going back to the next step;
+  between steps, batch-level jobs are handed back for live jobs that wait
+  (``tokenfleet.workers.preemption``);
 - the output thread: text, stop strings, metrics and the step's Redis writes;
 - the feeder: reads the stream with credits and hands sequences to the engine;
 - the heartbeat: the worker's stats hash, and the idle-time renewal of the
@@ -55,6 +57,7 @@ from tokenfleet.workers.engine import DeviceFailure, Engine, take_outputs
 from tokenfleet.workers.feeder import Feeder
 from tokenfleet.workers.health import Health, Phase, StatusServer
 from tokenfleet.workers.metrics import Metrics
+from tokenfleet.workers.preemption import Preemption
 from tokenfleet.workers.publisher import Publisher, is_transient
 from tokenfleet.workers.sequence import Made, Sequence, SeqOutput
 
@@ -112,11 +115,17 @@ class Worker:
         # stored or when it is dropped here, never earlier: the feeder skips
         # the entries of held jobs, so a job left in it would be stranded.
         self._held: set[str] = set()
+        # Preempted, not yet handed back (the engine thread's; see _preempt).
+        self._preempted: list[Sequence] = []
+        self.preemption = Preemption(settings.preempt_batch, self.max_batch,
+                                     held=engine.unfinished, num_held=lambda: engine.num_held,
+                                     hand_back=self._preempt)
         self.feeder = Feeder(
             self.redis, self.keys, settings, name, self.queue,
             Admission(tokenizer, settings, engine.max_model_len, vocab_size=engine.vocab_size,
                       refusal=engine.refusal), self.publisher,
             sink=self._receive, credits=self.credits, holds=self._held.__contains__,
+            batch_credits=self.batch_credits,
         )
         self.metrics = Metrics(self.queue, engine.stats, clock=self.clock.now)
         # The metrics port: the Celery bootstep starts it before the model
@@ -253,7 +262,7 @@ class Worker:
         suspects = failure.suspects if failure is not None else []
         handed_over = [*self._drain_steps(), *self._unhanded]
         left = [*self.engine.unfinished(), *suspects, *(o.seq for o in self._sent),
-                *(m.seq for m in handed_over)]
+                *(m.seq for m in handed_over), *self._preempted]
         # The jobs of a step that failed may have caused it (on a GPU a bad
         # input can trip a device-side assert): theirs counts as an attempt.
         # requeue.lua skips the jobs that are no longer this worker's.
@@ -287,7 +296,35 @@ class Worker:
         return self.engine.has_work or not self._steps.empty()
 
     def credits(self) -> int:
-        return self.max_batch + self.settings.prefetch - self.engine.num_held
+        """The live levels' credits: free slots plus prefetch. With preemption
+        on, a slot a batch job holds counts as free: a live job takes it."""
+        return (self.max_batch + self.settings.prefetch - self.engine.num_held
+                + self.preemption.free_for_live())
+
+    def batch_credits(self) -> int:
+        """The batch level's credits: free slots only, never prefetch (a batch
+        job waiting here would hold a live job's place)."""
+        return self.max_batch - self.engine.num_held
+
+    def _preempt(self, seqs: list[Sequence]) -> None:
+        """Give batch jobs' slots to live ones (engine thread, between steps):
+        the engine frees their slots and cache at the next step, which runs
+        the live jobs. Each leaves ``_held`` before its new entry exists, so
+        the feeder never skips that entry as one of a job held here. The
+        hand-back itself follows that step (``_hand_back_preempted``): the
+        live jobs' first tokens do not wait on Redis for it."""
+        for seq in seqs:
+            seq.handed_back = True
+            self._held.discard(seq.job_id)
+            self.engine.drop(seq.job_id)
+        self._preempted.extend(seqs)
+        self.engine.stats.preempted += len(seqs)
+
+    def _hand_back_preempted(self) -> None:
+        """Engine thread: hand back the jobs preempted before the last step."""
+        if self._preempted:
+            seqs, self._preempted = self._preempted, []
+            self._hand_back(seqs)
 
     def cancel(self, job_id: str) -> None:
         self.engine.abort(job_id, FinishReason.CANCELLED)
@@ -321,7 +358,9 @@ class Worker:
             self._idle.clear()
             failed_before = self.engine.stats.failed_steps
             try:
+                self.preemption.turn()
                 self._step()
+                self._hand_back_preempted()
             except DeviceFailure as failure:
                 self._fail(failure)
                 break

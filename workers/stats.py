@@ -25,6 +25,7 @@ class WorkerStats:
     last_step_s: float = 0.0
     failed_steps: int = 0  # engine steps that raised (in the forward pass or around it)
     store_retries: int = 0  # times Redis refused a step's writes and they were sent again
+    preempted: int = 0  # batch-level jobs handed back for live jobs (workers/preemption.py)
     started_at: float = field(default_factory=time.time)
     _recent: deque[tuple[float, int]] = field(default_factory=lambda: deque(maxlen=256))
 
@@ -79,6 +80,7 @@ class WorkerStats:
             "busy_s": round(self.busy_s, 6),
             "failed_steps": self.failed_steps,
             "store_retries": self.store_retries,
+            "preempted": self.preempted,
             "tokens_per_s": round(self.tokens_per_s(), 2),
             "started_at": self.started_at,
         }

@@ -22,6 +22,10 @@
 -- every token: nothing to add), a newer attempt (fenced), the event's own entry
 -- (logged by an earlier try of this call: neither logged nor published again),
 -- or else a gap.
+-- A job handed back (requeue.lua: 'queued' under the same attempt until a
+-- worker starts it again) refuses a checked event and its end (finish.lua);
+-- an unchecked one still in flight is logged, and the attempt that resumes the
+-- job takes it as part of the prefix (its band refuses anything later).
 -- A write Redis refuses (OOM, READONLY, MISCONF, ...) ends the script with that
 -- error. The events before it stay logged and published; a retry of the whole
 -- call finds them logged (their entries are there) and neither logs nor
@@ -69,7 +73,8 @@ for i = 0, #KEYS / 3 - 1 do
   if i < checked then
     local a = 4 * i + 4
     local attempt, index, id, payload = ARGV[a], tonumber(ARGV[a + 1]), ARGV[a + 2], ARGV[a + 3]
-    if redis.call('HGET', job, 'attempts') ~= attempt then
+    local cur = redis.call('HMGET', job, 'attempts', 'status')
+    if cur[1] ~= attempt or cur[2] == 'queued' then
       fenced[#fenced + 1] = i
     else
       local logged = log_end(log)

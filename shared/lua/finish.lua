@@ -30,7 +30,8 @@ for i = 0, (#KEYS - 2) / 5 - 1 do
   local a = 11 * i + 4
   local attempt, entry, event = ARGV[a + 1], ARGV[a + 2], ARGV[a + 3]
   local cur = redis.call('HMGET', job, 'status', 'attempts')
-  if attempt ~= '' and cur[2] ~= attempt then
+  -- A job handed back ('queued' under the same attempt) is no longer the caller's.
+  if attempt ~= '' and (cur[2] ~= attempt or cur[1] == 'queued') then
     out[i + 1] = 0
   else
     local result = 1

@@ -23,6 +23,7 @@ import redis
 
 from tokenfleet import AsyncFleetClient, FleetClient
 from tokenfleet.shared.keys import Keys
+from tokenfleet.shared.redis_conn import node_client
 from tokenfleet.shared.schemas import JobStatus
 
 from helpers import (
@@ -261,8 +262,9 @@ def lose_newest(r: redis.Redis, log: str, n: int) -> None:
     """A failover in one moment: the log's ``n`` newest entries lost, and every
     client's connection cut (a failover moves them to another server; a worker
     checks its logs again after that, see publisher.py). A transaction, so that
-    no write of the worker lands between the two."""
-    pipe = r.pipeline(transaction=True)
+    no write of the worker lands between the two; on a cluster, on the node that
+    holds the log (whose clients a failover of it would move)."""
+    pipe = node_client(r, log).pipeline(transaction=True)
     pipe.eval(LOSE_NEWEST, 1, log, n)  # type: ignore[no-untyped-call]
     pipe.execute_command("CLIENT", "KILL", "TYPE", "normal", "SKIPME", "yes")
     pipe.execute()

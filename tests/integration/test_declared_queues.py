@@ -93,7 +93,7 @@ def test_a_declared_queue_takes_jobs_with_no_worker_and_a_worker_drains_its_back
     ids = [client.submit(f"job {i}", model=POOL, max_new_tokens=1, priority=PRIORITIES[i % 3])
            for i in range(99)]
     ids.append(asyncio.run(submit_async(settings)))
-    assert backlog(exporter, POOL) == {"high": 33, "normal": 34, "low": 33}
+    assert backlog(exporter, POOL) == {"high": 33, "normal": 34, "low": 33, "batch": 0}
 
     report = fleet_status(client)
     [queue] = [q for q in report["queues"] if q["queue"] == POOL]

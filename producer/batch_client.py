@@ -1,0 +1,176 @@
+"""Batches from Python: ``client.submit_batch(requests)``, ``client.batch(id)``,
+``client.batch_results(id)``, ``client.cancel_batch(id)``.
+
+The requests are streamed into the file store as the batch's input file (the
+client never holds them all), then the batch is recorded; a batch driver runs
+it: every gateway runs one, and ``tokenfleet batch drive`` runs one without a
+gateway. Requests are dicts as a batch file's lines hold them (``custom_id``
+and ``body``; ``method`` and ``url`` may be left out) or ``GenerationRequest``s
+(their custom_id is ``request-<n>``, n counting from 0).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterable, AsyncIterator, Iterable, Iterator
+from typing import Any, Literal
+
+import orjson
+
+from tokenfleet.batch_records import (
+    Batch,
+    cancel_batch,
+    create_batch,
+    get_batch,
+)
+from tokenfleet.files import create_file, store_name
+from tokenfleet.shared.errors import InvalidRequest
+from tokenfleet.shared.file_store import FileStore, open_store, read_lines
+from tokenfleet.shared.schemas import GenerationRequest
+
+Request = dict[str, Any] | GenerationRequest
+Order = Literal["input", "finished"]
+UPLOAD_CHUNK = 1 << 16
+CHAT = "/v1/chat/completions"
+COMPLETIONS = "/v1/completions"
+# SamplingParams' fields by their OpenAI names.
+SAMPLING = {"max_new_tokens": "max_tokens", "temperature": "temperature", "top_p": "top_p",
+            "top_k": "top_k", "seed": "seed", "stop": "stop", "min_p": "min_p",
+            "repetition_penalty": "repetition_penalty", "presence_penalty": "presence_penalty",
+            "frequency_penalty": "frequency_penalty"}
+
+
+def endpoint_of(request: Request) -> str:
+    """The endpoint a request goes to: its url, else chat for messages."""
+    if isinstance(request, GenerationRequest):
+        return CHAT if request.messages is not None else COMPLETIONS
+    if "url" in request:
+        return str(request["url"])
+    return CHAT if "messages" in (request.get("body") or {}) else COMPLETIONS
+
+
+def openai_body(request: GenerationRequest) -> dict[str, Any]:
+    """A ``GenerationRequest`` as the OpenAI request its endpoint takes."""
+    body: dict[str, Any] = {"model": request.model}
+    if request.messages is not None:
+        body["messages"] = [m if isinstance(m, dict) else m.model_dump(exclude_none=True)
+                            for m in request.messages]
+    elif request.prompt_token_ids is not None:
+        body["prompt"] = list(request.prompt_token_ids)
+    else:
+        body["prompt"] = request.prompt
+    sampling = request.sampling.model_dump(exclude_defaults=True)
+    sampling["max_new_tokens"] = request.sampling.max_new_tokens
+    for name, value in sampling.items():
+        if name in SAMPLING and value is not None:
+            body[SAMPLING[name]] = value
+    return body
+
+
+def line_of(index: int, request: Request, endpoint: str) -> bytes:
+    if isinstance(request, GenerationRequest):
+        line: dict[str, Any] = {"custom_id": f"request-{index}", "body": openai_body(request)}
+    else:
+        line = dict(request)
+    line.setdefault("method", "POST")
+    line.setdefault("url", endpoint)
+    return orjson.dumps(line) + b"\n"
+
+
+async def submit_batch(client: Any, requests: Iterable[Request] | AsyncIterable[Request], *,
+                       endpoint: str | None = None, completion_window: str = "24h",
+                       metadata: dict[str, str] | None = None, tenant: str | None = None,
+                       store: FileStore | None = None) -> Batch:
+    """Stream ``requests`` into the store as a batch's input, then create the batch."""
+    store = store or open_store(client.settings.files_url)
+    source = _aiter(requests)
+    first = await anext(source, None)
+    if first is None:
+        raise InvalidRequest("a batch needs at least one request")
+    endpoint = endpoint or endpoint_of(first)
+
+    async def chunks() -> AsyncIterator[bytes]:
+        # Lines go to the store's thread in chunks, not one by one: each hand-over
+        # is a round trip between the threads.
+        assert first is not None and endpoint is not None
+        chunk = bytearray(line_of(0, first, endpoint))
+        index = 1
+        async for request in source:
+            chunk += line_of(index, request, endpoint)
+            index += 1
+            if len(chunk) >= UPLOAD_CHUNK:
+                yield bytes(chunk)
+                chunk.clear()
+        if chunk:
+            yield bytes(chunk)
+
+    file = await create_file(client.redis, client.keys, store, chunks(),
+                             filename="batch_input.jsonl", purpose="batch", tenant=tenant)
+    return await create_batch(client.redis, client.keys, input_file_id=file.id,
+                              endpoint=endpoint, completion_window=completion_window,
+                              metadata=metadata, tenant=tenant)
+
+
+async def _aiter(requests: Iterable[Request] | AsyncIterable[Request]
+                 ) -> AsyncIterator[Request]:
+    if isinstance(requests, AsyncIterable):
+        async for request in requests:
+            yield request
+    else:
+        for request in requests:
+            yield request
+
+
+async def batch(client: Any, batch_id: str, tenant: str | None = None) -> Batch:
+    found = await get_batch(client.redis, client.keys, batch_id, tenant)
+    if found is None:
+        raise KeyError(f"no batch {batch_id!r}")
+    return found
+
+
+async def cancel(client: Any, batch_id: str, tenant: str | None = None) -> Batch:
+    found = await cancel_batch(client.redis, client.keys, batch_id, tenant)
+    if found is None:
+        raise KeyError(f"no batch {batch_id!r}")
+    return found
+
+
+def results(store: FileStore, found: Batch, order: Order = "finished"
+            ) -> Iterator[dict[str, Any]]:
+    """The batch's result lines (its output file's, then its error file's), in
+    the order they finished or, with ``order="input"``, in its input's order
+    (held in memory to sort them: one dict a line). Blocking."""
+    files = [f for f in (found.output_file_id, found.error_file_id) if f]
+    lines = (orjson.loads(line) for f in files for line in read_lines(store, store_name(f))
+             if line.strip())
+    if order == "finished":
+        yield from lines
+        return
+    by_id = {line["custom_id"]: line for line in lines}
+    for raw in read_lines(store, store_name(found.input_file_id)):
+        if raw.strip():
+            try:
+                custom_id = orjson.loads(raw).get("custom_id")
+            except (orjson.JSONDecodeError, AttributeError):
+                continue
+            if custom_id in by_id:
+                yield by_id.pop(custom_id)
+    yield from by_id.values()  # lines whose custom_id the input does not give
+
+
+async def aresults(client: Any, batch_id: str, order: Order = "finished",
+                   tenant: str | None = None) -> AsyncIterator[dict[str, Any]]:
+    found = await batch(client, batch_id, tenant)
+    lines = results(open_store(client.settings.files_url), found, order)
+    while chunk := await asyncio.to_thread(_take, lines, 256):
+        for line in chunk:
+            yield line
+
+
+def _take(lines: Iterator[dict[str, Any]], n: int) -> list[dict[str, Any]]:
+    out = []
+    for line in lines:
+        out.append(line)
+        if len(out) >= n:
+            break
+    return out

@@ -1,0 +1,160 @@
+"""One line of a batch: from its input JSON to a job, and from the job's end to
+its line in the output or error file.
+
+A line's body goes through the same checks as the single request to its
+endpoint (``openai_compat.completion``, ``openai_chat.chat_request``), so a
+line the endpoint would refuse is refused with the same message, and its
+answer is built as the endpoint builds it (``completion_answer``,
+``chat_answer``). A line runs as a job of priority ``batch`` under an
+idempotency key naming the batch and the line: fed again after a crash, it
+names the same job, and nothing is generated twice.
+"""
+
+from __future__ import annotations
+
+import secrets
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+from fastapi.responses import Response
+
+from tokenfleet.aio import AsyncFleetClient
+from tokenfleet.openai_answer import failed, failure
+from tokenfleet.openai_chat import Chat, chat_answer, chat_request
+from tokenfleet.openai_compat import Completion, completion, completion_answer
+from tokenfleet.openai_errors import FLEET_ERRORS, INVALID_VALUE
+from tokenfleet.shared.errors import QueueNotAllowed, TokenfleetError
+from tokenfleet.shared.keys import named_tenant
+from tokenfleet.shared.schemas import GenerationRequest, JobState, JobStatus
+
+
+@dataclass(frozen=True)
+class LineError:
+    """Why a line has no result: OpenAI's error code (or type) and the message."""
+
+    code: str
+    message: str
+
+
+@dataclass(frozen=True)
+class Parsed:
+    """A line's JSON, checked for what every batch line needs."""
+
+    custom_id: str | None
+    body: dict[str, Any] | LineError
+
+
+@dataclass(frozen=True)
+class Ready:
+    """A line checked as its endpoint checks a request: the job to run, and what
+    its answer is built from."""
+
+    made: Completion | Chat
+    job: GenerationRequest
+
+
+def parse(raw: bytes, endpoint: str) -> Parsed:
+    """The line's custom_id and body, or the error that says what is missing."""
+    try:
+        line = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        return Parsed(None, LineError("invalid_json", f"the line is not valid JSON ({exc})"))
+    if not isinstance(line, dict):
+        return Parsed(None, LineError("invalid_request", "a line must be a JSON object with "
+                                      "custom_id, method, url and body"))
+    custom_id = line.get("custom_id")
+    if not isinstance(custom_id, str) or not custom_id:
+        return Parsed(None, LineError("missing_custom_id",
+                                      "the line has no custom_id (a non-empty string)"))
+    if line.get("method", "POST") != "POST":
+        return Parsed(custom_id, LineError("invalid_method", "method must be POST"))
+    if line.get("url") != endpoint:
+        return Parsed(custom_id, LineError(
+            "invalid_url", f"url must be the batch's endpoint {endpoint!r}, got "
+            f"{str(line.get('url'))[:80]!r}"))
+    body = line.get("body")
+    if not isinstance(body, dict):
+        return Parsed(custom_id, LineError("invalid_request",
+                                           "body must be the request's JSON object"))
+    return Parsed(custom_id, body)
+
+
+def refused(response: Response) -> LineError:
+    """The error of a single request's refusal, as a line's error."""
+    error = orjson.loads(bytes(response.body))["error"]
+    return LineError(error.get("code") or error.get("type") or "invalid_request",
+                     error["message"])
+
+
+def fleet_error(exc: TokenfleetError) -> LineError:
+    """A refusal at submit (a limit of the queue's workers, say), as a line's error."""
+    refusal = FLEET_ERRORS.get(type(exc).__name__, INVALID_VALUE)
+    return LineError(refusal.code or refusal.type, str(exc))
+
+
+async def ready(client: AsyncFleetClient, body: dict[str, Any], *, endpoint: str,
+                batch_id: str, index: int, tenant: str, queues: list[str] | None
+                ) -> Ready | LineError:
+    """The job of a line's body, or the error its endpoint would answer."""
+    if body.get("stream"):
+        return LineError("invalid_request", "stream is not supported in a batch: a line's "
+                         "result is written whole; leave it unset")
+    raw = orjson.dumps(body)
+    made = await (completion(client, raw) if endpoint == "/v1/completions"
+                  else chat_request(client, raw))
+    if isinstance(made, Response):
+        return refused(made)
+    if made.n != 1:
+        return LineError("invalid_request", "n above 1 is not supported in a batch: send one "
+                         "line per choice")
+    if queues is not None and made.job.model not in queues:
+        return fleet_error(QueueNotAllowed(made.job.model, queues))
+    job = made.job.model_copy(update={
+        "priority": "batch", "tenant": named_tenant(tenant),
+        "idempotency_key": job_key(batch_id, index)})
+    return Ready(made, job)
+
+
+def job_key(batch_id: str, index: int) -> str:
+    """The idempotency key of a line's job: the same job every time it is fed."""
+    return f"batch:{batch_id}:{index}"
+
+
+async def answer(client: AsyncFleetClient, made: Completion | Chat, job_id: str,
+                 state: JobState) -> dict[str, Any]:
+    """The body the endpoint answers for the line's succeeded job."""
+    if isinstance(made, Completion):
+        return await completion_answer(client, made, [job_id], [state])
+    return await chat_answer(client, made, [job_id], [state])
+
+
+def job_error(state: JobState) -> LineError:
+    """Why a line's ended job has no result."""
+    if state.status is JobStatus.CANCELLED:
+        return LineError("batch_cancelled", "the batch was cancelled before this request "
+                         "finished")
+    if state.status is JobStatus.EXPIRED:
+        return expired()
+    why = failed(state)
+    return LineError(why.code or why.type, failure(state))
+
+
+def expired() -> LineError:
+    return LineError("batch_expired", "this request could not be executed before the "
+                     "batch's completion window expired")
+
+
+def request_id() -> str:
+    return f"batch_req_{secrets.token_hex(12)}"
+
+
+def output_line(custom_id: str | None, job_id: str, body: dict[str, Any]) -> bytes:
+    return orjson.dumps({"id": request_id(), "custom_id": custom_id,
+                         "response": {"status_code": 200, "request_id": job_id, "body": body},
+                         "error": None})
+
+
+def error_line(custom_id: str | None, error: LineError) -> bytes:
+    return orjson.dumps({"id": request_id(), "custom_id": custom_id, "response": None,
+                         "error": {"code": error.code, "message": error.message}})

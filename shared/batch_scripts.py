@@ -1,0 +1,23 @@
+"""Typed bindings of the scripts a batch driver and the batch routes run:
+``batch_lease.lua`` and ``batch_move.lua``. Each touches one batch's keys,
+which share its hash tag: one slot of a Redis Cluster."""
+
+from __future__ import annotations
+
+from tokenfleet.shared.keys import Keys
+from tokenfleet.shared.scripts import ScriptCall, integer, script, text
+
+
+def batch_lease(keys: Keys, batch_id: str, *, owner: str, ttl_ms: int) -> ScriptCall[bool]:
+    """Take or renew ``owner``'s lease on the batch: True when it holds it now."""
+    return ScriptCall(script("batch_lease"), (keys.batch_lease(batch_id),), (owner, ttl_ms),
+                      lambda reply: integer(reply) == 1)
+
+
+def batch_move(keys: Keys, batch_id: str, *, allowed: tuple[str, ...], status: str,
+               fields: dict[str, str] | None = None) -> ScriptCall[str]:
+    """Move the batch to ``status`` if it is in one of ``allowed`` now, writing
+    ``fields`` (JSON values) with it; the status before ('' for no batch)."""
+    pairs = [part for item in (fields or {}).items() for part in item]
+    return ScriptCall(script("batch_move"), (keys.batch(batch_id),),
+                      (" ".join(allowed), status, *pairs), text)
