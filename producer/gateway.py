@@ -157,7 +157,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         except (RedisError, OSError, TimeoutError):
             log.warning("could not read the API keys (Redis does not answer): each request "
                         "reads them again (TOKENFLEET_GATEWAY_AUTH=%s)", settings.gateway_auth)
-        webhooks = Deliverer(app.state.fleet.redis, app.state.fleet.keys, settings).start()
+        webhooks = Deliverer(app.state.fleet.redis, app.state.fleet.keys,
+                             settings).start(settings.gateway_webhooks)
         try:
             async with openai_batches.driving(app):
                 yield

@@ -139,9 +139,11 @@ class Deliverer:
 
     # -- life ------------------------------------------------------------------------
 
-    def start(self) -> Deliverer:
-        """Run in the background of the current event loop."""
-        self._task = asyncio.create_task(self.run(), name="webhook-deliverer")
+    def start(self, run: bool = True) -> Deliverer:
+        """Run in the background of the current event loop (unless ``run`` is
+        False: a gateway with ``TOKENFLEET_GATEWAY_WEBHOOKS`` off)."""
+        if run:
+            self._task = asyncio.create_task(self.run(), name="webhook-deliverer")
         return self
 
     async def stop(self) -> None:

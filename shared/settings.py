@@ -222,6 +222,9 @@ class Settings(BaseSettings):
     webhook_secret: str = Field(default="", description=(
         "The Standard Webhooks signing secret (whsec_<base64>, or any string); required when a "
         "webhook URL is set."))
+    gateway_webhooks: bool = Field(default=True, description=(
+        "Whether each gateway delivers webhook events; off: `tokenfleet webhooks deliver` runs "
+        "elsewhere, and events wait in their outbox until it does."))
     webhook_retry_s: float = Field(default=259_200.0, gt=0, description=(
         "How long an event is retried after its first failed attempt before it goes to the "
         "dead letters (<ns>:webhooks:dead); 3 days by default."))

@@ -69,6 +69,7 @@ READ_BY: dict[str, str] = {
     "batch_window": CLIENT,
     "webhook_url": DELIVERER,
     "webhook_secret": DELIVERER,
+    "gateway_webhooks": GATEWAY,
     "webhook_retry_s": DELIVERER,
     "webhook_backoff_s": DELIVERER,
     "webhook_backoff_max_s": DELIVERER,
