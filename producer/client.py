@@ -113,6 +113,10 @@ class FleetClient:
         or digit; none: the tenant "default"): workers share the fleet fairly
         among tenants with queued work, by tokens served, and the job is visible
         through the gateway to that tenant's keys only.
+
+        ``webhook_url`` (an http:// or https:// URL) has the job's end posted
+        there, signed, as ``job.completed``, ``job.failed``, ``job.cancelled``
+        or ``job.expired`` (docs/webhooks.md).
         """
         request = build_request(prompt, kwargs, self.settings, tenant)
         if prompt_tokens is None:

@@ -76,6 +76,7 @@ from tokenfleet.shared.schemas import GenerationRequest, JobState
 from tokenfleet.shared.settings import Settings, get_settings
 from tokenfleet.tenant_refusals import CountRefusals, note
 from tokenfleet.timeouts import BodyDeadline, BodyTimeout, head_deadline_protocol
+from tokenfleet.webhook_delivery import Deliverer
 
 log = logging.getLogger("tokenfleet.gateway")
 
@@ -155,10 +156,13 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         except (RedisError, OSError, TimeoutError):
             log.warning("could not read the API keys (Redis does not answer): each request "
                         "reads them again (TOKENFLEET_GATEWAY_AUTH=%s)", settings.gateway_auth)
+        webhooks = Deliverer(app.state.fleet.redis, app.state.fleet.keys,
+                             settings).start(settings.gateway_webhooks)
         try:
             async with openai_batches.driving(app):
                 yield
         finally:
+            await webhooks.stop()
             await app.state.limits.close()
             await app.state.fleet.close()
 

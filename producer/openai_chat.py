@@ -176,7 +176,7 @@ class ChatRequest(Sampling):
             sampling["logprobs"] = self.top_logprobs or 0
         return GenerationRequest.model_validate(
             {"messages": [m.fleet() for m in self.messages], "model": self.model,
-             "metadata": metadata, "sampling": sampling,
+             "metadata": metadata, "sampling": sampling, "webhook_url": self.webhook_url,
              "structured_output": structured,
              # Only "auto" shows the template the tools: a constrained call
              # writes bare arguments, not the model's own call format.

@@ -13,6 +13,8 @@ job's metadata. ``presence_penalty``, ``frequency_penalty`` and ``logit_bias``
 are honoured as OpenAI defines them, and ``top_k``, ``min_p`` and
 ``repetition_penalty`` as vLLM takes them. ``response_format`` and vLLM's
 ``structured_outputs`` constrain the text (``tokenfleet.openai_structured``).
+``webhook_url`` (tokenfleet's, in an OpenAI client's ``extra_body``) posts each
+job's end there (``tokenfleet.webhook_delivery``).
 Any other field is refused as unrecognized, as OpenAI does.
 
 A client that disconnects before its completion is done cancels its jobs, so
@@ -54,7 +56,7 @@ PARAMS = {("sampling", "max_new_tokens"): "max_tokens", ("sampling", "temperatur
           ("sampling", "logit_bias"): "logit_bias", ("sampling", "min_p"): "min_p",
           ("sampling", "logprobs"): "logprobs",
           ("prompt",): "prompt", ("prompt_token_ids",): "prompt", ("model",): "model",
-          ("metadata",): "user"}
+          ("metadata",): "user", ("webhook_url",): "webhook_url"}
 BEST_OF = ("best_of above n is not supported: the choices are not ranked by likelihood here; "
            "ask for n choices (best_of unset or equal to n), with logprobs to rank them")
 SUFFIX_IDS = ("suffix with a prompt of token ids is not supported: insert mode puts the model's "
@@ -100,6 +102,9 @@ class Sampling(BaseModel):
     guided_regex: Any = None
     guided_choice: Any = None
     guided_grammar: Any = None
+    # tokenfleet's own (an OpenAI client sends it in extra_body): where each
+    # job's end is posted as a signed webhook (docs/webhooks.md).
+    webhook_url: str | None = None
 
     @field_validator("stream_options")
     @classmethod
@@ -171,6 +176,7 @@ class CompletionRequest(Sampling):
             prompt["suffix"] = self.suffix
         return GenerationRequest.model_validate(
             {**prompt, "model": self.model, "metadata": self.user_metadata(),
+             "webhook_url": self.webhook_url,
              "sampling": {**self.sampling(16 if self.max_tokens is None else self.max_tokens),
                           **({} if self.logprobs is None else {"logprobs": self.logprobs})},
              "structured_output": structured},

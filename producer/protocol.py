@@ -150,6 +150,8 @@ def submission(request: GenerationRequest, keys: Keys, settings: Settings,
         record["deadline_at"] = repr(deadline_at)
     if request.tenant is not None:
         record["tenant"] = request.tenant
+    if request.webhook_url is not None:
+        record["webhook_url"] = request.webhook_url  # job_webhook.lua reads it at the end
     idem = request.idempotency_key
     return Submission(job_id, client_scripts.submit(
         keys, job_id=job_id, model=request.model, priority=request.priority,

@@ -302,6 +302,37 @@ class Keys:
         a consumer group of deliverers reads it, so an event survives a crash."""
         return f"{self.namespace}:webhooks:outbox"
 
+    def job_webhooks(self, model: str) -> str:
+        """Stream: a queue's job events (``job.completed``, ...) waiting for
+        delivery, in the queue's slot: the script that ends a job adds its event
+        in the same step (``job_webhook.lua``). Deliverers read it as they read
+        ``webhook_outbox``."""
+        return f"{self.namespace}:webhooks:outbox:{{{model_of(model)}}}"
+
+    def job_webhooks_pattern(self) -> str:
+        return f"{self.namespace}:webhooks:outbox:*"
+
+    @property
+    def webhook_schedule(self) -> str:
+        """Sorted set: events waiting for their next attempt ('<entry id> <stream>'),
+        scored by its time, so a retry outlives the deliverer that scheduled it."""
+        return f"{self.namespace}:webhooks:schedule"
+
+    def webhook_event(self, event_id: str) -> str:
+        """Hash: one undelivered event's attempts so far, last status and error,
+        next attempt time (for an operator; deleted once it is delivered)."""
+        return f"{self.namespace}:webhooks:event:{event_id}"
+
+    @property
+    def webhook_attempts(self) -> str:
+        """Stream, capped: every delivery attempt (event, URL, status or error)."""
+        return f"{self.namespace}:webhooks:attempts"
+
+    @property
+    def webhook_dead(self) -> str:
+        """Stream: events not delivered within ``webhook_retry_s``, with their last error."""
+        return f"{self.namespace}:webhooks:dead"
+
     def api_key(self, digest: str) -> str:
         """String: one API key's record (``ApiKey`` JSON), under the SHA-256 of
         the key (hex): the key itself is never stored."""

@@ -27,6 +27,7 @@ from pydantic import (
 from tokenfleet.shared.keys import QUEUE_NAME_RULE, TENANT_NAME_RULE, is_queue_name, is_tenant_name
 from tokenfleet.shared.settings import Settings, get_settings
 from tokenfleet.shared.structured import StructuredOutput, compile_problem
+from tokenfleet.shared.webhook_outbox import webhook_url_problem
 
 # How deep metadata may nest (orjson itself stops at 255; a bound here keeps the
 # check cheap and the message clear).
@@ -207,6 +208,9 @@ class GenerationRequest(_Wire):
     # OpenAI's tools (``{"type": "function", "function": {...}}``), rendered by
     # the chat template so the model may call them (``tool_choice`` "auto").
     tools: list[dict[str, Any]] | None = None
+    # Where the job's end (job.completed, job.failed, ...) is posted, signed as
+    # Standard Webhooks (docs/webhooks.md).
+    webhook_url: str | None = None
 
     @field_validator("model")
     @classmethod
@@ -220,6 +224,14 @@ class GenerationRequest(_Wire):
     def _tenant_name(cls, value: str | None) -> str | None:
         if value is not None and not is_tenant_name(value):
             raise ValueError(f"tenant must be {TENANT_NAME_RULE}, got {value[:80]!r}")
+        return value
+
+    @field_validator("webhook_url")
+    @classmethod
+    def _webhook_url(cls, value: str | None) -> str | None:
+        problem = None if value is None else webhook_url_problem(value)
+        if problem:
+            raise ValueError(problem)
         return value
 
     @field_validator("structured_output")

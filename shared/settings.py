@@ -222,6 +222,21 @@ class Settings(BaseSettings):
     webhook_secret: str = Field(default="", description=(
         "The Standard Webhooks signing secret (whsec_<base64>, or any string); required when a "
         "webhook URL is set."))
+    gateway_webhooks: bool = Field(default=True, description=(
+        "Whether each gateway delivers webhook events; off: `tokenfleet webhooks deliver` runs "
+        "elsewhere, and events wait in their outbox until it does."))
+    webhook_retry_s: float = Field(default=259_200.0, gt=0, description=(
+        "How long an event is retried after its first failed attempt before it goes to the "
+        "dead letters (<ns>:webhooks:dead); 3 days by default."))
+    webhook_backoff_s: float = Field(default=1.0, gt=0, description=(
+        "The wait before an event's first retry; it doubles with each failed attempt "
+        "(jittered), up to webhook_backoff_max_s."))
+    webhook_backoff_max_s: float = Field(default=300.0, gt=0, description=(
+        "The longest wait between two attempts at one event."))
+    webhook_timeout_s: float = Field(default=10.0, gt=0, description=(
+        "Seconds one delivery attempt may take (connect and answer); past it, the attempt failed."))
+    webhook_concurrency: int = Field(default=16, ge=1, le=1024, description=(
+        "Deliveries one deliverer runs at once, so a slow receiver does not hold the others."))
 
     # Reliability.
     max_attempts: int = Field(default=3, ge=1, description=(

@@ -15,6 +15,8 @@ CLIENT = "client, gateway"
 GATEWAY = "gateway"
 WORKER = "worker"
 LIMIT = "worker (published to clients)"
+# Read where webhooks are delivered: each gateway, and `tokenfleet webhooks deliver`.
+DELIVERER = "gateway, webhooks deliver"
 # Checked by each process against its own value: a worker re-checks what a client sent.
 EACH = "client, gateway, worker (each checks its own)"
 
@@ -65,8 +67,14 @@ READ_BY: dict[str, str] = {
     "gateway_key_cache_s": GATEWAY,
     "files_url": CLIENT,
     "batch_window": CLIENT,
-    "webhook_url": CLIENT,
-    "webhook_secret": CLIENT,
+    "webhook_url": DELIVERER,
+    "webhook_secret": DELIVERER,
+    "gateway_webhooks": GATEWAY,
+    "webhook_retry_s": DELIVERER,
+    "webhook_backoff_s": DELIVERER,
+    "webhook_backoff_max_s": DELIVERER,
+    "webhook_timeout_s": DELIVERER,
+    "webhook_concurrency": DELIVERER,
     "max_attempts": WORKER,
     "claim_idle_s": WORKER,
     "heartbeat_s": WORKER,

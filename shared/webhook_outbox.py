@@ -11,8 +11,12 @@ import json
 import uuid
 from collections.abc import Awaitable
 from typing import Any, Protocol
+from urllib.parse import urlsplit
 
 from tokenfleet.shared.keys import Keys
+
+# The longest webhook URL a job or batch may name (browsers' and proxies' common limit).
+MAX_WEBHOOK_URL = 2048
 
 
 class _Adds(Protocol):
@@ -33,4 +37,22 @@ def event_fields(type: str, data: dict[str, Any], url: str | None = None) -> dic
 async def add_event(client: _Adds, keys: Keys, type: str, data: dict[str, Any],
                     url: str | None = None) -> None:
     """Queue one event for delivery (async Redis client)."""
-    await client.xadd(keys.webhook_outbox, event_fields(type, data, url))  # type: ignore[misc]
+    await client.xadd(keys.webhook_outbox, event_fields(type, data, url))
+
+
+def webhook_url_problem(url: str) -> str | None:
+    """What is wrong with a webhook URL, or None: an absolute http:// or
+    https:// URL with a host, at most ``MAX_WEBHOOK_URL`` characters."""
+    if len(url) > MAX_WEBHOOK_URL:
+        return f"webhook_url is {len(url)} characters long, over the limit of {MAX_WEBHOOK_URL}"
+    try:
+        parts = urlsplit(url)
+        parts.port  # noqa: B018 (raises on a port that is not a number)
+    except ValueError as exc:
+        return f"webhook_url is not a URL ({exc})"
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        return (f"webhook_url must be an absolute http:// or https:// URL with a host, "
+                f"got {url[:80]!r}")
+    if any(c.isspace() or ord(c) < 32 for c in url):
+        return "webhook_url must not hold spaces or control characters"
+    return None

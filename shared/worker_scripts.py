@@ -254,7 +254,7 @@ def finish(keys: Keys, *, result_ttl_s: int, worker: str, now: float,
     """Store final states, end their logs, tell subscribers, then acknowledge
     and delete their entries: one call for all of ``endings`` (of one model)."""
     job_ids = [e.job_id for e in endings]
-    script_keys: list[str] = [keys.dlq(endings[0].queue)]
+    script_keys: list[str] = [keys.dlq(endings[0].queue), keys.job_webhooks(endings[0].queue)]
     args: list[Arg] = [result_ttl_s, GROUP, worker, repr(now)]
     for e in endings:
         dead: bytes | str = ""

@@ -614,11 +614,13 @@ def export_model(name: str, directory: Path) -> None:
 from tokenfleet.workers.cli_queue import metrics_exporter, queue  # noqa: E402
 from tokenfleet.workers.keys_cli import keys  # noqa: E402
 from tokenfleet.workers.batch_cli import batch  # noqa: E402
+from tokenfleet.workers.webhooks_cli import webhooks  # noqa: E402
 
 main.add_command(queue)
 main.add_command(metrics_exporter)
 main.add_command(keys)
 main.add_command(batch)
+main.add_command(webhooks)
 
 if __name__ == "__main__":
     main()

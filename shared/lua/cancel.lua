@@ -10,9 +10,10 @@
 -- PUBLISH: SPUBLISH on a Redis Cluster, else PUBLISH (set before the source: scripts.py),
 -- for the job's channels; the cancels channel, one for the fleet, is a classic one.
 -- KEYS: 1 job hash, 2 token log, 3 event channel, 4 queue stream, 5 backlog counter,
---       6 end channel
+--       6 end channel, 7 the queue's webhook outbox (job_webhook.lua)
 -- ARGV: 1 now, 2 result TTL, 3 end event JSON, 4 cancels channel, 5 job id, 6 group
 -- include: log_prefix.lua
+-- include: job_webhook.lua
 local cur = redis.call('HMGET', KEYS[1], 'status', 'deadline_at')
 local status = cur[1]
 if not status then return 'missing' end
@@ -40,6 +41,7 @@ if status == 'queued' then
   end
   redis.call(PUBLISH, KEYS[3], ARGV[3])
   redis.call(PUBLISH, KEYS[6], ARGV[3])
+  job_webhook(KEYS[7], KEYS[1], 'cancelled', ARGV[1])
   -- Off the queue now, so it no longer counts against max_queue. If a worker
   -- has read it but not yet taken it, that worker finds it cancelled and acks.
   -- The record names its live entry (submit and requeue keep it so).

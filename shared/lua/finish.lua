@@ -10,8 +10,9 @@
 -- script with nothing of that job written; jobs before it in the call stay
 -- ended, and a retry of the whole call finds them ended (2) and acknowledges.
 -- PUBLISH: SPUBLISH on a Redis Cluster, else PUBLISH (set before the source: scripts.py)
--- KEYS: 1 dead letters, then per job 5: job hash, token log, event channel, end
---       channel (the end event alone, for waiters), queue stream
+-- KEYS: 1 dead letters, 2 the queue's webhook outbox (job_webhook.lua), then per
+--       job 5: job hash, token log, event channel, end channel (the end event
+--       alone, for waiters), queue stream
 -- ARGV: 1 result TTL, 2 group, 3 worker name, 4 now,
 --       then per job 11: attempt ('' for no ownership check), stream entry id
 --       ('' for none), end event JSON, dead-letter JSON ('' for none), status,
@@ -20,10 +21,11 @@
 -- Returns per job: 1 when stored, 0 when fenced off, 2 when it had already ended,
 -- 3 when not stored because its log does not hold exactly its tokens.
 -- include: log_prefix.lua
+-- include: job_webhook.lua
 local ttl, group, worker, now = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
 local out = {}
-for i = 0, (#KEYS - 1) / 5 - 1 do
-  local k = 5 * i + 1
+for i = 0, (#KEYS - 2) / 5 - 1 do
+  local k = 5 * i + 2
   local job, log, chan, ends, queue = KEYS[k + 1], KEYS[k + 2], KEYS[k + 3], KEYS[k + 4], KEYS[k + 5]
   local a = 11 * i + 4
   local attempt, entry, event = ARGV[a + 1], ARGV[a + 2], ARGV[a + 3]
@@ -58,6 +60,7 @@ for i = 0, (#KEYS - 1) / 5 - 1 do
       redis.call(PUBLISH, chan, event)
       redis.call(PUBLISH, ends, event)
       if ARGV[a + 4] ~= '' then redis.call('XADD', KEYS[1], '*', 'data', ARGV[a + 4]) end
+      job_webhook(KEYS[2], job, ARGV[a + 5], now)
     end
     if entry ~= '' and result ~= 3 then
       redis.call('XACK', queue, group, entry)
