@@ -29,13 +29,18 @@ WORKDIR /app
 COPY deploy/docker/requirements.py /opt/requirements.py
 
 # -- the HTTP gateway and `tokenfleet metrics-exporter` (deploy/kubernetes/components/
-# metrics-exporter): the client, FastAPI, uvicorn, prometheus-client; no torch, no Celery --
+# metrics-exporter): the client, FastAPI, uvicorn, prometheus-client, boto3 (a files store
+# on S3); no torch, no Celery --
 FROM python-base AS gateway
 COPY pyproject.toml ./
-RUN python /opt/requirements.py pyproject.toml gateway exporter > /tmp/requirements.txt \
+RUN python /opt/requirements.py pyproject.toml gateway exporter s3 > /tmp/requirements.txt \
     && pip install --no-cache-dir -r /tmp/requirements.txt
 COPY --from=source /app ./
 RUN pip install --no-cache-dir --no-deps . && rm -rf build
+# The default TOKENFLEET_FILES_URL (file:///var/lib/tokenfleet/files): a volume the
+# gateway's user writes, shared by the gateways of a host (or set s3://bucket/prefix).
+RUN mkdir -p /var/lib/tokenfleet/files && chown 10001:10001 /var/lib/tokenfleet/files
+VOLUME ["/var/lib/tokenfleet/files"]
 USER 10001:10001
 EXPOSE 8000
 # urllib, not curl: the slim image has no curl. /healthz: the process serves.

@@ -115,12 +115,12 @@ async def register(client: Any, keys: Keys, file: FileObject, tenant: str | None
     await pipe.execute()
 
 
-async def create_file(client: Any, keys: Keys, store: FileStore,
-                      chunks: AsyncIterable[bytes] | Iterable[bytes], *, filename: str,
-                      purpose: str, tenant: str | None) -> FileObject:
-    """Upload: stream ``chunks`` into the store, then record the file."""
+async def store_file(store: FileStore, chunks: AsyncIterable[bytes] | Iterable[bytes], *,
+                     filename: str, purpose: str, max_bytes: int = MAX_FILE_BYTES,
+                     max_lines: int = MAX_BATCH_LINES) -> FileObject:
+    """``write_file`` from a coroutine: the store runs in a thread; an async body
+    is pulled from this loop chunk by chunk as the store takes it."""
     if isinstance(chunks, AsyncIterable):
-        # The store is blocking; an async body is pulled chunk by chunk from its loop.
         loop = asyncio.get_running_loop()
         source = chunks.__aiter__()
 
@@ -135,8 +135,15 @@ async def create_file(client: Any, keys: Keys, store: FileStore,
         blocking: Iterable[bytes] = pulled()
     else:
         blocking = chunks
-    file = await asyncio.to_thread(write_file, store, blocking, filename=filename,
-                                   purpose=purpose)
+    return await asyncio.to_thread(write_file, store, blocking, filename=filename,
+                                   purpose=purpose, max_bytes=max_bytes, max_lines=max_lines)
+
+
+async def create_file(client: Any, keys: Keys, store: FileStore,
+                      chunks: AsyncIterable[bytes] | Iterable[bytes], *, filename: str,
+                      purpose: str, tenant: str | None) -> FileObject:
+    """Upload: stream ``chunks`` into the store, then record the file."""
+    file = await store_file(store, chunks, filename=filename, purpose=purpose)
     await register(client, keys, file, tenant)
     return file
 

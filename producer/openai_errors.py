@@ -90,6 +90,9 @@ BATCH_NOT_FOUND = Refusal(
     404, INVALID, "not_found", False,
     "no such batch, or a batch's input file that does not exist (the batches API)",
     "no batch '<id>' (or: no file '<id>'): never made, or another tenant's")
+FILE_NOT_FOUND = Refusal(
+    404, INVALID, None, False, "no such file, or another tenant's (the files API)",
+    "no file '<id>': never uploaded, or deleted")
 BODY_TIMEOUT = Refusal(
     408, INVALID, "request_timeout", True, "the body did not arrive in time",
     "the request body did not arrive within this gateway's limit of <s> s "
@@ -160,7 +163,7 @@ REDIS_BUSY = Refusal(
 # In the order the docs list them.
 REFUSALS = (INVALID_JSON, UNRECOGNIZED, INVALID_VALUE, UNSUPPORTED, CONTEXT_LENGTH, OVER_LIMIT,
             NO_CHAT_TEMPLATE, INVALID_API_KEY, QUEUE_NOT_ALLOWED, MODEL_NOT_FOUND, JOB_NOT_FOUND,
-            BATCH_NOT_FOUND,
+            BATCH_NOT_FOUND, FILE_NOT_FOUND,
             BODY_TIMEOUT, IDEMPOTENCY_CONFLICT, TOO_LARGE, RATE_LIMITED, TOKEN_RATE_LIMITED,
             OVER_TOKEN_RATE, TENANT_QUEUE_FULL, QUEUE_FULL, JOB_REFUSED, JOB_FAILED,
             REDIS_REFUSED, REDIS_DOWN, REDIS_BUSY)

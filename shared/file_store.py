@@ -5,10 +5,14 @@ file) lives here, named by the store's callers (``files/<file id>``,
 ``batches/<batch id>/...``). The store is synchronous (object storage clients
 are); async callers run it in a thread. Writes take an iterable of chunks, so
 a file is never held whole in memory, and reads give one back.
+
+``store_for(url)`` is the one store of a URL in a process: the gateway's routes
+and the batch driver share it (and, for S3, its connection pool).
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 import tempfile
@@ -52,6 +56,13 @@ def read_lines(store: FileStore, name: str) -> Iterator[bytes]:
         yield rest.removesuffix(b"\r")
 
 
+def checked_name(name: str) -> str:
+    """``name`` if it is a store name: ``/``-separated parts, none empty, ``.`` or ``..``."""
+    if not name or any(p in ("", ".", "..") for p in name.split("/")):
+        raise ValueError(f"not a store name: {name!r}")
+    return name
+
+
 class DirectoryStore:
     """Objects as files under one directory (a shared volume for several gateways).
 
@@ -63,10 +74,7 @@ class DirectoryStore:
         self.root = Path(root)
 
     def _path(self, name: str) -> Path:
-        parts = name.split("/")
-        if not name or any(p in ("", ".", "..") for p in parts):
-            raise ValueError(f"not a store name: {name!r}")
-        return self.root.joinpath(*parts)
+        return self.root.joinpath(*checked_name(name).split("/"))
 
     def put(self, name: str, chunks: Iterable[bytes]) -> int:
         path = self._path(name)
@@ -115,5 +123,14 @@ def open_store(url: str) -> FileStore:
             raise ValueError(f"files_url: a file:// URL names a local directory, got {url!r}")
         return DirectoryStore(unquote(parts.path))
     if parts.scheme == "s3":
-        raise ValueError("files_url: s3:// is not available in this build")
+        if not parts.netloc:
+            raise ValueError(f"files_url: an s3:// URL names a bucket, got {url!r}")
+        from tokenfleet.shared.s3_store import S3Store  # boto3 only where s3:// is used
+        return S3Store(parts.netloc, unquote(parts.path))
     raise ValueError(f"files_url must be file:///dir or s3://bucket/prefix, got {url!r}")
+
+
+@functools.lru_cache(maxsize=16)
+def store_for(url: str) -> FileStore:
+    """The store of ``url``, made once per process (stores are thread-safe)."""
+    return open_store(url)

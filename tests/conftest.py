@@ -21,7 +21,8 @@ import redis
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).parent))
 
-from helpers import RedisClusterServers, RedisServer, own_redis, wait_until  # noqa: E402,F401
+from helpers import (  # noqa: E402,F401
+    S3_BUCKET, MotoS3Server, RedisClusterServers, RedisServer, own_redis, s3_env, wait_until)
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -67,6 +68,24 @@ def redis_nodes(redis_backend: RedisServer | RedisClusterServers) -> list[RedisS
 @pytest.fixture(scope="session")
 def redis_url(redis_backend: RedisServer | RedisClusterServers) -> str:
     return redis_backend.url
+
+
+@pytest.fixture(scope="session")
+def s3_server() -> Iterator[str]:
+    """The endpoint URL of moto's S3 on a free port, with the bucket ``S3_BUCKET``
+    (``helpers.s3_client(url)`` reads it, ``helpers.s3_env(url)`` points boto3 at it)."""
+    server = MotoS3Server()
+    yield server.url
+    server.close()
+
+
+@pytest.fixture
+def s3_url(s3_server: str, monkeypatch: pytest.MonkeyPatch) -> str:
+    """A ``TOKENFLEET_FILES_URL`` on moto's S3 (a fresh prefix per test), with boto3's
+    environment pointing at it for the test's length."""
+    for name, value in s3_env(s3_server).items():
+        monkeypatch.setenv(name, value)
+    return f"s3://{S3_BUCKET}/t{uuid.uuid4().hex[:10]}"
 
 
 @pytest.fixture

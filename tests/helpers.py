@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import shutil
+import socket
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -317,3 +320,54 @@ def _pings(client: redis.Redis) -> bool:
         return bool(client.ping())
     except redis.exceptions.ConnectionError:
         return False
+
+
+class MotoS3Server:
+    """moto's S3 in a process of its own on a free port (so a test's tracemalloc
+    sees only the client's memory), with one bucket, :data:`S3_BUCKET`.
+
+    S3 asks 5 MiB of every multipart part but the last; this server asks
+    ``min_part_bytes``, so that a test can use small parts and small objects."""
+
+    def __init__(self, min_part_bytes: int = 1 << 20) -> None:
+        self.port = free_port()
+        env = {**os.environ, "S3_UPLOAD_PART_MIN_SIZE": str(min_part_bytes)}
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)],
+            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        wait_until(self._listens, timeout=30, what="moto's S3 server to listen")
+        s3_client(self.url).create_bucket(Bucket=S3_BUCKET)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def _listens(self) -> bool:
+        if self.proc.poll() is not None:
+            raise RuntimeError(f"moto's S3 server exited with {self.proc.returncode}")
+        with socket.socket() as sock:
+            return sock.connect_ex(("127.0.0.1", self.port)) == 0
+
+    def close(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(timeout=10)
+
+
+S3_BUCKET = "tokenfleet-test"
+S3_CREDENTIALS = {"aws_access_key_id": "testing", "aws_secret_access_key": "testing",
+                  "region_name": "us-east-1"}
+
+
+def s3_client(endpoint_url: str) -> Any:
+    """A boto3 S3 client of the test server at ``endpoint_url`` (the ``s3_server`` fixture)."""
+    import boto3
+
+    return boto3.session.Session().client("s3", endpoint_url=endpoint_url, **S3_CREDENTIALS)
+
+
+def s3_env(endpoint_url: str) -> dict[str, str]:
+    """The environment in which boto3 finds the test server, as a deployment sets it."""
+    return {"AWS_ENDPOINT_URL_S3": endpoint_url,
+            "AWS_ACCESS_KEY_ID": S3_CREDENTIALS["aws_access_key_id"],
+            "AWS_SECRET_ACCESS_KEY": S3_CREDENTIALS["aws_secret_access_key"],
+            "AWS_DEFAULT_REGION": S3_CREDENTIALS["region_name"]}

@@ -124,10 +124,12 @@ def test_the_build_context_holds_what_the_stages_copy(targets: dict[str, Stage])
     assert ignored(".venv/bin/python", patterns) and ignored("tests/conftest.py", patterns)
 
 
-def test_the_gateway_image_runs_the_metrics_exporter(targets: dict[str, Stage]) -> None:
-    """deploy/kubernetes/components/metrics-exporter runs it from the gateway image."""
+def test_the_gateway_image_runs_the_metrics_exporter_and_reads_s3(
+        targets: dict[str, Stage]) -> None:
+    """deploy/kubernetes/components/metrics-exporter runs it from the gateway image;
+    its files may live on S3 (TOKENFLEET_FILES_URL=s3://...)."""
     install = next(rest for name, rest in targets["gateway"].instructions
                    if name == "RUN" and "requirements.py" in rest)
-    assert install.split(">")[0].split()[-2:] == ["gateway", "exporter"]
-    names = {line.split(">")[0] for line in requirements(PROJECT, ["gateway", "exporter"])}
-    assert "prometheus-client" in names
+    assert install.split(">")[0].split()[-3:] == ["gateway", "exporter", "s3"]
+    names = {line.split(">")[0] for line in requirements(PROJECT, ["gateway", "exporter", "s3"])}
+    assert {"prometheus-client", "boto3", "python-multipart"} <= names

@@ -39,9 +39,18 @@ def own_redis() -> Iterator[RedisServer]:
     server.close()
 
 
+# The test's own connections carry this name: the counter is used from the
+# sampling thread and the test's at once, so it may hold two, not one.
+COUNTER = "pool-test-counter"
+
+
+def counter_for(url: str) -> redis.Redis:
+    return redis.Redis.from_url(url, client_name=COUNTER)
+
+
 def gateway_connections(counter: redis.Redis) -> int:
     """The connections open on the test's own Redis, the counter's own left out."""
-    return len(counter.client_list()) - 1
+    return sum(1 for client in counter.client_list() if client.get("name") != COUNTER)
 
 
 class PeakCounter:
@@ -91,7 +100,7 @@ def busy(status: int, head: bytes, body: bytes) -> bool:
 def test_a_spike_of_requests_waits_for_the_bounded_pool_and_leaves_only_the_idle_pool(
     gateway: Any, own_redis: RedisServer, settings: Any, report: dict[str, Any]
 ) -> None:
-    counter = redis.Redis.from_url(own_redis.url)
+    counter = counter_for(own_redis.url)
     pin_live_worker(counter, settings.namespace, WAITING)
     http = gateway(redis_url=own_redis.url, gateway_redis_connections=CONNECTIONS)
     known = http.post("/v1/jobs", json={"prompt": "read me", "model": WAITING}).json()["id"]
@@ -151,7 +160,7 @@ def test_a_spike_of_event_streams_shares_the_bounded_pool_and_leaves_only_its_su
 ) -> None:
     from tokenfleet import FleetClient
 
-    counter = redis.Redis.from_url(own_redis.url)
+    counter = counter_for(own_redis.url)
     pin_live_worker(counter, settings.namespace, WAITING)
     on_own = settings.model_copy(update={"redis_url": own_redis.url})
     with FleetClient(settings=on_own) as client:  # closed before the count starts
@@ -195,7 +204,7 @@ def test_a_spike_of_event_streams_shares_the_bounded_pool_and_leaves_only_its_su
 def test_a_request_that_finds_no_connection_free_in_time_is_a_503_busy_with_retry_after(
     gateway: Any, own_redis: RedisServer, settings: Any
 ) -> None:
-    counter = redis.Redis.from_url(own_redis.url)
+    counter = counter_for(own_redis.url)
     pin_live_worker(counter, settings.namespace, WAITING)
     http = gateway(redis_url=own_redis.url, gateway_redis_connections=2, gateway_redis_wait_s=0.5)
     job = orjson.dumps({"prompt": "held", "model": WAITING})

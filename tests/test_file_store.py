@@ -1,0 +1,131 @@
+"""The file store, on a directory and on S3 (moto's, on a free port): the same
+contract from both, whole objects or none, and memory bounded whatever the size."""
+
+from __future__ import annotations
+
+import tracemalloc
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tokenfleet.shared.file_store import DirectoryStore, FileStore, open_store, read_lines, store_for
+from tokenfleet.shared.s3_store import S3Store
+
+from helpers import S3_BUCKET, s3_client
+
+pytestmark = pytest.mark.timeout(60)
+
+PART = 1 << 20  # small parts (the test server allows them), so that 20 MB is many
+
+
+@pytest.fixture(params=["directory", "s3"])
+def store(request: pytest.FixtureRequest, tmp_path: Path) -> FileStore:
+    if request.param == "directory":
+        return DirectoryStore(tmp_path / "files")
+    endpoint: str = request.getfixturevalue("s3_server")
+    return S3Store(S3_BUCKET, f"t{uuid.uuid4().hex[:10]}", client=s3_client(endpoint),
+                   part_bytes=PART)
+
+
+def blocks(total: int, size: int = 64 << 10, fail_after: int | None = None) -> Iterator[bytes]:
+    """``total`` bytes in chunks of ``size`` (one object, yielded again and again,
+    so the source itself allocates nothing); raises after ``fail_after`` bytes."""
+    block = b"x" * (size - 1) + b"\n"
+    sent = 0
+    while sent < total:
+        if fail_after is not None and sent >= fail_after:
+            raise OSError("the client went away")
+        yield block
+        sent += size
+
+
+def test_an_object_reads_back_as_written_and_is_gone_once_deleted(store: FileStore) -> None:
+    assert store.put("files/a", [b'{"n": 1}\n', b'{"n"', b": 2}"]) == 17
+    assert store.exists("files/a")
+    assert b"".join(store.read("files/a")) == b'{"n": 1}\n{"n": 2}'
+    assert list(read_lines(store, "files/a")) == [b'{"n": 1}', b'{"n": 2}']
+    assert store.put("files/a", [b"new"]) == 3  # replaced whole
+    assert b"".join(store.read("files/a")) == b"new"
+    store.delete("files/a")
+    store.delete("files/a")  # a second delete is no error
+    assert not store.exists("files/a")
+
+
+def test_an_empty_object_is_an_object(store: FileStore) -> None:
+    assert store.put("empty", []) == 0
+    assert store.exists("empty") and b"".join(store.read("empty")) == b""
+
+
+def test_deleting_a_folder_name_deletes_what_is_under_it(store: FileStore) -> None:
+    for name in ("batches/b1/output", "batches/b1/errors", "batches/b2/output"):
+        store.put(name, [name.encode()])
+    store.delete("batches/b1")
+    assert not store.exists("batches/b1/output") and not store.exists("batches/b1/errors")
+    assert store.exists("batches/b2/output")
+
+
+def test_reading_a_missing_object_raises_at_the_call(store: FileStore) -> None:
+    with pytest.raises(FileNotFoundError):
+        store.read("files/never")
+    assert not store.exists("files/never")
+
+
+@pytest.mark.parametrize("name", ["", "/a", "a//b", "../a", "a/./b"])
+def test_a_name_that_could_leave_the_store_is_refused(store: FileStore, name: str) -> None:
+    with pytest.raises(ValueError, match="not a store name"):
+        store.put(name, [b"x"])
+
+
+def test_a_refused_upload_leaves_nothing(store: FileStore, tmp_path: Path) -> None:
+    # Past several parts, so that S3's multipart upload has begun.
+    with pytest.raises(OSError, match="went away"):
+        store.put("files/broken", blocks(8 * PART, fail_after=3 * PART))
+    assert not store.exists("files/broken")
+    if isinstance(store, S3Store):  # no parts kept (and billed) by the storage
+        uploads = store.client.list_multipart_uploads(Bucket=S3_BUCKET, Prefix=store.prefix)
+        assert uploads.get("Uploads", []) == []
+    else:
+        assert [p.name for p in (tmp_path / "files" / "files").iterdir()] == []
+
+
+def test_a_20_mb_object_streams_through_in_bounded_memory(store: FileStore) -> None:
+    total = 20 * 1000 * 1000
+    tracemalloc.start()
+    try:
+        base = tracemalloc.get_traced_memory()[0]
+        assert store.put("files/big", blocks(total)) >= total
+        put_peak = tracemalloc.get_traced_memory()[1] - base
+        tracemalloc.reset_peak()
+        base = tracemalloc.get_traced_memory()[0]
+        read = sum(len(chunk) for chunk in store.read("files/big"))
+        read_peak = tracemalloc.get_traced_memory()[1] - base
+    finally:
+        tracemalloc.stop()
+    assert read >= total
+    # A part and its copy on the way out, a read chunk: a few MiB, not 20 MB.
+    assert put_peak < 5 * PART, put_peak
+    assert read_peak < 5 * PART, read_peak
+
+
+def test_an_s3_url_opens_the_s3_store_at_its_prefix(s3_url: str) -> None:
+    store = open_store(s3_url + "/inner/")
+    assert isinstance(store, S3Store)
+    assert store.bucket == S3_BUCKET and store.prefix.endswith("/inner/")
+    store.put("files/a", [b"hello"])
+    key = store.prefix + "files/a"
+    assert store.client.get_object(Bucket=S3_BUCKET, Key=key)["Body"].read() == b"hello"
+
+
+def test_store_for_gives_one_store_per_url(tmp_path: Path, s3_url: str) -> None:
+    url = (tmp_path / "files").as_uri()
+    assert store_for(url) is store_for(url)
+    assert store_for(s3_url) is store_for(s3_url) is not store_for(url)
+
+
+@pytest.mark.parametrize("url", ["s3://", "ftp://host/dir", "file://elsewhere/dir"])
+def test_a_files_url_of_another_kind_is_refused(url: str) -> None:
+    with pytest.raises(ValueError, match="files_url"):
+        open_store(url)
+
