@@ -8,12 +8,9 @@
 - OpenAI-compatible ``POST /v1/completions`` (``tokenfleet.openai_compat``),
   ``POST /v1/chat/completions`` (``tokenfleet.openai_chat``), ``GET /v1/models`` and
   ``GET /v1/models/{id}`` (the queues live workers serve, and the declared ones);
-<<<<<<< HEAD
 - OpenAI-compatible ``/v1/batches`` (``tokenfleet.openai_batches``), whose
   lines every gateway's batch driver runs;
-=======
 - OpenAI's Files API, ``/v1/files`` (``tokenfleet.openai_files``);
->>>>>>> main
 - ``GET /healthz`` (live) and ``GET /readyz`` (ready): ``tokenfleet.gateway_health``.
 
 Every route but ``/healthz`` asks for an API key once any exists
@@ -48,11 +45,7 @@ from redis.exceptions import MaxConnectionsError
 from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-<<<<<<< HEAD
-from tokenfleet import openai_batches, openai_chat, openai_compat, sse
-=======
-from tokenfleet import openai_chat, openai_compat, openai_files, sse
->>>>>>> main
+from tokenfleet import openai_batches, openai_chat, openai_compat, openai_files, sse
 from tokenfleet.aio import AsyncFleetClient
 from tokenfleet.auth import Authenticate, announce, caller, unauthorized
 from tokenfleet.gateway_health import HEALTH_TIMEOUT_S, GatewayServer
@@ -172,11 +165,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     app = FastAPI(title="tokenfleet gateway", lifespan=lifespan)
     app.include_router(router)
-<<<<<<< HEAD
     app.include_router(openai_batches.router)
-=======
     app.include_router(openai_files.router)
->>>>>>> main
     app.include_router(health_router)
     app.add_middleware(BodyDeadline, timeout_s=settings.body_timeout_s)
     app.add_middleware(CountRefusals)  # inside Authenticate: it reads the key it set
@@ -242,13 +232,8 @@ async def _handled(scope: Any, exc: Exception) -> Response:
 
 
 def _openai_path(path: str) -> bool:
-<<<<<<< HEAD
-    return (path in ("/v1/completions", "/v1/chat/completions")
-            or path.startswith(("/v1/models", "/v1/batches")))
-=======
     """Every route but the jobs API (the gateway's own) is OpenAI's, and answers in its shape."""
     return not (path == "/v1/jobs" or path.startswith("/v1/jobs/"))
->>>>>>> main
 
 
 def _error(request: Request, refusal: Refusal, message: str, *, param: str | None = None,
