@@ -260,6 +260,8 @@ class BatchDriver:
         ended = [i for i, _ in out + err]
         await self._record_done(batch_id, out, err, ended=ended, tokens=tokens)
         await self._let_go(batch_id, {i: running[i] for i in ended})
+        for index in ended:  # written: its checked request is needed no more
+            feeding.made.pop(index, None)
 
     async def _record_done(self, batch_id: str, out: list[tuple[int, bytes]],
                            err: list[tuple[int, bytes]], *, ended: list[int],
