@@ -8,7 +8,7 @@ process and children, /proc) and Redis's ``used_memory`` are sampled every
 0.5 s; prints the peaks (and the figures before the upload) per N.
 
 ``throughput``: the same N requests as a batch, and submitted one by one at
-once (``AsyncFleetClient.submit`` of each, all gathered, then each waited),
+once (``AsyncFleetClient.submit`` of each, all gathered, their records polled),
 alternately, ``--repeat`` times each on one fleet; prints the medians of
 lines/s and their ratio.
 
@@ -195,16 +195,24 @@ def key_kinds(redis_url: str) -> Counter[str]:
 
 
 async def one_by_one(f: Fleet, n: int, max_tokens: int, tag: str) -> float:
-    """Every request submitted at once (gathered), then each waited: seconds."""
+    """Every request submitted at once (gathered), then their records polled
+    every 0.1 s (as the batch's status is) until all ended: seconds."""
     async with AsyncFleetClient(f.redis_url, namespace=f.namespace) as client:
         started = time.perf_counter()
         ids = await asyncio.gather(*(client.submit(f"{tag} {prompt(i)}", max_new_tokens=max_tokens)
                                      for i in range(n)))
-        states = await asyncio.gather(*(client.wait(j, timeout=600) for j in ids))
+        while True:
+            pipe = client.redis.pipeline(transaction=False)
+            for job_id in ids:
+                pipe.hget(client.keys.job(job_id), "status")
+            statuses = await pipe.execute()
+            if all(s not in (None, b"queued", b"running") for s in statuses):
+                break
+            await asyncio.sleep(0.1)
         elapsed = time.perf_counter() - started
-    failed = [s for s in states if s.status.value != "succeeded"]
+    failed = [s for s in statuses if s != b"succeeded"]
     if failed:
-        raise RuntimeError(f"{len(failed)} jobs did not succeed: {failed[0]}")
+        raise RuntimeError(f"{len(failed)} jobs did not succeed: {failed[0]!r}")
     return elapsed
 
 
