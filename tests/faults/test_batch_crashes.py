@@ -17,7 +17,7 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import httpx
 import openai
@@ -48,7 +48,8 @@ class GatewayProc:
     def __init__(self, settings: Any, files: Path) -> None:
         self.port = free_port()
         env = {**os.environ, "TOKENFLEET_REDIS_URL": settings.redis_url,
-               "TOKENFLEET_NAMESPACE": settings.namespace, "TOKENFLEET_FILES_URL": f"file://{files}",
+               "TOKENFLEET_NAMESPACE": settings.namespace,
+               "TOKENFLEET_FILES_URL": f"file://{files}",
                "TOKENFLEET_GATEWAY_AUTH": "off", "TOKENFLEET_BLOCK_MS": "20",
                "PYTHONUNBUFFERED": "1"}
         self.log = tempfile.NamedTemporaryFile(prefix="gateway-", suffix=".log", delete=False)
@@ -130,7 +131,7 @@ def done_lines(r: redis.Redis, keys: Keys, batch_id: str) -> int:
 
 def lease_holder_pid(r: redis.Redis, keys: Keys, batch_id: str) -> int | None:
     """The pid in the lease holder's driver name (``host:pid:suffix``)."""
-    holder = r.get(keys.batch_lease(batch_id))
+    holder = cast(bytes | None, r.get(keys.batch_lease(batch_id)))
     return int(holder.decode().rsplit(":", 2)[1]) if holder else None
 
 
@@ -196,7 +197,8 @@ def test_a_500_line_batch_completes_through_the_fault_each_line_once(
     for job_id, line in jobs.items():
         body = line["response"]["body"]
         # Each token made once (its index published once), none missing.
-        assert made.get(job_id) == list(range(body["usage"]["completion_tokens"])), line["custom_id"]
+        tokens = body["usage"]["completion_tokens"]
+        assert made.get(job_id) == list(range(tokens)), line["custom_id"]
         assert body["choices"][0]["text"] == undisturbed[job(int(line["custom_id"][2:]))]
     assert tally.duplicated == 0
     # A written line's token log is gone: Redis keeps no batch's worth of logs.
