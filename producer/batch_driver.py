@@ -74,10 +74,11 @@ LEASE_MS = 20_000
 EXPIRY_GRACE_S = 10.0
 # Lines expired (or found invalid) are written in parts of this many.
 PART_LINES = 1000
-# Once a line's result is in a part, its job's record and token log are kept
-# this long (not the fleet's result TTL): the batch's files hold the result,
-# and a batch of 50,000 lines does not keep 50,000 records in Redis for a day.
-DONE_TTL_S = 300
+# Once a line's result is in a part, its job's record is kept this long (not
+# the fleet's result TTL) and its token log goes at once: the batch's files
+# hold the result. Redis then holds the lines of the last minute, not the
+# whole batch (a token log is about three quarters of a done line's bytes).
+DONE_TTL_S = 60
 
 Made = Completion | Chat
 
@@ -308,6 +309,8 @@ class BatchDriver:
         ended = [i for i, _ in out + err]
         await self._record_done(batch_id, out, err, ended=ended, tokens=tokens)
         await self._let_go(batch_id, {i: running[i] for i in ended})
+        for index in ended:  # written: its checked request is needed no more
+            feeding.made.pop(index, None)
 
     async def _record_done(self, batch_id: str, out: list[tuple[int, bytes]],
                            err: list[tuple[int, bytes]], *, ended: list[int],
@@ -340,15 +343,16 @@ class BatchDriver:
             await pipe.execute()
 
     async def _let_go(self, batch_id: str, jobs: dict[int, str]) -> None:
-        """The done lines' jobs expire soon, and their idempotency keys now: a
-        done line is never fed again (the next line to feed is past it)."""
+        """The done lines' records expire soon, and their token logs and
+        idempotency keys go now: a done line is never fed again (the next line
+        to feed is past it)."""
         if not jobs:
             return
         pipe = self.redis.pipeline(transaction=False)
         for index, job_id in jobs.items():
             job_keys = self.keys.of_job(job_id)
             pipe.expire(job_keys.job, DONE_TTL_S)
-            pipe.expire(job_keys.out, DONE_TTL_S)
+            pipe.delete(job_keys.out)
             model = job_model(job_id)
             if model is not None:
                 pipe.delete(self.keys.idempotency(model, batch_lines.job_key(batch_id, index)))
