@@ -136,6 +136,9 @@ def lease_holder_pid(r: redis.Redis, keys: Keys, batch_id: str) -> int | None:
 
 
 @pytest.mark.slow
+@pytest.mark.single_redis("tallies every job's channels by pattern, and a batch's job ids are "
+                          "not known before its driver makes them; a cluster's channels are "
+                          "shard channels, which take no pattern")
 @pytest.mark.parametrize("fault", ["worker_kill_9", "gateway_kill_9", "fleet_kill_9_10s"])
 def test_a_500_line_batch_completes_through_the_fault_each_line_once(
     fault: str, settings: Any, r: redis.Redis, celery_workers: Any, tally: ChannelTally,
