@@ -12,7 +12,7 @@ from typing import Annotated, Literal
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from tokenfleet.shared.keys import QUEUE_NAME_RULE, is_queue_name
+from tokenfleet.shared.keys import QUEUE_NAME_RULE, is_partition_name
 
 MAX_BATCH_LIMIT = 4096  # the largest max_batch a worker takes
 
@@ -270,8 +270,9 @@ class Settings(BaseSettings):
     @field_validator("queue")
     @classmethod
     def _queue_name(cls, value: str) -> str:
-        if not is_queue_name(value):
-            raise ValueError(f"queue must be {QUEUE_NAME_RULE}, got {value!r}")
+        if not is_partition_name(value):
+            raise ValueError(f"queue must be {QUEUE_NAME_RULE}, or one of its partitions "
+                             f"('<queue>#<p>'), got {value!r}")
         return value
 
 
