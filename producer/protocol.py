@@ -277,7 +277,8 @@ def cancel_call(job_id: str, record: list[bytes | None], keys: Keys,
     model, priority, tenant = (None if v is None else v.decode() for v in record)
     return client_scripts.cancel(
         # The job's partition (its id's queue part), whose keys it has.
-        keys, job_id=job_id, model=job_model(job_id) or model or "", priority=priority or "normal", tenant=tenant,
+        keys, job_id=job_id, model=job_model(job_id) or model or "",
+        priority=priority or "normal", tenant=tenant,
         now=now,
         result_ttl_s=settings.result_ttl_s,
         end_event=end_event(JobStatus.CANCELLED, FinishReason.CANCELLED, None))

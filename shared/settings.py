@@ -32,7 +32,8 @@ class Settings(BaseSettings):
         "What a worker serves: a built-in model (tiny, llama-86m, ...), a Hugging Face directory "
         "or a hub id."))
     queue: str = Field(default="default", description=(
-        "The queue a worker serves: the model= that clients submit to."))
+        "The queue a worker serves: the model= that clients submit to; of a queue with "
+        "partitions, one of them ('<queue>#<p>')."))
     device: str = Field(default="cpu", description=(
         "The torch device a worker runs on: cpu, or cuda (the GPUs pinned for its process)."))
     dtype: str = Field(default="auto", description=(
