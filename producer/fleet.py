@@ -73,8 +73,11 @@ def _summed(queue: str, parts: list[dict[str, Any]]) -> dict[str, Any]:
     """One queue's row from its partitions' (a queue of one partition: its own)."""
     if len(parts) == 1:
         return {**parts[0], "queue": queue}
+    # The queue's own name counts with them (a declared queue's, what it held
+    # before it had partitions), not as a partition.
     info: dict[str, Any] = {"queue": queue, "levels": dict.fromkeys(PRIORITIES, 0),
-                            "tenants": {}, "partitions": len(parts)}
+                            "tenants": {},
+                            "partitions": sum(1 for p in parts if p["queue"] != queue)}
     for name in ("depth", "lag", "pending", "backlog_tokens", "dead_letters"):
         info[name] = sum(p[name] for p in parts)
     waits = [p["oldest_wait_s"] for p in parts if p["oldest_wait_s"] is not None]

@@ -5,7 +5,8 @@ by workers of its own (``TOKENFLEET_QUEUE=<queue>#<p>``).
 - on a Redis Cluster of three masters, a queue of three partitions (one on each
   master) under 300 jobs: every job whole, and each master's share of the
   commands (``INFO commandstats``, before and after) within 15% of a third;
-- on one redis-server, the same queue: jobs spread over the partitions, the
+- on one redis-server, the same queue (made with ``tokenfleet queue create
+  --partitions``): jobs spread over the partitions, the
   same idempotency key lands on its first job, a queued job cancels, and
   ``status`` sums the partitions into one row;
 - a queue of one partition keeps its names: ids ``<queue>:<hex>``, keys ``{<queue>}``.
@@ -109,12 +110,27 @@ def single(redis_server: RedisServer, settings: Any) -> Iterator[Any]:
     yield settings.model_copy(update={"redis_url": redis_server.url})
 
 
+def cli(settings: Any, *args: str) -> Any:
+    from click.testing import CliRunner
+
+    from tokenfleet.shared.settings import get_settings
+    from tokenfleet.workers.cli import main
+
+    result = CliRunner().invoke(main, list(args), env={
+        "TOKENFLEET_REDIS_URL": settings.redis_url, "TOKENFLEET_NAMESPACE": settings.namespace})
+    get_settings.cache_clear()  # read under the runner's environment: not this process's
+    return result
+
+
 def test_a_partitioned_queue_on_one_redis(single: Any, start_worker: Any) -> None:
     keys = Keys(single.namespace)
     with FleetClient(settings=single) as client:
         r = client.redis
-        set_partitions(r, keys, "parts", PARTS)
+        made = cli(single, "queue", "create", "parts", "--partitions", str(PARTS))
+        assert made.exit_code == 0 and f"{PARTS} partitions" in made.output, made.output
         assert queue_partitions(r, keys, "parts") == PARTS
+        listed = cli(single, "queue", "list")
+        assert listed.output.count("parts") == 1, listed.output  # its partitions: one row
         # Queued ahead of the workers: one stays queued to be cancelled.
         ids = [client.submit(f"job {i}", model="parts", max_new_tokens=4, temperature=0.0,
                              require_worker=False) for i in range(30)]
