@@ -9,6 +9,8 @@ by workers of its own (``TOKENFLEET_QUEUE=<queue>#<p>``).
   --partitions``): jobs spread over the partitions, the
   same idempotency key lands on its first job, a queued job cancels, and
   ``status`` sums the partitions into one row;
+- a partition's worker killed with SIGKILL mid-run: its jobs are resumed by
+  the partition's next worker, each whole and ended once;
 - a queue of one partition keeps its names: ids ``<queue>:<hex>``, keys ``{<queue>}``.
 """
 
@@ -22,11 +24,12 @@ import redis
 
 from tokenfleet import FleetClient
 from tokenfleet.shared.declared import queue_partitions, set_partitions
-from tokenfleet.shared.keys import Keys, job_model, partitions_of
+from tokenfleet.shared.keys import GROUP, Keys, job_model, partitions_of
 from tokenfleet.shared.schemas import JobStatus
 from tokenfleet.shared.serialization import loads
 
-from helpers import RedisClusterServers, RedisServer, wait_until
+from helpers import (ChannelTally, RedisClusterServers, RedisServer, direct_greedy,
+                     wait_until)
 
 pytestmark = [pytest.mark.timeout(240)]
 
@@ -168,3 +171,40 @@ def test_a_queue_of_one_partition_keeps_its_names() -> None:
     assert keys.queue("default#2:high") == "ns:q:{default#2}:high"
     same = request.model_copy(update={"idempotency_key": "k"})
     assert len({pick_partition(same, 3) for _ in range(5)}) == 1
+
+
+def test_kill_9_of_a_partitions_worker_loses_nothing_and_runs_nothing_twice(
+    settings: Any, client: FleetClient, r: Any, start_worker: Any, celery_workers: Any,
+    loaded_tiny: Any,
+) -> None:
+    """A partition is a queue of its own: a worker of it killed mid-run, its
+    jobs are reclaimed and resumed by the partition's next worker, and the
+    other partition's worker never notices."""
+    keys = Keys.for_url(settings.namespace, settings.redis_url)
+    set_partitions(r, keys, "killed", 2)
+    first, second = partitions_of("killed", 2)
+    jobs = [(f"job {i} the value of a list", 30 + (i * 7) % 30) for i in range(24)]
+    ids = [client.submit(p, model="killed", max_new_tokens=n, temperature=0.0,
+                         require_worker=False) for p, n in jobs]
+    tally = ChannelTally(settings.redis_url, keys, ids)
+    victim = celery_workers("cpu@victim", TOKENFLEET_QUEUE=first, TOKENFLEET_MAX_BATCH="4")
+    start_worker("other@parts", queue=second)
+
+    def succeeded() -> int:
+        return sum(1 for j in ids if job_model(j) == first
+                   and r.hget(keys.job(j), "status") == b"succeeded")
+
+    wait_until(lambda: succeeded() >= 2, timeout=120,
+               what=f"2 jobs of {first} to finish before the kill")
+    in_flight = r.xpending(keys.queue(first), GROUP)["pending"]
+    victim.kill()  # SIGKILL: its pending entries stay with cpu@victim
+    start_worker("next@parts", queue=first, claim_idle_s=2)
+    states = [client.wait(j, timeout=120) for j in ids]
+    tally.wait_ended(ids, timeout=30)
+    tally.close()
+    assert [s.text for s in states] == direct_greedy(loaded_tiny, jobs)
+    assert all(whole(r, keys, j, s) for j, s in zip(ids, states))
+    assert in_flight > 0 and any(s.attempts > 1 for j, s in zip(ids, states)
+                                 if job_model(j) == first), "the kill hit no job in flight"
+    assert all(s.attempts == 1 for j, s in zip(ids, states) if job_model(j) == second)
+    assert tally.ends_not_once(ids) == {} and tally.duplicated == 0
