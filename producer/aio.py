@@ -29,7 +29,7 @@ from tokenfleet.protocol import (
     as_read,
     build_request,
     CANCEL_FIELDS,
-    KnownTenants,
+    KnownTenants, QueuePartitions,
     cancel_call,
     cancel_verdict,
     check_deadline,
@@ -83,6 +83,7 @@ class AsyncFleetClient:
         # Deadlines and liveness are judged on Redis's clock, not this host's.
         self.clock = FleetClock()
         self._tenants = KnownTenants()  # of each queue, for submit's depth
+        self._partitions = QueuePartitions()  # of each queue, where a job goes
 
     async def __aenter__(self) -> AsyncFleetClient:
         return self
@@ -114,7 +115,8 @@ class AsyncFleetClient:
         while True:  # again only when a tenant new to this client queued meanwhile
             sub = submission(request, self.keys, self.settings,
                              require_worker_for(require_worker, self.settings),
-                             now, prompt_tokens, self._tenants.of(request.model))
+                             now, prompt_tokens, self._tenants.of(request.model),
+                             await self.partitions(request.model), self._partitions.turn())
             result = await sub.call.run_async(self.redis)
             if not self._tenants.heard(request.model, result):
                 break
@@ -196,6 +198,14 @@ class AsyncFleetClient:
         """The ended batch's result lines: output, then errors, streamed; or in input
         order (held in memory to sort them: about the size of the result files)."""
         return batch_client.aresults(self, batch_id, order, tenant)
+
+    async def partitions(self, model: str) -> int:
+        """See ``FleetClient.partitions``."""
+        count = self._partitions.cached(model)
+        if count is None:
+            count = self._partitions.heard(model, await self.redis.get(
+                self.keys.partitions(model)))
+        return count
 
     async def served_queues(self) -> list[str]:
         """The queues at least one live worker serves now."""

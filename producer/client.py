@@ -25,7 +25,7 @@ from tokenfleet.protocol import (
     as_read,
     build_request,
     CANCEL_FIELDS,
-    KnownTenants,
+    KnownTenants, QueuePartitions,
     cancel_call,
     cancel_verdict,
     check_deadline,
@@ -74,6 +74,7 @@ class FleetClient:
         # Deadlines and liveness are judged on Redis's clock, not this host's.
         self.clock = FleetClock()
         self._tenants = KnownTenants()  # of each queue, for submit's depth
+        self._partitions = QueuePartitions()  # of each queue, where a job goes
 
     def __enter__(self) -> FleetClient:
         return self
@@ -125,7 +126,8 @@ class FleetClient:
         while True:  # again only when a tenant new to this client queued meanwhile
             sub = submission(request, self.keys, self.settings,
                              require_worker_for(require_worker, self.settings),
-                             now, prompt_tokens, self._tenants.of(request.model))
+                             now, prompt_tokens, self._tenants.of(request.model),
+                             self.partitions(request.model), self._partitions.turn())
             result = sub.call.run(self.redis)
             if not self._tenants.heard(request.model, result):
                 break
@@ -206,6 +208,14 @@ class FleetClient:
                                         namespace=self.keys.namespace) as client:
                 return await work(client)
         return asyncio.run(run())
+
+    def partitions(self, model: str) -> int:
+        """How many partitions queue ``model`` has (1: the queue itself), cached
+        for a few seconds (``tokenfleet queue create --partitions``)."""
+        count = self._partitions.cached(model)
+        if count is None:
+            count = self._partitions.heard(model, self.redis.get(self.keys.partitions(model)))
+        return count
 
     def served_queues(self) -> list[str]:
         """The queues at least one live worker serves now."""

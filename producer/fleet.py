@@ -14,8 +14,8 @@ from redis.exceptions import ResponseError
 from tokenfleet.shared.client_scripts import ExpireVerdict, expire, forget_queue
 from tokenfleet.shared.clock import redis_now
 from tokenfleet.shared.declared import declared_queues
-from tokenfleet.shared.keys import (DEFAULT_TENANT, GROUP, PRIORITIES, Keys, level_queue,
-                                    model_of)
+from tokenfleet.shared.keys import (DEFAULT_TENANT, GROUP, PRIORITIES, Keys, job_model,
+                                    level_queue, model_of, queue_of_partition)
 from tokenfleet.shared.liveness import live_since
 from tokenfleet.shared.schemas import (
     EXPIRED_ERROR,
@@ -36,13 +36,16 @@ def fleet_status(client: Any) -> dict[str, Any]:
     its keys. A declared queue (``tokenfleet queue create``) always shows, with
     its ``min_workers``: its pool may be scaled to zero. Every age and
     liveness is judged on Redis's clock, the one heartbeats and queue entry
-    ids are written on.
+    ids are written on. A partitioned queue's partitions are summed into one row.
     """
     r, keys = client.redis, client.keys
     now = redis_now(r)
     declared = {d.queue: d.min_workers for d in declared_queues(r, keys)}
     models = sorted({*queue_models(r, keys), *declared})
-    queues = [_queue(r, keys, model, now) for model in models]
+    parts: dict[str, list[dict[str, Any]]] = {}
+    for model in models:
+        parts.setdefault(queue_of_partition(model), []).append(_queue(r, keys, model, now))
+    queues = [_summed(name, found) for name, found in parts.items()]
     workers = []
     for raw in sorted(r.scan_iter(match=keys.workers_pattern(), count=500)):
         fields = {k.decode(): v.decode() for k, v in r.hgetall(raw).items()}
@@ -52,7 +55,8 @@ def fleet_status(client: Any) -> dict[str, Any]:
         workers.append({**_typed(fields), "stats": stats,
                         "age_s": round(now - float(fields.get("last_seen", now)), 2)})
     for q in queues:
-        q["workers"] = sum(1 for w in workers if w.get("queue") == q["queue"] and _live(w, now))
+        q["workers"] = sum(1 for w in workers if _live(w, now)
+                           and queue_of_partition(str(w.get("queue"))) == q["queue"])
         q["unserved"] = q["workers"] == 0
         q["min_workers"] = declared.get(q["queue"])  # None: not declared
     queues = [q for q in queues if q["min_workers"] is not None
@@ -63,6 +67,27 @@ def fleet_status(client: Any) -> dict[str, Any]:
         "tokens_per_s": round(sum(float(w["stats"].get("tokens_per_s", 0)) for w in workers), 2),
         "at": now,
     }
+
+
+def _summed(queue: str, parts: list[dict[str, Any]]) -> dict[str, Any]:
+    """One queue's row from its partitions' (a queue of one partition: its own)."""
+    if len(parts) == 1:
+        return {**parts[0], "queue": queue}
+    # The queue's own name counts with them (a declared queue's, what it held
+    # before it had partitions), not as a partition.
+    info: dict[str, Any] = {"queue": queue, "levels": dict.fromkeys(PRIORITIES, 0),
+                            "tenants": {},
+                            "partitions": sum(1 for p in parts if p["queue"] != queue)}
+    for name in ("depth", "lag", "pending", "backlog_tokens", "dead_letters"):
+        info[name] = sum(p[name] for p in parts)
+    waits = [p["oldest_wait_s"] for p in parts if p["oldest_wait_s"] is not None]
+    info["oldest_wait_s"] = max(waits) if waits else None
+    for p in parts:
+        for priority, depth in p["levels"].items():
+            info["levels"][priority] += depth
+        for tenant, depth in p["tenants"].items():
+            info["tenants"][tenant] = info["tenants"].get(tenant, 0) + depth
+    return info
 
 
 def _live(worker: dict[str, Any], now: float) -> bool:
@@ -112,7 +137,8 @@ def job_progress(client: Any, state: JobState) -> Progress:
     r, keys = client.redis, client.keys
     live = None
     if state.worker is not None:
-        until = r.zscore(keys.queue_workers(state.model), state.worker)
+        # The job's partition (its id's queue part) is where its worker beats.
+        until = r.zscore(keys.queue_workers(job_model(state.id) or state.model), state.worker)
         live = until is not None and until >= live_since(redis_now(r))
     events = [loads(fields[b"e"]) for _id, fields in r.xrange(keys.out(state.id))]
     return Progress(live, sum(len(e["token_ids"]) for e in events),

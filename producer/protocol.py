@@ -4,8 +4,10 @@ and how a job's token log and live channel become one ordered event sequence.
 
 from __future__ import annotations
 
+import random
 import time
 import uuid
+import zlib
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -15,7 +17,8 @@ from tokenfleet.shared import client_scripts
 from tokenfleet.shared.client_scripts import Admission, Asked, CancelVerdict, Submitted
 from tokenfleet.shared.errors import (IdempotencyConflict, InvalidRequest, JobNotFound,
                                       LimitExceeded, PromptTooLong, QueueFull)
-from tokenfleet.shared.keys import Keys, new_job_id
+from tokenfleet.shared.keys import (Keys, job_model, new_job_id, partition,
+                                    queue_of_partition)
 from tokenfleet.shared.limits import client_limits
 from tokenfleet.shared.redis_cluster import ChannelMoved
 from tokenfleet.shared.liveness import live_since
@@ -121,7 +124,8 @@ def require_worker_for(require_worker: bool | None, settings: Settings) -> bool:
 
 def submission(request: GenerationRequest, keys: Keys, settings: Settings,
                require_worker: bool, now: float, prompt_tokens: int | None = None,
-               tenants: tuple[str, ...] = ()) -> Submission:
+               tenants: tuple[str, ...] = (), partitions: int = 1,
+               turn: int = 0) -> Submission:
     """The submit.lua call for one request, made at ``now`` (Redis's clock: the
     one its deadline and the workers' heartbeats are judged by). With
     ``require_worker`` the script refuses a queue no live worker serves
@@ -129,10 +133,14 @@ def submission(request: GenerationRequest, keys: Keys, settings: Settings,
     client's limits and its queue's workers'; its prompt's tokens only where the
     caller counted them (``prompt_tokens``), else the worker that takes it
     counts them. ``tenants``: the queue's named tenants as the caller last
-    heard (the script answers TENANTS when it misses one: call again)."""
+    heard (the script answers TENANTS when it misses one: call again).
+    ``partitions``: how many the queue has (``QueuePartitions``); the job goes
+    to one of them (``pick_partition`` at ``turn``), whose name its id and keys
+    carry."""
     if request.prompt_token_ids is not None:
         prompt_tokens = len(request.prompt_token_ids)  # counted as given
-    job_id = new_job_id(request.model, uuid.uuid4().hex)
+    queue = pick_partition(request, partitions, turn)
+    job_id = new_job_id(queue, uuid.uuid4().hex)
     deadline_at = now + request.deadline_s if request.deadline_s else None
     entry = QueueEntry(job_id=job_id, request=request, created_at=now, deadline_at=deadline_at)
     request_json = request.model_dump_json()
@@ -154,7 +162,7 @@ def submission(request: GenerationRequest, keys: Keys, settings: Settings,
         record["webhook_url"] = request.webhook_url  # job_webhook.lua reads it at the end
     idem = request.idempotency_key
     return Submission(job_id, client_scripts.submit(
-        keys, job_id=job_id, model=request.model, priority=request.priority,
+        keys, job_id=job_id, model=queue, priority=request.priority,
         tenant=request.tenant, tenants=tenants,
         entry_json=entry.model_dump_json(), record=record, weight=backlog_weight(request),
         limits=client_limits(settings),
@@ -164,6 +172,49 @@ def submission(request: GenerationRequest, keys: Keys, settings: Settings,
         idempotency_ttl_s=settings.idempotency_ttl_s,
         fingerprint=request.fingerprint() if idem else "",
         live_since=live_since(now) if require_worker else None))
+
+
+def pick_partition(request: GenerationRequest, partitions: int, turn: int = 0) -> str:
+    """The partition a new job of ``request`` goes to: the client's ``turn``-th
+    (round-robin, so one client's jobs spread evenly, however few); one with an
+    idempotency key, the partition its key hashes to, where the key's record
+    is (a retry finds its first job)."""
+    if partitions <= 1:
+        return request.model
+    key = request.idempotency_key
+    index = zlib.crc32(key.encode()) if key is not None else turn
+    return partition(request.model, index % partitions, partitions)
+
+
+class QueuePartitions:
+    """How many partitions each queue has (``Keys.partitions``, none: one), as a
+    client last read them: read again after ``TTL_S``, so a client learns a
+    queue's new partitions within that time. And the client's turn: its jobs go
+    to the partitions in turn, from a random one (so clients do not all start
+    on the first)."""
+
+    TTL_S = 10.0
+
+    def __init__(self) -> None:
+        self._of: dict[str, tuple[int, float]] = {}
+        self._turn = random.getrandbits(16)
+
+    def cached(self, model: str) -> int | None:
+        found = self._of.get(model)
+        if found is None or time.monotonic() - found[1] > self.TTL_S:
+            return None
+        return found[0]
+
+    def heard(self, model: str, raw: bytes | str | None) -> int:
+        """Keep what Redis said (``GET`` of ``Keys.partitions``); the count."""
+        count = max(1, int(raw or 1))
+        self._of[model] = (count, time.monotonic())
+        return count
+
+    def turn(self) -> int:
+        """The next job's turn (``pick_partition``)."""
+        self._turn += 1
+        return self._turn
 
 
 class KnownTenants:
@@ -214,8 +265,10 @@ def submitted_id(result: Submitted, request: GenerationRequest,
 
 
 def served_queues(names: list[bytes], live_counts: list[int], keys: Keys) -> list[str]:
-    """Queue names from ``<ns>:served:<model>`` keys that have a live worker."""
-    return sorted(keys.served_model(name.decode()) for name, n in zip(names, live_counts) if n)
+    """Queue names from ``<ns>:served:<model>`` keys that have a live worker
+    (a partition's: its queue's name)."""
+    return sorted({queue_of_partition(keys.served_model(name.decode()))
+                   for name, n in zip(names, live_counts) if n})
 
 
 def cancel_call(job_id: str, record: list[bytes | None], keys: Keys,
@@ -225,7 +278,9 @@ def cancel_call(job_id: str, record: list[bytes | None], keys: Keys,
     ``now`` (Redis's clock)."""
     model, priority, tenant = (None if v is None else v.decode() for v in record)
     return client_scripts.cancel(
-        keys, job_id=job_id, model=model or "", priority=priority or "normal", tenant=tenant,
+        # The job's partition (its id's queue part), whose keys it has.
+        keys, job_id=job_id, model=job_model(job_id) or model or "",
+        priority=priority or "normal", tenant=tenant,
         now=now,
         result_ttl_s=settings.result_ttl_s,
         end_event=end_event(JobStatus.CANCELLED, FinishReason.CANCELLED, None))

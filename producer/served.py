@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tokenfleet.shared.declared import declared_queues_async
+from tokenfleet.shared.keys import partitions_of, queue_of_partition
 from tokenfleet.shared.liveness import live_since
 
 
@@ -41,8 +42,10 @@ class Served:
 async def served(client: Any, queue: str) -> Served | None:
     """The queue's live workers, or None if it has none."""
     since = live_since(await client.clock.aread(client.redis))
-    names = [name.decode() for name in
-             await client.redis.zrangebyscore(client.keys.queue_workers(queue), since, "+inf")]
+    # A partitioned queue's workers each serve a partition of it.
+    names = [name.decode() for part in partitions_of(queue, await client.partitions(queue))
+             for name in await client.redis.zrangebyscore(client.keys.queue_workers(part),
+                                                          since, "+inf")]
     if not names:
         return None
     pipe = client.redis.pipeline(transaction=False)
@@ -73,7 +76,7 @@ def _one_format(formats: set[str | None]) -> str | None:
 
 async def served_queues(client: Any) -> list[Served]:
     """Every queue with a live worker, by name."""
-    queues = {client.keys.served_model(key.decode())
+    queues = {queue_of_partition(client.keys.served_model(key.decode()))
               async for key in client.redis.scan_iter(match=client.keys.served_pattern(),
                                                        count=500)}
     found = [await served(client, queue) for queue in sorted(queues)]

@@ -13,6 +13,11 @@ them with the limit named. ``min_workers`` is the pool's floor as the operator
 set it (the ``ScaledObject``'s ``minReplicaCount``): shown by ``tokenfleet
 queue list`` and ``status`` and exported as a metric, so that a pool running
 below it can be seen; admission does not depend on it.
+
+A queue may have P partitions (``--partitions``, ``Keys.partitions``): each a
+queue of its own in Redis (``<queue>#<p>``, ``tokenfleet.shared.keys``), so one
+model's jobs spread over P hash slots, P nodes of a Redis Cluster. A partitioned
+queue's declaration is also each partition's, the key ``submit.lua`` reads.
 """
 
 from __future__ import annotations
@@ -20,7 +25,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from tokenfleet.shared.keys import QUEUE_NAME_RULE, Keys, is_queue_name
+from tokenfleet.shared.keys import (MAX_PARTITIONS, QUEUE_NAME_RULE, Keys, is_queue_name,
+                                    partitions_of)
 
 
 @dataclass(frozen=True)
@@ -35,24 +41,57 @@ def check_queue_name(queue: str) -> None:
         raise ValueError(f"queue name must be {QUEUE_NAME_RULE}, got {queue!r}")
 
 
-def declare(r: Any, keys: Keys, queue: str, min_workers: int, now: float) -> bool:
-    """Declare ``queue`` (or change its ``min_workers``); True if it was not declared before."""
+def declare(r: Any, keys: Keys, queue: str, min_workers: int, now: float,
+            partitions: int | None = None) -> bool:
+    """Declare ``queue`` (or change its ``min_workers``, and its ``partitions``
+    where given); True if it was not declared before."""
     check_queue_name(queue)
     if min_workers < 0:
         raise ValueError(f"min_workers must be 0 or more, got {min_workers}")
-    key = keys.declared(queue)
-    pipe = r.pipeline(transaction=True)  # one key: one slot on a Cluster too
-    # HSETNX keeps the first creation time when a declaration is changed.
-    pipe.hsetnx(key, "created_at", repr(now))
-    pipe.hset(key, "min_workers", min_workers)
-    new, _ = pipe.execute()
-    return bool(new)
+    if partitions is not None:
+        set_partitions(r, keys, queue, partitions)
+    count = queue_partitions(r, keys, queue)
+    new = False
+    # The queue's own declaration first (its creation time is the queue's), then
+    # its partitions': one key each, one slot each on a Cluster.
+    for name in dict.fromkeys([queue, *partitions_of(queue, count)]):
+        key = keys.declared(name)
+        pipe = r.pipeline(transaction=True)
+        # HSETNX keeps the first creation time when a declaration is changed.
+        pipe.hsetnx(key, "created_at", repr(now))
+        pipe.hset(key, "min_workers", min_workers)
+        made, _ = pipe.execute()
+        new = new or (name == queue and bool(made))
+    return new
+
+
+def set_partitions(r: Any, keys: Keys, queue: str, count: int) -> None:
+    """Give ``queue`` ``count`` partitions (1: none, the queue itself). Clients
+    learn it within ``QueuePartitions.TTL_S``; each partition needs a worker of
+    its own (``TOKENFLEET_QUEUE=<queue>#<p>``)."""
+    check_queue_name(queue)
+    if not 1 <= count <= MAX_PARTITIONS:
+        raise ValueError(f"partitions must be 1 to {MAX_PARTITIONS}, got {count}")
+    if count == 1:
+        r.delete(keys.partitions(queue))
+    else:
+        r.set(keys.partitions(queue), count)
+
+
+def queue_partitions(r: Any, keys: Keys, queue: str) -> int:
+    """How many partitions ``queue`` has (1: the queue itself)."""
+    return max(1, int(r.get(keys.partitions(queue)) or 1))
 
 
 def undeclare(r: Any, keys: Keys, queue: str) -> bool:
     """Take the declaration away (its queued jobs stay queued); True if there was one."""
     check_queue_name(queue)
-    return bool(r.delete(keys.declared(queue)))
+    parts = partitions_of(queue, queue_partitions(r, keys, queue))
+    found = bool(r.delete(keys.declared(queue)))
+    for name in parts:
+        if name != queue:
+            r.delete(keys.declared(name))
+    return found
 
 
 def _parsed(queue: str, fields: dict[bytes, bytes]) -> Declared | None:
@@ -64,15 +103,16 @@ def _parsed(queue: str, fields: dict[bytes, bytes]) -> Declared | None:
 
 def declared_queues(r: Any, keys: Keys) -> list[Declared]:
     """Every declared queue, by name."""
-    names = sorted(keys.declared_model(k.decode())
-                   for k in r.scan_iter(match=keys.declared_pattern(), count=500))
+    names = sorted(q for q in (keys.declared_model(k.decode())
+                               for k in r.scan_iter(match=keys.declared_pattern(), count=500))
+                   if is_queue_name(q))  # a partition's declaration is its queue's
     found = [_parsed(q, r.hgetall(keys.declared(q))) for q in names]
     return [d for d in found if d is not None]
 
 
 async def declared_queues_async(r: Any, keys: Keys) -> list[Declared]:
     """``declared_queues`` on an asyncio client."""
-    names = sorted([keys.declared_model(k.decode())
-                    async for k in r.scan_iter(match=keys.declared_pattern(), count=500)])
+    names = sorted([q async for k in r.scan_iter(match=keys.declared_pattern(), count=500)
+                    if is_queue_name(q := keys.declared_model(k.decode()))])
     found = [_parsed(q, await r.hgetall(keys.declared(q))) for q in names]
     return [d for d in found if d is not None]

@@ -42,6 +42,37 @@ def is_queue_name(name: str) -> bool:
     return QUEUE_NAME.fullmatch(name) is not None
 
 
+# A partition of a queue of P > 1 partitions: ``<queue>#<p>``, p from 0 to P - 1,
+# a queue of its own in every key (its hash tag is ``{<queue>#<p>}``, its jobs'
+# ids start ``<queue>#<p>:``), so P partitions spread one model over P slots. A
+# queue of one partition is the queue itself: its names are those it always had.
+# '#' is in no queue name, so a partition's tag never names another queue.
+PARTITION_NAME = re.compile(r"([A-Za-z0-9_.\-]{1,64})#(0|[1-9][0-9]{0,3})")
+# The most partitions a queue may have.
+MAX_PARTITIONS = 1024
+
+
+def is_partition_name(name: str) -> bool:
+    """A queue's name or one of its partitions' (``default``, ``default#2``)."""
+    return is_queue_name(name) or PARTITION_NAME.fullmatch(name) is not None
+
+
+def partition(model: str, index: int, count: int) -> str:
+    """The name of partition ``index`` of a queue of ``count`` partitions: the
+    queue's own name when it has one partition."""
+    return model if count <= 1 else f"{model}#{index}"
+
+
+def partitions_of(model: str, count: int) -> list[str]:
+    """Every partition of a queue of ``count`` partitions."""
+    return [partition(model, i, count) for i in range(max(1, count))]
+
+
+def queue_of_partition(name: str) -> str:
+    """The queue a partition belongs to (``default#2`` -> ``default``)."""
+    return name.partition("#")[0]
+
+
 # A tenant's name (``submit(tenant=...)``, an API key's tenant), checked with
 # fullmatch. No ':' in it: a tenant's streams are named '<level>:<tenant>'
 # (``level_queue``).
@@ -95,14 +126,16 @@ def model_of(level: str) -> str:
 
 
 def new_job_id(model: str, hex_id: str) -> str:
-    """A job's id: its queue, then a random part (``default:3f2a...``)."""
+    """A job's id: its queue (or partition), then a random part
+    (``default:3f2a...``, ``default#2:3f2a...``)."""
     return f"{model}:{hex_id}"
 
 
 def job_model(job_id: str) -> str | None:
-    """The queue a job id names, or None for an id that names none."""
+    """The queue (or partition: ``default#2``) a job id names, or None for an
+    id that names none."""
     model, sep, rest = job_id.partition(":")
-    return model if sep and rest and is_queue_name(model) else None
+    return model if sep and rest and is_partition_name(model) else None
 
 
 def job_id_in(name: str, prefix: str) -> str:
@@ -224,6 +257,11 @@ class Keys:
         ``submit.lua`` queues the model's jobs with no live worker, so the
         backlog that wakes a pool scaled to zero can form."""
         return f"{self.namespace}:declared:{{{model}}}"
+
+    def partitions(self, model: str) -> str:
+        """String: how many partitions the queue has (``tokenfleet queue create
+        --partitions``); none: one, the queue itself."""
+        return f"{self.namespace}:partitions:{{{model}}}"
 
     def declared_pattern(self) -> str:
         return f"{self.namespace}:declared:*"

@@ -12,7 +12,7 @@ from typing import Annotated, Literal
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from tokenfleet.shared.keys import QUEUE_NAME_RULE, is_queue_name
+from tokenfleet.shared.keys import QUEUE_NAME_RULE, is_partition_name
 
 MAX_BATCH_LIMIT = 4096  # the largest max_batch a worker takes
 
@@ -32,7 +32,8 @@ class Settings(BaseSettings):
         "What a worker serves: a built-in model (tiny, llama-86m, ...), a Hugging Face directory "
         "or a hub id."))
     queue: str = Field(default="default", description=(
-        "The queue a worker serves: the model= that clients submit to."))
+        "The queue a worker serves: the model= that clients submit to; of a queue with "
+        "partitions, one of them ('<queue>#<p>')."))
     device: str = Field(default="cpu", description=(
         "The torch device a worker runs on: cpu, or cuda (the GPUs pinned for its process)."))
     dtype: str = Field(default="auto", description=(
@@ -285,8 +286,9 @@ class Settings(BaseSettings):
     @field_validator("queue")
     @classmethod
     def _queue_name(cls, value: str) -> str:
-        if not is_queue_name(value):
-            raise ValueError(f"queue must be {QUEUE_NAME_RULE}, got {value!r}")
+        if not is_partition_name(value):
+            raise ValueError(f"queue must be {QUEUE_NAME_RULE}, or one of its partitions "
+                             f"('<queue>#<p>'), got {value!r}")
         return value
 
 

@@ -41,16 +41,23 @@ def queue() -> None:
 @click.argument("name", callback=_queue_name)
 @click.option("--min-workers", type=click.IntRange(min=0), default=0, show_default=True,
               help="the pool's floor (its ScaledObject's minReplicaCount), shown and exported")
+@click.option("--partitions", type=click.IntRange(min=1), default=None,
+              help="spread the queue over P partitions, each with workers of its own "
+                   "(TOKENFLEET_QUEUE=NAME#p); unchanged when not given, 1 at first")
 @redis_option
-def create(name: str, min_workers: int, redis_url: str | None) -> None:
-    """Declare NAME as served by an autoscaled pool (or change its --min-workers)."""
+def create(name: str, min_workers: int, partitions: int | None, redis_url: str | None) -> None:
+    """Declare NAME as served by an autoscaled pool (or change its --min-workers
+    or --partitions)."""
     from tokenfleet.shared.clock import redis_now
     from tokenfleet.shared.declared import declare
 
     with _client(redis_url) as client:
-        new = declare(client.redis, client.keys, name, min_workers, redis_now(client.redis))
-    click.echo(f"{'declared' if new else 'updated'} queue {name!r} (min workers {min_workers}): "
-               "submits queue its jobs with no live worker")
+        new = declare(client.redis, client.keys, name, min_workers, redis_now(client.redis),
+                      partitions)
+        count = client.partitions(name)
+    parts = f", {count} partitions" if count > 1 else ""
+    click.echo(f"{'declared' if new else 'updated'} queue {name!r} (min workers {min_workers}"
+               f"{parts}): submits queue its jobs with no live worker")
 
 
 @queue.command("list")

@@ -43,7 +43,8 @@ from redis.exceptions import RedisError
 
 from tokenfleet.shared import liveness
 from tokenfleet.shared.clock import FleetClock
-from tokenfleet.shared.keys import GROUP, PRIORITIES, Keys, level_priority, level_tenant
+from tokenfleet.shared.keys import (GROUP, PRIORITIES, Keys, level_priority, level_tenant,
+                                    partitions_of, queue_of_partition)
 from tokenfleet.shared.limits import worker_limits
 from tokenfleet.shared.redis_cluster import reread_slot_map
 from tokenfleet.shared.redis_conn import connect, node_client
@@ -182,6 +183,7 @@ class Worker:
         # Before any job's deadline is judged; from the queue's node, which this
         # worker cannot do without anyway (a Cluster's default node may be dead).
         self.clock.sync(node_client(self.redis, self.keys.queue(self.queue)))
+        self._check_partition()
         self.feeder.ensure_group()
         if self.settings.metrics_port and not self.status.serving:
             self.status.serve(self.settings.metrics_port)
@@ -191,6 +193,17 @@ class Worker:
         self.health.set(Phase.SERVING)
         log.info("worker %s serving queue %r (max batch %d, prefetch %d)",
                  self.name, self.queue, self.max_batch, self.settings.prefetch)
+
+    def _check_partition(self) -> None:
+        """Warn when this worker's queue takes no jobs: a queue of P > 1
+        partitions queues them in its partitions only (``<queue>#<p>``)."""
+        queue = queue_of_partition(self.queue)
+        count = max(1, int(self.redis.get(self.keys.partitions(queue)) or 1))
+        if self.queue not in partitions_of(queue, count):
+            log.warning("queue %r has %d partitions (%s): no job is queued for %r; serve "
+                        "one with TOKENFLEET_QUEUE=%s", queue, count,
+                        ", ".join(partitions_of(queue, count)), self.queue,
+                        partitions_of(queue, count)[0])
 
     def stop(self, grace_s: float | None = None) -> None:
         """Stop the worker: the one way its threads and its metrics server end.
