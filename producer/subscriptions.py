@@ -39,6 +39,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from tokenfleet.shared.compat.redis_py import shard_pubsub_command
 from tokenfleet.shared.redis_conn import left_node, ready
 
 log = logging.getLogger(__name__)
@@ -196,7 +197,7 @@ class Subscriptions:
         for channel in channels:
             by_slot.setdefault(key_slot(channel), []).append(channel)
         for same_slot in by_slot.values():
-            await getattr(self._pubsub, f"s{verb}")(*same_slot)
+            await shard_pubsub_command(self._pubsub, f"s{verb}", *same_slot)
 
     def _ensure_reader(self) -> None:
         # Started after the first subscribe: reading needs the connection it opens.

@@ -13,6 +13,9 @@
   command met an error, not when a pub/sub lost its node.
 - Telling apart, by its text, the error of an asyncio connection another task
   closed before a command was written on it.
+- SSUBSCRIBE and SUNSUBSCRIBE on an asyncio ``PubSub``: its methods for them
+  came with redis-py 8.0; before, the command itself is sent, whose replies the
+  ``PubSub`` passes on as they come ('ssubscribe', 'smessage', 'sunsubscribe').
 """
 
 from __future__ import annotations
@@ -98,6 +101,22 @@ def refresh_slot_map(client: redis.cluster.RedisCluster) -> None:
 async def refresh_slot_map_async(client: aiocluster.RedisCluster) -> None:
     """:func:`refresh_slot_map` for an asyncio cluster client."""
     await client.nodes_manager.initialize()
+
+
+async def shard_pubsub_command(pubsub: Any, verb: str, *channels: bytes) -> None:
+    """``verb`` ('ssubscribe' or 'sunsubscribe') ``channels`` on an asyncio
+    ``PubSub``, with redis-py's method where it has one (from 8.0)."""
+    method = getattr(pubsub, verb, None)
+    if method is not None:
+        await method(*channels)
+        return
+    # As redis-py's execute_command, but with no health check before: the
+    # PubSub, knowing no shard channel, takes the connection for an idle one
+    # and would read the PING's reply off it, where messages may come first.
+    await pubsub.connect()
+    connection = pubsub.connection
+    await pubsub._execute(connection, connection.send_command, verb.upper(), *channels,
+                          check_health=False)
 
 
 # What redis-py's asyncio connection raises when a command is written on a
