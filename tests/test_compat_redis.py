@@ -14,7 +14,8 @@ import redis.asyncio as aioredis
 from helpers import RedisClusterServers, RedisServer
 from tokenfleet.shared.compat.redis_py import (AsyncHookedCluster, HookedCluster,
                                                closed_under_write, refresh_slot_map,
-                                               refresh_slot_map_async, stream_read_keys)
+                                               refresh_slot_map_async, shard_pubsub_command,
+                                               stream_read_keys)
 from tokenfleet.shared.redis_url import node_url
 
 pytestmark = pytest.mark.timeout(120)
@@ -188,3 +189,27 @@ def test_a_write_on_a_closing_uvloop_transport_is_recognised(redis_server: Redis
 def test_other_errors_are_not_taken_for_a_closed_connection() -> None:
     assert not closed_under_write(AttributeError("'Foo' object has no attribute 'bar'"))
     assert not closed_under_write(ValueError("the handler is closed"))
+
+
+async def test_an_asyncio_pubsub_subscribes_a_shard_channel(redis_server: RedisServer) -> None:
+    client = aioredis.Redis(port=redis_server.port, health_check_interval=30)
+    pubsub = client.pubsub()
+
+    async def next_message() -> dict[str, Any]:
+        async with asyncio.timeout(10):
+            while (message := await pubsub.get_message(timeout=1.0)) is None:
+                pass
+        return dict(message)
+
+    try:
+        await shard_pubsub_command(pubsub, "ssubscribe", b"compat:shard")
+        assert (await next_message())["type"] == "ssubscribe"
+        await client.spublish("compat:shard", "hello")
+        message = await next_message()
+        assert (message["type"], message["channel"], message["data"]) == (
+            "smessage", b"compat:shard", b"hello")
+        await shard_pubsub_command(pubsub, "sunsubscribe", b"compat:shard")
+        assert (await next_message())["type"] == "sunsubscribe"
+    finally:
+        await pubsub.aclose()
+        await client.aclose()
