@@ -88,6 +88,7 @@ class Subscriptions:
         self._keeper: asyncio.Task[None] | None = None
         self._reader: asyncio.Task[None] | None = None
         self._read_from: Any = None  # the pub/sub the reader reads
+        self._reconnected: Any = None  # a shard node's pub/sub whose connection connected again
         self._closed = False
 
     @contextlib.asynccontextmanager
@@ -205,7 +206,17 @@ class Subscriptions:
         # its own (the old reader ends by itself).
         if self._reader is None or self._reader.done() or self._read_from is not self._pubsub:
             self._read_from = self._pubsub
+            if self._sharded:  # connected now; only a reconnect calls it
+                self._pubsub.connection.register_connect_callback(self._seen_reconnect)
             self._reader = asyncio.get_running_loop().create_task(self._read())
+
+    def _seen_reconnect(self, connection: Any) -> None:
+        """A shard node's pub/sub connected again, inside redis-py's retry of a
+        read or a command: before 8.0 redis-py subscribes none of its shard
+        channels again, so they would go quiet; from 8.0 all of them in one
+        SSUBSCRIBE, which Redis refuses across slots. The reader makes them move."""
+        if self._pubsub is not None and self._pubsub.connection is connection:
+            self._reconnected = self._pubsub
 
     async def _read(self) -> None:
         backoff = BACKOFF_S[0]
@@ -252,6 +263,10 @@ class Subscriptions:
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, BACKOFF_S[1])
                 continue
+            if self._reconnected is pubsub:
+                log.warning("shard pub/sub reconnected; its channels move")
+                await self._leave_shard_node()
+                return
             if message is not None and (moved := self._take(message)):
                 await self._tell_moved(moved)
 
