@@ -22,8 +22,9 @@ On a Redis Cluster the per-job channels are shard channels: one such object
 per node (``shard_subscriptions``) subscribes with SSUBSCRIBE to the channels
 whose slots that node serves. When a channel leaves its node (the node
 unsubscribes it: a failover, a resharding; or the connection to the node is
-lost, or it answers MOVED), its listeners find ``MOVED`` on their queue: they
-listen again, on the node that serves it now, and re-read the job's log.
+lost, or connects again, or it answers MOVED), its listeners find ``MOVED`` on
+their queue: they listen again, on the node that serves it now, and re-read the
+job's log.
 """
 
 from __future__ import annotations
