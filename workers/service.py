@@ -83,6 +83,8 @@ STEPS_AHEAD = 2
 # by default, half of a 10 ms GPU step): the engine thread, back from a step
 # that released the GIL, waits this long at most while the output thread runs.
 GIL_SWITCH_S = 0.0005
+# How long a starting worker waits for its cancel listener before it serves anyway.
+CANCEL_LISTENER_WAIT_S = 10.0
 
 
 class Worker:
@@ -159,6 +161,9 @@ class Worker:
         self._feeder_thread = _thread(lambda: self.feeder.run(self._stop_intake), "feeder")
         self._heartbeat_thread = _thread(self._heartbeat_loop, "heartbeat")
         self._cancel_thread = _thread(self._cancel_loop, "cancels")
+        # Set once the cancel listener is subscribed: a cancel is a publish, heard
+        # only by a listener already there, so no job starts before it is.
+        self._listening = threading.Event()
         self._stopper: threading.Thread | None = None  # runs ``stop`` after a failure
         # While steps raise: how many in a row and the last error (the heartbeat
         # shows it); "" once a step succeeds.
@@ -188,8 +193,14 @@ class Worker:
         if self.settings.metrics_port and not self.status.serving:
             self.status.serve(self.settings.metrics_port)
         sys.setswitchinterval(min(sys.getswitchinterval(), GIL_SWITCH_S))
+        self._cancel_thread.start()
+        if not self._listening.wait(CANCEL_LISTENER_WAIT_S):
+            log.warning("the cancel listener is not subscribed after %.0f s; serving anyway "
+                        "(a cancel of a running job may go unheard until it is)",
+                        CANCEL_LISTENER_WAIT_S)
         for thread in self.threads:
-            thread.start()
+            if thread is not self._cancel_thread:
+                thread.start()
         self.health.set(Phase.SERVING)
         log.info("worker %s serving queue %r (max batch %d, prefetch %d)",
                  self.name, self.queue, self.max_batch, self.settings.prefetch)
@@ -672,12 +683,17 @@ class Worker:
         # took its queue's node's place.
         queue_key = self.keys.queue(self.queue)
         while not self._stop_engine.is_set():
-            pubsub = node_client(self.redis, queue_key).pubsub(ignore_subscribe_messages=True)
+            pubsub = node_client(self.redis, queue_key).pubsub()
             try:
                 pubsub.subscribe(self.keys.cancels)
                 while not self._stop_engine.is_set():
                     message = pubsub.get_message(timeout=0.5)
-                    if message is not None:
+                    if message is None:
+                        continue
+                    if message["type"] == "subscribe":
+                        # From this reply on, every cancel reaches this listener.
+                        self._listening.set()
+                    elif message["type"] == "message":
                         self.cancel(message["data"].decode())
             except (RedisError, OSError) as exc:
                 log.warning("cancel listener lost redis (%s); resubscribing", exc)
