@@ -42,7 +42,7 @@ def a_prompt_of(tokenizer: Any, tokens: int) -> tuple[str, int]:
 def test_a_workers_max_queue_holds_a_client_that_allows_more(
         settings: Any, start_worker: Any, r: redis.Redis) -> None:
     worker = start_worker(max_queue=2)
-    worker.feeder.paused.set()  # nothing runs: the jobs stay queued
+    worker.paused.set()  # nothing runs: the jobs stay queued
     for client in (client_with(settings, max_queue=100_000), client_with(settings)):
         with client:
             while queued(r, settings) < 2:
@@ -94,7 +94,7 @@ def test_a_prompt_over_the_models_length_is_refused_at_submit_naming_the_model(
 def test_a_clients_stricter_settings_still_hold(
         settings: Any, start_worker: Any, r: redis.Redis) -> None:
     worker = start_worker()
-    worker.feeder.paused.set()
+    worker.paused.set()
     with client_with(settings, max_queue=1, max_prompt_tokens=5) as client:
         with pytest.raises(LimitExceeded) as refused:
             client.submit("a prompt", prompt_tokens=9, max_new_tokens=4)

@@ -35,7 +35,7 @@ def drain(state: Any) -> dict[str, Any]:
     worker = _engine(state)
     if worker is None:
         return {"error": "engine not started"}
-    worker.feeder.paused.set()
+    worker.paused.set()
     return {"ok": "draining"}
 
 
@@ -45,5 +45,5 @@ def resume(state: Any) -> dict[str, Any]:
     worker = _engine(state)
     if worker is None:
         return {"error": "engine not started"}
-    worker.feeder.paused.clear()
+    worker.paused.clear()
     return {"ok": "resumed"}

@@ -25,6 +25,11 @@ to its tenants by weighted virtual tokens served, counted fleet-wide in Redis
 (``fair.lua``); off, the default tenant's stream is read first and the others'
 in turn after it.
 
+Partitions: a feeder reads one partition of its queue (or the queue itself,
+of one partition). A worker serving a queue of P partitions runs P feeders,
+which read in turns against the worker's one count of credits
+(``tokenfleet.workers.shared_credits``).
+
 What it reads goes to the intake (``tokenfleet.workers.intake``), which owns,
 checks and hands over each entry.
 """
@@ -46,6 +51,7 @@ from tokenfleet.workers.fair_share import TenantStreams
 from tokenfleet.workers.intake import Intake
 from tokenfleet.workers.publisher import Publisher
 from tokenfleet.workers.sequence import Sequence
+from tokenfleet.workers.shared_credits import SharedCredits
 
 log = logging.getLogger(__name__)
 
@@ -80,6 +86,9 @@ class Feeder:
         credits: Callable[[], int],
         holds: Callable[[str], bool] = lambda job_id: False,
         batch_credits: Callable[[], int] = lambda: 0,
+        shared: SharedCredits | None = None,
+        paused: threading.Event | None = None,
+        slots_freed: threading.Event | None = None,
     ) -> None:
         self.redis = redis
         self.keys = keys
@@ -98,8 +107,11 @@ class Feeder:
         self.intake = Intake(redis, keys, settings, consumer, queue, admission, publisher,
                              sink, holds)
         self.take = self.intake.take
-        self.slots_freed = threading.Event()
-        self.paused = threading.Event()  # set: read nothing new (drain)
+        # The feeders of one worker's partitions share these: the credits they
+        # read against, the wake-up when slots free, the pause.
+        self.shared = shared or SharedCredits([queue])
+        self.slots_freed = slots_freed or threading.Event()
+        self.paused = paused or threading.Event()  # set: read nothing new (drain)
         self._last_reclaim = 0.0
 
     @property
@@ -125,7 +137,8 @@ class Feeder:
                 if starting or regroup:
                     self.ensure_group()
                 if starting:
-                    self._take_own_pending()
+                    with self.shared:
+                        self._take_own_pending()
                 starting = regroup = False
                 self._feed_once()
                 backoff = 0.05
@@ -149,22 +162,13 @@ class Feeder:
                 stop.wait(0.5)
 
     def _feed_once(self) -> None:
-        credits = self.credits()
-        if credits < self._least or self.paused.is_set():
+        with self.shared:
+            turn = self._read_turn()
+        if turn is None:
             self.slots_freed.wait(0.05)
             self.slots_freed.clear()
             return
-        now = time.monotonic()
-        if now - self._last_reclaim >= self.settings.claim_idle_s / 2:
-            self._last_reclaim = now
-            if self._reclaim(credits):
-                return
-        self.tenant_streams.refresh()
-        got = self._read_levels(self.turns.deal(credits), credits, LIVE_PRIORITIES)
-        # Asked after the live entries were handed over: they hold their slots now.
-        room = self.batch_credits()
-        if room > 0:
-            got += self._read_levels({BATCH: room}, room, (BATCH,))
+        got, room = turn
         if not got:
             # Nothing anywhere: block on every stream at once until something
             # comes (the batch level's only while a slot is free for it). A
@@ -174,6 +178,30 @@ class Feeder:
                                block=self.settings.block_ms)
             if not any(taken.values()):
                 self.tenant_streams.refresh(force=True)
+
+    def _read_turn(self) -> tuple[int, int] | None:
+        """This partition's turn at the credits: how many entries it read and the
+        batch level's room; None when too few credits are left (or paused)."""
+        credits = self.credits()
+        if credits < self._least or self.paused.is_set():
+            return None
+        credits = self.shared.share(self.queue, credits)
+        if credits <= 0:
+            return None  # the credits free now fall to other partitions
+        now = time.monotonic()
+        if now - self._last_reclaim >= self.settings.claim_idle_s / 2:
+            self._last_reclaim = now
+            if self._reclaim(credits):
+                self.shared.found(self.queue, 1)
+                return 1, 0
+        self.tenant_streams.refresh()
+        got = self._read_levels(self.turns.deal(credits), credits, LIVE_PRIORITIES)
+        # Asked after the live entries were handed over: they hold their slots now.
+        room = self.shared.share(self.queue, self.batch_credits())
+        if room > 0:
+            got += self._read_levels({BATCH: room}, room, (BATCH,))
+        self.shared.found(self.queue, got)
+        return got, room
 
     def _read_levels(self, shares: dict[str, int], credits: int,
                      priorities: tuple[str, ...]) -> int:
@@ -221,10 +249,13 @@ class Feeder:
             count = max(counts.values())
             replies = self.redis.xreadgroup(GROUP, self.consumer, dict.fromkeys(counts, ">"),
                                             count=count, block=block) or []
-        for raw_stream, entries in replies:
-            stream = raw_stream.decode()
-            self.take(self.keys.queue_of(stream), entries)
-            taken[stream] += len(entries)
+        with self.shared:  # a blocking read's entries are handed over in a turn too
+            for raw_stream, entries in replies:
+                stream = raw_stream.decode()
+                self.take(self.keys.queue_of(stream), entries)
+                taken[stream] += len(entries)
+            if block is not None and any(taken.values()):
+                self.shared.found(self.queue, sum(taken.values()))
         return taken
 
     def _take_own_pending(self) -> None:

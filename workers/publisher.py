@@ -2,7 +2,9 @@
 
 Token events of the step go to each job's log and channel in one script call;
 the final states of the jobs it finished go in one more script call in the same
-pipeline. Both scripts fence off a worker that lost a job to a reclaim: it finds out
+pipeline. A worker that serves a queue of several partitions makes those calls
+per partition, each on a connection to the node that holds the partition's
+slot (a script's keys must share one slot), all sent before any reply is read. Both scripts fence off a worker that lost a job to a reclaim: it finds out
 here and drops the job. ``emit.lua`` does it without a read: the attempt is in
 the log entry's id, and a newer attempt's resume moves the log's last id past
 every id an older one writes, so Redis refuses the stale write.
@@ -45,6 +47,7 @@ from typing import Any
 
 from redis.exceptions import (
     AskError,
+    RedisError,
     ClusterDownError,
     ConnectionError,
     MasterDownError,
@@ -57,7 +60,7 @@ from redis.exceptions import (
 )
 
 from tokenfleet.shared.clock import FleetClock
-from tokenfleet.shared.keys import GROUP, Keys
+from tokenfleet.shared.keys import GROUP, Keys, model_of
 from tokenfleet.shared.redis_cluster import reread_slot_map
 from tokenfleet.shared.redis_conn import node_client
 from tokenfleet.shared.schemas import FinishReason
@@ -130,14 +133,29 @@ class Held:
 
 
 @dataclass
+class _Writes:
+    """One partition's writes of a step: its jobs' keys share the partition's slot."""
+
+    partition: str
+    events: list[Held]
+    emit: ScriptCall[Emitted] | None
+    finish: ScriptCall[Finished] | None
+    sent: bool = False  # on the partition's connection, replies not read yet
+    replies: list[object] | None = None  # once stored
+
+    @property
+    def calls(self) -> list[ScriptCall[object]]:
+        """In the order they run: a step's ``finish`` must not run before its ``emit``."""
+        return [c for c in (self.emit, self.finish) if c is not None]
+
+
+@dataclass
 class _Step:
     """One step's writes, from ``send`` to ``collect``."""
 
     events: list[Held]
-    emit: ScriptCall[Emitted] | None
-    finish: ScriptCall[Finished] | None
+    writes: list[_Writes]  # one per partition the step wrote to
     ended: list[tuple[str, int]] = field(default_factory=list)  # the runs ``finish`` ends
-    sent: bool = False
     ends: list[Sequence] = field(default_factory=list)  # the jobs ``finish`` ends
 
     def handed_back(self) -> set[str]:
@@ -146,11 +164,6 @@ class _Step:
         fenced a write was flagged before it was sent."""
         return {seq.job_id for seq in [*(e.seq for e in self.events), *self.ends]
                 if seq.handed_back}
-
-    @property
-    def calls(self) -> list[ScriptCall[object]]:
-        """In the order they run: a step's ``finish`` must not run before its ``emit``."""
-        return [c for c in (self.emit, self.finish) if c is not None]
 
 
 class Publisher:
@@ -166,8 +179,8 @@ class Publisher:
         self.settings = settings
         self.worker = worker
         self._pending: _Step | None = None  # sent, not yet collected
-        self._conn: Any = None
-        self._node: Any = None  # the client _conn came from
+        # Per partition: the node's client and the connection taken from it.
+        self._conns: dict[str, tuple[Any, Any]] = {}
         # Coalescing: the window (seconds) and the most tokens one event holds;
         # a window of 0 or 1 token sends every token at once.
         self.clock = clock
@@ -192,8 +205,9 @@ class Publisher:
         """Forget the step sent last without storing it (the caller gives it up,
         and its jobs: what they hold here goes too, it would follow a hole)."""
         if self._pending is not None:
-            if self._pending.sent:
-                self._drop_connection()  # its replies must not answer a later step
+            for writes in self._pending.writes:
+                if writes.sent:
+                    self._drop_connection(writes.partition)  # its replies answer no later step
             for event in self._pending.events:
                 self.held.pop(event.seq.job_id, None)
                 self._verified.discard(_run(event.seq))
@@ -211,23 +225,32 @@ class Publisher:
             raise RuntimeError("collect() the step sent before sending the next")
         events = self._due(outputs)
         endings = [self._ending(o) for o in outputs if o.finished]
-        conn = None
-        if events or endings:
+        by_partition: dict[str, tuple[list[Held], list[Ending]]] = {}
+        for event in events:
+            by_partition.setdefault(model_of(event.seq.queue), ([], []))[0].append(event)
+        for ending in endings:
+            by_partition.setdefault(model_of(ending.queue), ([], []))[1].append(ending)
+        conns: dict[str, Any] = {}
+        for part in by_partition:
             try:
-                conn = self._connection()  # first: a new one unverifies every log
+                conns[part] = self._connection(part)  # first: a new one unverifies every log
             except (ConnectionError, TimeoutError, OSError):
-                self._drop_connection()  # collect() writes the step through the pool instead
-        step = self._pending = _Step(events, self._emit(events) if events else None,
-                                     self._finish(endings) if endings else None,
-                                     [(e.job_id, e.attempt or 0) for e in endings],
-                                     ends=[o.seq for o in outputs if o.finished])
-        if conn is None:
-            return
-        try:
-            conn.send_packed_command(_pack(conn, [call.command() for call in step.calls]))
-            step.sent = True
-        except (ConnectionError, TimeoutError, OSError):
-            self._drop_connection()
+                self._drop_connection(part)  # collect() writes through the pool instead
+        step = self._pending = _Step(
+            events, [_Writes(part, evs, self._emit(evs) if evs else None,
+                             self._finish(ends) if ends else None)
+                     for part, (evs, ends) in by_partition.items()],
+            [(e.job_id, e.attempt or 0) for e in endings],
+            ends=[o.seq for o in outputs if o.finished])
+        for writes in step.writes:
+            conn = conns.get(writes.partition)
+            if conn is None:
+                continue
+            try:
+                conn.send_packed_command(_pack(conn, [call.command() for call in writes.calls]))
+                writes.sent = True
+            except (ConnectionError, TimeoutError, OSError):
+                self._drop_connection(writes.partition)
 
     def _due(self, outputs: list[SeqOutput]) -> list[Held]:
         """Take this step's tokens into their jobs' held events; return the
@@ -275,30 +298,26 @@ class Publisher:
         call again until it returns. Nothing is dropped.
         """
         step = self._pending
-        if step is None or not step.calls:
+        if step is None or not step.writes:
             self._pending = None
             return Stored()
-        results: list[object] | None = None
-        if step.sent and self._conn is not None:
-            try:
-                results = [self._reply(self._conn) for _ in step.calls]
-            except (ConnectionError, TimeoutError, OSError):
-                self._drop_connection()
-        step.sent = False
-        if results is None or any(isinstance(r, NoScriptError) for r in results):
-            self._unverify(step)
-            results = self._execute(step.calls)  # raises while Redis refuses: step kept
-        for result in results:
-            if isinstance(result, Exception):
-                self._if_moved(result)
-                self._unverify(step)
-                raise result  # the step stays pending: the next collect() runs it again
+        error: Exception | None = None
+        for writes in step.writes:  # each partition's replies read, whatever another's were
+            if writes.replies is None:
+                try:
+                    writes.replies = self._store(writes)
+                except RedisError as exc:
+                    error = error or exc
+        if error is not None:
+            raise error  # the step stays pending: the next collect() runs the rest again
         self._pending = None
-        replies = iter(results)
-        emitted = step.emit.decode(next(replies)) if step.emit else Emitted()
-        finished = step.finish.decode(next(replies)) if step.finish else Finished()
-        stored = Stored(set(emitted.fenced | finished.fenced),
-                        set(emitted.gaps | finished.untrusted))
+        stored = Stored()
+        for writes in step.writes:
+            replies = iter(writes.replies or [])
+            emitted = writes.emit.decode(next(replies)) if writes.emit else Emitted()
+            finished = writes.finish.decode(next(replies)) if writes.finish else Finished()
+            stored.fenced |= emitted.fenced | finished.fenced
+            stored.untrusted |= emitted.gaps | finished.untrusted
         stored.untrusted -= stored.fenced
         self._verified.update(_run(e.seq) for e in step.events)
         self._verified.difference_update(step.ended)
@@ -317,42 +336,65 @@ class Publisher:
         stored.fenced -= handed_back
         return stored
 
-    def _unverify(self, step: _Step) -> None:
+    def _store(self, writes: _Writes) -> list[object]:
+        """One partition's writes of the step, stored: their replies (undecoded).
+        Raises the first error Redis answered."""
+        results: list[object] | None = None
+        conn = self._conns.get(writes.partition)
+        if writes.sent and conn is not None:
+            try:
+                results = [self._reply(conn[1]) for _ in writes.calls]
+            except (ConnectionError, TimeoutError, OSError):
+                self._drop_connection(writes.partition)
+        writes.sent = False
+        if results is None or any(isinstance(r, NoScriptError) for r in results):
+            self._unverify(writes)
+            results = self._execute(writes.partition, writes.calls)  # raises while refused
+        for result in results:
+            if isinstance(result, Exception):
+                self._if_moved(result, writes.partition)
+                self._unverify(writes)
+                raise result
+        return results
+
+    def _unverify(self, writes: _Writes) -> None:
         """Redis refused a step, or its reply was lost: it may have lost writes
         (a restart, a failover), so every job's next event is checked, this
         step's too (its emit is rebuilt so)."""
         self._verified.clear()
-        if step.emit is not None:
-            step.emit = self._emit(step.events)
+        if writes.emit is not None:
+            writes.emit = self._emit(writes.events)
 
-    def _connection(self) -> Any:
-        """The publisher's own connection: replies are read a step later, so no
-        other command may share it. On a cluster: to the node of this worker's
-        queue, whose slot all its jobs' keys share."""
-        if self._conn is None:
+    def _connection(self, partition: str) -> Any:
+        """The publisher's own connection to the node of ``partition``: replies
+        are read a step later, so no other command may share it. On a cluster
+        the partition's slot holds all its jobs' keys."""
+        if partition not in self._conns:
             self._verified.clear()  # what Redis holds is read again, job by job
-            self._node = self._node_client()
-            self._conn = self._node.connection_pool.get_connection()
-        return self._conn
+            node = self._node_client(partition)
+            self._conns[partition] = node, node.connection_pool.get_connection()
+        return self._conns[partition][1]
 
-    def _node_client(self) -> Any:
-        """The client of the node of this worker's queue: all its jobs' keys share
-        the queue's slot, and a cluster client refuses scripts in a pipeline."""
-        return node_client(self.redis, self.keys.queue(self.settings.queue))
+    def _node_client(self, partition: str) -> Any:
+        """The client of the node of ``partition``: all its jobs' keys share the
+        partition's slot, and a cluster client refuses scripts in a pipeline."""
+        return node_client(self.redis, self.keys.queue(partition))
 
-    def _if_moved(self, error: Exception) -> None:
-        """After a MOVED (or ASK) reply: the queue's slot is another node's now
-        (a failover, a resharding); the next try goes to the node that the slot
-        map, read again, names (this connection would be answered MOVED for good)."""
+    def _if_moved(self, error: Exception, partition: str) -> None:
+        """After a MOVED (or ASK) reply: the partition's slot is another node's
+        now (a failover, a resharding); the next try goes to the node that the
+        slot map, read again, names (this connection would be answered MOVED for good)."""
         if isinstance(error, AskError):
-            self._drop_connection()
+            self._drop_connection(partition)
             reread_slot_map(self.redis)
 
-    def _drop_connection(self) -> None:
-        if self._conn is not None:
-            self._conn.disconnect()
-            self._node.connection_pool.release(self._conn)
-            self._conn = None
+    def _drop_connection(self, partition: str | None = None) -> None:
+        """Close the connection to ``partition``'s node (None: every one)."""
+        for part in list(self._conns) if partition is None else [partition]:
+            if part in self._conns:
+                node, conn = self._conns.pop(part)
+                conn.disconnect()
+                node.connection_pool.release(conn)
 
     @staticmethod
     def _reply(conn: Any) -> object:
@@ -363,10 +405,12 @@ class Publisher:
 
     def end(self, endings: Iterable[Ending]) -> None:
         """Store endings decided outside the engine (expired, rejected, cancelled)."""
-        endings = list(endings)
-        if endings:
-            self._execute([self._finish(endings)])
-            self._verified.difference_update((e.job_id, e.attempt or 0) for e in endings)
+        by_partition: dict[str, list[Ending]] = {}
+        for ending in endings:
+            by_partition.setdefault(model_of(ending.queue), []).append(ending)
+        for part, ends in by_partition.items():
+            self._execute(part, [self._finish(ends)])
+            self._verified.difference_update((e.job_id, e.attempt or 0) for e in ends)
 
     def hand_back(self, seqs: Iterable[Sequence], suspects: frozenset[str] = frozenset()) -> int:
         """Put unfinished jobs back on their queue for another worker; returns how many.
@@ -377,13 +421,15 @@ class Publisher:
         """
         seqs = list(seqs)
         self._verified.difference_update(_run(seq) for seq in seqs)
-        calls = [requeue(self.keys, queue=seq.queue, job_id=seq.job_id, entry_id=seq.entry_id,
-                         attempt=seq.attempt, entry_json=seq.entry_json,
-                         counts_as_attempt=seq.job_id in suspects)
-                 for seq in seqs if seq.entry_json]
-        if not calls:
-            return 0
-        return sum(call.decode(reply) for call, reply in zip(calls, self._execute(calls)))
+        by_partition: dict[str, list[ScriptCall[int]]] = {}
+        for seq in seqs:
+            if seq.entry_json:
+                by_partition.setdefault(model_of(seq.queue), []).append(requeue(
+                    self.keys, queue=seq.queue, job_id=seq.job_id, entry_id=seq.entry_id,
+                    attempt=seq.attempt, entry_json=seq.entry_json,
+                    counts_as_attempt=seq.job_id in suspects))
+        return sum(call.decode(reply) for part, calls in by_partition.items()
+                   for call, reply in zip(calls, self._execute(part, calls)))
 
     def dead_letter(self, queue: str, entry_id: str, raw: Any, reason: str) -> None:
         """An entry no job can come from: keep it in the DLQ, take it off the queue."""
@@ -424,27 +470,27 @@ class Publisher:
         return finish(self.keys, result_ttl_s=self.settings.result_ttl_s, worker=self.worker,
                       now=self.fleet_clock.now(), endings=endings)
 
-    def _execute(self, calls: Seq[ScriptCall[object]]) -> list[object]:
+    def _execute(self, partition: str, calls: Seq[ScriptCall[object]]) -> list[object]:
         """Run script calls in one pipeline; return their replies (undecoded), or
         raise the first error a call answered.
 
         After a NOSCRIPT every call runs again, in order, not only the ones
         refused: a step's ``finish`` must not run before its ``emit``.
         """
-        results = self._pipeline(calls)
+        results = self._pipeline(partition, calls)
         lost = [call.script for call, result in zip(calls, results)
                 if isinstance(result, NoScriptError)]
         if lost:
-            load(self._node_client(), lost)
-            results = self._pipeline(calls)
+            load(self._node_client(partition), lost)
+            results = self._pipeline(partition, calls)
         for result in results:
             if isinstance(result, Exception):
-                self._if_moved(result)
+                self._if_moved(result, partition)
                 raise result
         return results
 
-    def _pipeline(self, calls: Seq[ScriptCall[object]]) -> list[object]:
-        pipe = self._node_client().pipeline(transaction=False)
+    def _pipeline(self, partition: str, calls: Seq[ScriptCall[object]]) -> list[object]:
+        pipe = self._node_client(partition).pipeline(transaction=False)
         for call in calls:
             pipe.execute_command(*call.command())
         return pipe.execute(raise_on_error=False)  # type: ignore[no-any-return]

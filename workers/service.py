@@ -5,7 +5,10 @@
   between steps, batch-level jobs are handed back for live jobs that wait
   (``tokenfleet.workers.preemption``);
 - the output thread: text, stop strings, metrics and the step's Redis writes;
-- the feeder: reads the stream with credits and hands sequences to the engine;
+- the feeders: read the streams with credits and hand sequences to the engine
+  (one per partition of the queue this worker serves: a worker named for a
+  queue of P partitions serves all of them, one named for a partition
+  ``<queue>#<p>`` that one only);
 - the heartbeat: the worker's stats hash, and the idle-time renewal of the
   entries it is still generating (so a long job is never reclaimed from a live
   worker);
@@ -37,6 +40,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterable
+from functools import partial
 from typing import Any
 
 from redis.exceptions import RedisError
@@ -61,6 +65,7 @@ from tokenfleet.workers.metrics import Metrics
 from tokenfleet.workers.preemption import Preemption
 from tokenfleet.workers.publisher import Publisher, is_transient
 from tokenfleet.workers.sequence import Made, Sequence, SeqOutput
+from tokenfleet.workers.shared_credits import SharedCredits
 
 log = logging.getLogger(__name__)
 
@@ -123,13 +128,15 @@ class Worker:
         self.preemption = Preemption(settings.preempt_batch, self.max_batch,
                                      held=engine.unfinished, num_held=lambda: engine.num_held,
                                      hand_back=self._preempt)
-        self.feeder = Feeder(
-            self.redis, self.keys, settings, name, self.queue,
-            Admission(tokenizer, settings, engine.max_model_len, vocab_size=engine.vocab_size,
-                      refusal=engine.refusal), self.publisher,
-            sink=self._receive, credits=self.credits, holds=self._held.__contains__,
-            batch_credits=self.batch_credits,
-        )
+        self.admission = Admission(tokenizer, settings, engine.max_model_len,
+                                   vocab_size=engine.vocab_size, refusal=engine.refusal)
+        # The partitions this worker serves, and a feeder for each (``start``
+        # reads how many the queue has); the feeders share these two events.
+        self.partitions = [self.queue]
+        self.feeders: list[Feeder] = []
+        self._feeder_threads: list[threading.Thread] = []
+        self.paused = threading.Event()  # set: read nothing new (a drain)
+        self.slots_freed = threading.Event()
         self.metrics = Metrics(self.queue, engine.stats, clock=self.clock.now)
         # The metrics port: the Celery bootstep starts it before the model
         # loads (a probe then reads "loading") and hands it over; else it is
@@ -138,7 +145,7 @@ class Worker:
         self.status = status or StatusServer(Health(settings.liveness_s))
         self.status.show(self.metrics.registry)
         self.health = self.status.health
-        self.health.intake_paused = self.feeder.paused.is_set
+        self.health.intake_paused = self.paused.is_set
         # What this worker allows, published with each heartbeat: submit.lua holds
         # every request to the queue to it, whoever submits.
         self.limits = worker_limits(settings, engine.max_model_len)
@@ -158,7 +165,6 @@ class Worker:
         self._stopped = False
         self._engine_thread = _thread(self._engine_loop, "engine")
         self._output_thread = _thread(self._output_loop, "output")
-        self._feeder_thread = _thread(lambda: self.feeder.run(self._stop_intake), "feeder")
         self._heartbeat_thread = _thread(self._heartbeat_loop, "heartbeat")
         self._cancel_thread = _thread(self._cancel_loop, "cancels")
         # Set once the cancel listener is subscribed: a cancel is a publish, heard
@@ -181,15 +187,16 @@ class Worker:
     @property
     def threads(self) -> tuple[threading.Thread, ...]:
         """The worker's threads, which ``start`` starts and ``stop`` ends."""
-        return (self._engine_thread, self._output_thread, self._feeder_thread,
+        return (self._engine_thread, self._output_thread, *self._feeder_threads,
                 self._heartbeat_thread, self._cancel_thread)
 
     def start(self) -> None:
         # Before any job's deadline is judged; from the queue's node, which this
         # worker cannot do without anyway (a Cluster's default node may be dead).
         self.clock.sync(node_client(self.redis, self.keys.queue(self.queue)))
-        self._check_partition()
-        self.feeder.ensure_group()
+        self._serve_partitions()
+        for feeder in self.feeders:
+            feeder.ensure_group()
         if self.settings.metrics_port and not self.status.serving:
             self.status.serve(self.settings.metrics_port)
         sys.setswitchinterval(min(sys.getswitchinterval(), GIL_SWITCH_S))
@@ -202,19 +209,31 @@ class Worker:
             if thread is not self._cancel_thread:
                 thread.start()
         self.health.set(Phase.SERVING)
-        log.info("worker %s serving queue %r (max batch %d, prefetch %d)",
-                 self.name, self.queue, self.max_batch, self.settings.prefetch)
+        parts = f", partitions {', '.join(self.partitions)}" if len(self.partitions) > 1 else ""
+        log.info("worker %s serving queue %r (max batch %d, prefetch %d%s)",
+                 self.name, self.queue, self.max_batch, self.settings.prefetch, parts)
 
-    def _check_partition(self) -> None:
-        """Warn when this worker's queue takes no jobs: a queue of P > 1
-        partitions queues them in its partitions only (``<queue>#<p>``)."""
+    def _serve_partitions(self) -> None:
+        """The partitions this worker serves, a feeder for each: every one of a
+        queue of P > 1 partitions named by its queue's name, or the one partition
+        named (``<queue>#<p>``). Warns when the one named takes no jobs."""
         queue = queue_of_partition(self.queue)
         count = max(1, int(self.redis.get(self.keys.partitions(queue)) or 1))
-        if self.queue not in partitions_of(queue, count):
+        if self.queue == queue:
+            self.partitions = partitions_of(queue, count)
+        elif self.queue not in partitions_of(queue, count):
             log.warning("queue %r has %d partitions (%s): no job is queued for %r; serve "
-                        "one with TOKENFLEET_QUEUE=%s", queue, count,
-                        ", ".join(partitions_of(queue, count)), self.queue,
-                        partitions_of(queue, count)[0])
+                        "them all with TOKENFLEET_QUEUE=%s", queue, count,
+                        ", ".join(partitions_of(queue, count)), self.queue, queue)
+        shared = SharedCredits(self.partitions)
+        self.feeders = [
+            Feeder(self.redis, self.keys, self.settings, self.name, part, self.admission,
+                   self.publisher, sink=self._receive, credits=self.credits,
+                   holds=self._held.__contains__, batch_credits=self.batch_credits,
+                   shared=shared, paused=self.paused, slots_freed=self.slots_freed)
+            for part in self.partitions]
+        self._feeder_threads = [_thread(partial(feeder.run, self._stop_intake), f"feeder-{part}")
+                                for feeder, part in zip(self.feeders, self.partitions)]
 
     def stop(self, grace_s: float | None = None) -> None:
         """Stop the worker: the one way its threads and its metrics server end.
@@ -239,8 +258,8 @@ class Worker:
     def _stop(self, grace: float) -> None:
         self.health.set(Phase.DRAINING)  # not ready from now on: a probe sees the drain
         self._stop_intake.set()
-        # The feeder hands over what it has already read, then ends.
-        feeder_ended = _join(self._feeder_thread, grace + JOIN_S)
+        # The feeders hand over what they have already read, then end.
+        feeder_ended = all([_join(thread, grace + JOIN_S) for thread in self._feeder_threads])
         self._drain(grace)
         self._stop_engine.set()  # the engine loop, the heartbeat and the cancel listener end
         self._wake.set()
@@ -263,7 +282,7 @@ class Worker:
                       "their entries are reclaimed as a dead worker's after claim_idle_s (%.0fs)",
                       JOIN_S, len(self.engine.unfinished()), self.settings.claim_idle_s)
         if not feeder_ended:
-            log.warning("the feeder did not end within %.0fs: entries it reads now stay "
+            log.warning("a feeder did not end within %.0fs: entries it reads now stay "
                         "pending and are reclaimed after claim_idle_s", grace + JOIN_S)
         self._leave()
 
@@ -310,8 +329,9 @@ class Worker:
         """Take this worker out of the fleet's view (its heartbeat and the served set)."""
         try:
             self.redis.delete(self.keys.worker(self.name))
-            self.redis.zrem(self.keys.queue_workers(self.queue), self.name)
-            limits.withdraw(self.redis, self.keys, self.queue, self.name)
+            for part in self.partitions:
+                self.redis.zrem(self.keys.queue_workers(part), self.name)
+                limits.withdraw(self.redis, self.keys, part, self.name)
         except RedisError as exc:
             log.warning("could not remove the heartbeat (%s); it expires", exc)
 
@@ -537,7 +557,7 @@ class Worker:
         finished = [o.seq.job_id for o in outputs if o.finished]
         if finished:
             self._held.difference_update(finished)
-            self.feeder.slots_freed.set()
+            self.slots_freed.set()
         self._drop(stored.fenced, "a newer attempt owns it")
         self._drop(stored.untrusted, "its log lacks tokens made here (Redis lost them)")
         return stored.fenced | stored.untrusted
@@ -552,7 +572,7 @@ class Worker:
             self.engine.drop(job_id)
             self._held.discard(job_id)
         if job_ids:
-            self.feeder.slots_freed.set()
+            self.slots_freed.set()
 
     def _fail(self, failure: DeviceFailure) -> None:
         """The engine can run no more steps: stop reading now, and stop the
@@ -592,12 +612,12 @@ class Worker:
         return {
             "name": self.name, "host": socket.gethostname(), "pid": os.getpid(),
             "queue": self.queue, "model": self.model_name, "device": self.settings.device,
-            "chat": int(self.feeder.admission.has_chat_template),  # for the gateway's chat
-            "fim": int(self.feeder.admission.fim is not None),  # and its suffix
-            "tools": self.feeder.admission.tool_format,  # and its tool_choice "auto"
+            "chat": int(self.admission.has_chat_template),  # for the gateway's chat
+            "fim": int(self.admission.fim is not None),  # and its suffix
+            "tools": self.admission.tool_format,  # and its tool_choice "auto"
             "max_batch": self.max_batch, "prefetch": self.settings.prefetch,
             "running": self.engine.num_running, "waiting": self.engine.num_waiting,
-            "draining": int(self.feeder.paused.is_set() or self._stop_intake.is_set()),
+            "draining": int(self.paused.is_set() or self._stop_intake.is_set()),
             "fatal": self.fatal_reason or "", "failing": self.failing,
             "stats": self.engine.stats.as_dict(), "last_seen": self.clock.now(),
         }
@@ -605,12 +625,13 @@ class Worker:
     def _observe_queue(self) -> None:
         """Queue gauges for the metrics: depth, lag and pending per level and
         per tenant, backlog."""
-        streams = self.feeder.levels
+        streams = [level for feeder in self.feeders for level in feeder.levels]
         pipe = self.redis.pipeline(transaction=False)
         for _name, stream in streams:
             pipe.xlen(stream)
             pipe.xinfo_groups(stream)
-        pipe.get(self.keys.backlog(self.queue))
+        for part in self.partitions:
+            pipe.get(self.keys.backlog(part))
         replies = pipe.execute(raise_on_error=False)
         levels = {p: {"depth": 0, "pending": 0, "lag": 0} for p in PRIORITIES}
         tenants: dict[str, dict[str, int]] = {}
@@ -628,9 +649,9 @@ class Worker:
                          tenants.setdefault(level_tenant(name), {"depth": 0, "pending": 0})):
                 for k in into:
                     into[k] += one[k]
-        backlog = replies[-1]
-        self.metrics.queue_state(levels, int(backlog or 0) if not isinstance(backlog, Exception)
-                                 else 0, self.engine.num_running, tenants)
+        backlog = sum(int(b or 0) for b in replies[2 * len(streams):]
+                      if not isinstance(b, Exception))
+        self.metrics.queue_state(levels, backlog, self.engine.num_running, tenants)
 
     def _beat(self) -> None:
         if self.settings.metrics_port:
@@ -656,9 +677,10 @@ class Worker:
         # death must not stop what keeps the queue served and its jobs owned.
         pipe = self.redis.pipeline(transaction=False)
         # Who serves this model, for submit(require_worker=True) and the status view.
-        pipe.zadd(self.keys.queue_workers(self.queue), {self.name: info["alive_until"]})
-        limits.publish(pipe, self.keys, self.queue, self.name, self.limits.model_dump_json(),
-                       self.settings.heartbeat_s)
+        for part in self.partitions:
+            pipe.zadd(self.keys.queue_workers(part), {self.name: info["alive_until"]})
+            limits.publish(pipe, self.keys, part, self.name, self.limits.model_dump_json(),
+                           self.settings.heartbeat_s)
         # Touch the pending entries still being worked on: their idle time
         # restarts, so the reclaim (XPENDING + XCLAIM) elsewhere never takes a job from a live worker.
         by_stream: dict[str, list[Any]] = {}
@@ -668,7 +690,8 @@ class Worker:
         for stream, ids in by_stream.items():
             pipe.xclaim(stream, GROUP, self.name, 0, ids, justid=True)
         pipe.execute()
-        limits.forget_dead(self.redis, self.keys, self.queue, info["last_seen"])
+        for part in self.partitions:
+            limits.forget_dead(self.redis, self.keys, part, info["last_seen"])
         pipe = self.redis.pipeline(transaction=False)
         pipe.hset(key, mapping=info)
         pipe.expire(key, math.ceil(liveness.live_for_s(self.settings.heartbeat_s)))
@@ -681,7 +704,7 @@ class Worker:
         # on the node of the channel's own slot, whose death would deafen it.
         # After a loss the slot map is read again, so it follows a replica that
         # took its queue's node's place.
-        queue_key = self.keys.queue(self.queue)
+        queue_key = self.keys.queue(self.partitions[0])
         while not self._stop_engine.is_set():
             pubsub = node_client(self.redis, queue_key).pubsub()
             try:
