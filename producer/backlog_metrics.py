@@ -19,6 +19,9 @@ that runs whatever the pool's size. The gauges, per queue (``queue`` label, the
 Beside them, each tenant's refusals at the gateways, as the gateways count
 them (``tokenfleet.tenant_refusals``): ``tokenfleet_tenant_refusals_total{tenant, reason}``.
 
+A queue of P partitions (``<queue>#<p>``) is one ``queue``: its partitions'
+jobs and tokens summed, a worker that serves several of them counted once.
+
 Every declared queue has its series even when nothing was ever queued, so a
 query for it reads 0, not an empty result (which KEDA's Prometheus scaler
 takes for an error unless told to ignore it).
@@ -35,7 +38,7 @@ from prometheus_client.registry import Collector, CollectorRegistry
 from tokenfleet.fleet import level_streams, queue_models
 from tokenfleet.shared.clock import redis_now
 from tokenfleet.shared.declared import declared_queues
-from tokenfleet.shared.keys import Keys, level_queue
+from tokenfleet.shared.keys import Keys, level_queue, queue_of_partition
 from tokenfleet.shared.liveness import live_since
 
 
@@ -60,17 +63,19 @@ class QueueBacklog(Collector):
             for priority, tenant in streams[model]:
                 pipe.xlen(keys.queue(level_queue(model, priority, tenant)))
             pipe.get(keys.backlog(model))
-            pipe.zcount(keys.queue_workers(model), since, "+inf")
+            pipe.zrangebyscore(keys.queue_workers(model), since, "+inf")
         replies = iter(pipe.execute() if models else [])
         jobs: dict[tuple[str, str], int] = {}
         tokens: dict[str, int] = {}
-        workers: dict[str, int] = {}
+        workers: dict[str, set[bytes]] = {}
         for model in models:
+            queue = queue_of_partition(model)  # a partition's figures are its queue's
             for priority, _ in streams[model]:
-                jobs[(model, priority)] = jobs.get((model, priority), 0) + int(next(replies))
-            tokens[model] = int(next(replies) or 0)
-            workers[model] = int(next(replies))
-        yield from _families(jobs, tokens, workers, floors)
+                jobs[(queue, priority)] = jobs.get((queue, priority), 0) + int(next(replies))
+            tokens[queue] = tokens.get(queue, 0) + int(next(replies) or 0)
+            workers.setdefault(queue, set()).update(next(replies))
+        yield from _families(jobs, tokens, {q: len(names) for q, names in workers.items()},
+                             floors)
 
 
 def _families(jobs: dict[tuple[str, str], int], tokens: dict[str, int],

@@ -42,7 +42,7 @@ from tokenfleet.shared.client_scripts import CancelVerdict
 from tokenfleet.shared.clock import FleetClock
 from tokenfleet.shared.errors import JobNotFound, NoWorker, TokenfleetError
 from tokenfleet.shared.file_store import open_store
-from tokenfleet.shared.keys import Keys
+from tokenfleet.shared.keys import Keys, partitions_of
 from tokenfleet.shared.liveness import live_since
 from tokenfleet.shared.redis_conn import connect, resubscribe_after
 from tokenfleet.shared.schemas import EndEvent, GenerationRequest, JobState, JobStatus, TokenEvent
@@ -169,8 +169,11 @@ class FleetClient:
     def _count_prompt_tokens(self, request: GenerationRequest) -> int | None:
         if not worth_counting(request, self.settings):
             return None
-        names = self.redis.zrangebyscore(self.keys.queue_workers(request.model),
-                                         live_since(self.clock.read(self.redis)), "+inf")
+        since = live_since(self.clock.read(self.redis))
+        # Every partition's workers (a worker of one partition serves the queue's model).
+        names = {name for part in partitions_of(request.model, self.partitions(request.model))
+                 for name in self.redis.zrangebyscore(self.keys.queue_workers(part), since,
+                                                      "+inf")}
         pipe = self.redis.pipeline(transaction=False)
         for name in names:
             pipe.hget(self.keys.worker(name.decode()), "model")

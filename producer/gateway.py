@@ -34,6 +34,7 @@ import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any, cast
+from urllib.parse import quote
 
 import orjson
 import uvicorn
@@ -306,7 +307,7 @@ async def submit_job(request: Request) -> Response:
                                 "take messages: send a prompt instead")
     job_id, = await submit_as_caller(request, client, job)
     return JSONResponse({"id": job_id, "status": "queued"}, status_code=202,
-                        headers={"Location": f"/v1/jobs/{job_id}"})
+                        headers={"Location": f"/v1/jobs/{quote(job_id, safe=':')}"})
 
 
 @router.get("/v1/jobs/{job_id}")

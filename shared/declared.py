@@ -67,8 +67,9 @@ def declare(r: Any, keys: Keys, queue: str, min_workers: int, now: float,
 
 def set_partitions(r: Any, keys: Keys, queue: str, count: int) -> None:
     """Give ``queue`` ``count`` partitions (1: none, the queue itself). Clients
-    learn it within ``QueuePartitions.TTL_S``; each partition needs a worker of
-    its own (``TOKENFLEET_QUEUE=<queue>#<p>``)."""
+    learn it within ``QueuePartitions.TTL_S``; a worker of the queue reads every
+    partition it had when it started (``TOKENFLEET_QUEUE=<queue>``), one of a
+    partition that one only (``<queue>#<p>``)."""
     check_queue_name(queue)
     if not 1 <= count <= MAX_PARTITIONS:
         raise ValueError(f"partitions must be 1 to {MAX_PARTITIONS}, got {count}")

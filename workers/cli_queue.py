@@ -42,8 +42,8 @@ def queue() -> None:
 @click.option("--min-workers", type=click.IntRange(min=0), default=0, show_default=True,
               help="the pool's floor (its ScaledObject's minReplicaCount), shown and exported")
 @click.option("--partitions", type=click.IntRange(min=1), default=None,
-              help="spread the queue over P partitions, each with workers of its own "
-                   "(TOKENFLEET_QUEUE=NAME#p); unchanged when not given, 1 at first")
+              help="spread the queue over P partitions NAME#0 ... NAME#P-1, which every worker "
+                   "of NAME reads; unchanged when not given, 1 at first")
 @redis_option
 def create(name: str, min_workers: int, partitions: int | None, redis_url: str | None) -> None:
     """Declare NAME as served by an autoscaled pool (or change its --min-workers
