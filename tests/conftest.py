@@ -29,15 +29,23 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--redis", choices=("single", "cluster"), default="single",
                      help="what the tests' settings and `r` point at: one redis-server, or a "
                           "Redis Cluster of three masters (tests marked single_redis skip)")
+    parser.addoption("--partitions", type=int, default=1,
+                     help="give the tests' queue ('default', in each test's namespace) this "
+                          "many partitions: its workers read every one (tests marked "
+                          "one_partition skip)")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    if config.getoption("--redis") != "cluster":
-        return
+    skips = []
+    if config.getoption("--redis") == "cluster":
+        skips.append(("single_redis", "single Redis only"))
+    if config.getoption("--partitions") > 1:
+        skips.append(("one_partition", "a queue of one partition only"))
     for item in items:
-        marker = item.get_closest_marker("single_redis")
-        if marker is not None:
-            item.add_marker(pytest.mark.skip(reason=f"single Redis only: {marker.args[0]}"))
+        for name, why in skips:
+            marker = item.get_closest_marker(name)
+            if marker is not None:
+                item.add_marker(pytest.mark.skip(reason=f"{why}: {marker.args[0]}"))
 
 
 @pytest.fixture(scope="session")
@@ -94,11 +102,22 @@ def namespace() -> str:
 
 
 @pytest.fixture
-def settings(redis_url: str, namespace: str) -> Any:
+def settings(redis_url: str, namespace: str, request: pytest.FixtureRequest) -> Any:
     from tokenfleet.shared.settings import Settings
 
-    return Settings(redis_url=redis_url, namespace=namespace, block_ms=20,
-                    heartbeat_s=0.5, max_batch=16, max_batch_tokens=262_144, prefetch=4)
+    settings = Settings(redis_url=redis_url, namespace=namespace, block_ms=20,
+                        heartbeat_s=0.5, max_batch=16, max_batch_tokens=262_144, prefetch=4)
+    partitions = request.config.getoption("--partitions")
+    if partitions > 1:  # before any client or worker reads the queue's partitions
+        from helpers import redis_client
+
+        from tokenfleet.shared.declared import set_partitions
+        from tokenfleet.shared.keys import Keys
+
+        r = redis_client(redis_url)
+        set_partitions(r, Keys.for_url(namespace, redis_url), settings.queue, partitions)
+        r.close()
+    return settings
 
 
 @pytest.fixture
@@ -154,7 +173,7 @@ def start_worker(settings: Any, loaded_tiny: tuple[Any, Any]) -> Iterator[Callab
         started.append(worker)
         # Submits require a live worker by default: wait for its first heartbeat,
         # which lists it as serving its queue (as a Celery worker's fixture does).
-        served = worker.keys.queue_workers(worker.queue)
+        served = worker.keys.queue_workers(worker.partitions[0])
         wait_until(lambda: worker.redis.zscore(served, name) is not None, timeout=30,
                    what=f"worker {name} to send its first heartbeat")
         return worker

@@ -397,3 +397,36 @@ def s3_env(endpoint_url: str) -> dict[str, str]:
             "AWS_ACCESS_KEY_ID": S3_CREDENTIALS["aws_access_key_id"],
             "AWS_SECRET_ACCESS_KEY": S3_CREDENTIALS["aws_secret_access_key"],
             "AWS_DEFAULT_REGION": S3_CREDENTIALS["region_name"]}
+
+
+def queue_parts(r: Any, keys: Any, queue: str = "default") -> list[str]:
+    """The partitions of ``queue`` (the queue alone when it has one): the queues its
+    jobs go to (``pytest --partitions P`` gives the tests' queue P)."""
+    from tokenfleet.shared.declared import queue_partitions
+    from tokenfleet.shared.keys import partitions_of
+
+    return partitions_of(queue, queue_partitions(r, keys, queue))
+
+
+def dead_letters(r: Any, keys: Any, queue: str = "default") -> list[dict[str, Any]]:
+    """Every dead letter of ``queue``, its partitions' one after another."""
+    from tokenfleet.shared.serialization import loads
+
+    return [loads(f[b"data"]) for part in queue_parts(r, keys, queue)
+            for _, f in r.xrange(keys.dlq(part))]
+
+
+def url_id(job_id: str) -> str:
+    """A job id as a URL's path holds it: a partition's ids have a '#' (``%23``)."""
+    from urllib.parse import quote
+
+    return quote(job_id, safe=":")
+
+
+def written_keys(r: Any, namespace: str) -> list[bytes]:
+    """Every key of the namespace but the queue's partition count (``pytest
+    --partitions`` sets it before a test): what the test's requests wrote."""
+    from tokenfleet.shared.keys import Keys
+
+    count = Keys(namespace).partitions("default").encode()
+    return [k for k in r.scan_iter(match=f"{namespace}:*") if k != count]

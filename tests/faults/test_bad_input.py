@@ -16,7 +16,7 @@ from tokenfleet.shared.schemas import JobStatus
 from tokenfleet.shared.serialization import loads
 from tokenfleet.workers.runner import HFRunner
 
-from helpers import FIGURES
+from helpers import FIGURES, dead_letters, queue_parts
 
 pytestmark = [pytest.mark.faults, pytest.mark.timeout(600)]
 
@@ -83,10 +83,11 @@ def test_5000_random_stream_entries_end_in_the_dead_letters_with_a_reason(
     dlq_worker: tuple[Any, redis.Redis, Keys], fields: dict[str, Any]
 ) -> None:
     worker, r, keys = dlq_worker
-    last = r.xinfo_stream(keys.dlq("default"))["last-generated-id"] if r.exists(keys.dlq("default")) else b"0-0"
-    entry_id = r.xadd(keys.queue("default"), fields)
+    part = queue_parts(r, keys)[0]  # the queue, or its first partition
+    last = r.xinfo_stream(keys.dlq(part))["last-generated-id"] if r.exists(keys.dlq(part)) else b"0-0"
+    entry_id = r.xadd(keys.queue(part), fields)
     # Block until the worker dead-letters it (an event, not a sleep).
-    reply = r.xread({keys.dlq("default"): last}, count=1, block=10_000)
+    reply = r.xread({keys.dlq(part): last}, count=1, block=10_000)
     assert reply, f"entry {fields!r} was neither run nor dead-lettered"
     record = loads(reply[0][1][0][1][b"data"])
     assert record["entry_id"] == entry_id.decode() and record["reason"]
@@ -136,7 +137,7 @@ def test_a_poison_job_fails_alone_and_its_31_batch_mates_succeed(
     bad = states.pop(poison)
     assert bad.status is JobStatus.FAILED and "index out of range" in (bad.error or "")
     assert all(s.status is JobStatus.SUCCEEDED for s in states.values())
-    dead = [loads(f[b"data"]) for _, f in r.xrange(Keys(settings.namespace).dlq("default"))]
+    dead = dead_letters(r, Keys(settings.namespace))
     assert [d["job_id"] for d in dead] == [poison]
     report.update(batch=32, succeeded=len(states), failed=1, dead_lettered=len(dead))
 
@@ -154,7 +155,7 @@ def test_a_prompt_over_the_token_limit_is_refused_before_it_is_enqueued(
     with pytest.raises(PromptTooLong):
         client.submit(messages=chat)
     keys = Keys(settings.namespace)
-    assert not list(r.scan_iter(match=keys.job("*"))) and r.xlen(keys.dlq("default")) == 0
+    assert not list(r.scan_iter(match=keys.job("*"))) and dead_letters(r, keys) == []
 
 
 def test_a_prompt_only_the_worker_refuses_fails_the_job_and_is_no_dead_letter(
@@ -166,4 +167,4 @@ def test_a_prompt_only_the_worker_refuses_fails_the_job_and_is_no_dead_letter(
     assert ("prompt has 12 tokens; the queue allows 3 (TOKENFLEET_MAX_PROMPT_TOKENS of the "
             "queue's workers)") in (state.error or "")
     # The request's own fault: its caller hears why; the dead letters are for an operator.
-    assert r.xlen(Keys(settings.namespace).dlq("default")) == 0
+    assert dead_letters(r, Keys(settings.namespace)) == []

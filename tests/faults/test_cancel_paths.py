@@ -26,7 +26,7 @@ from tokenfleet.shared.schemas import FinishReason, JobState, JobStatus, TokenEv
 from tokenfleet.shared.serialization import loads
 from tokenfleet.workers.runner import HFRunner
 
-from helpers import logged_count, wait_until
+from helpers import logged_count, queue_parts, wait_until
 
 
 @pytest.fixture
@@ -111,8 +111,9 @@ def check_kept(state: JobState, followers: Followers, r: redis.Redis, keys: Keys
 
 
 def check_queue_is_free(small_client: FleetClient, r: redis.Redis, keys: Keys) -> None:
-    stream = keys.queue("default")
-    assert r.xlen(stream) == 0 and r.xpending(stream, GROUP)["pending"] == 0
+    for part in queue_parts(r, keys):
+        stream = keys.queue(part)
+        assert r.xlen(stream) == 0 and r.xpending(stream, GROUP)["pending"] == 0
     # Nothing live: a full queue's worth of submits is accepted.
     for i in range(MAX_QUEUE):
         small_client.submit(f"after {i}", max_new_tokens=2)
@@ -127,7 +128,8 @@ def test_a_job_handed_back_by_a_drain_then_cancelled_keeps_its_streamed_text(
                                             r, MAX_QUEUE, "w1@test")
     worker.stop(grace_s=0)  # mid-generation: every job goes back to the queue
     assert [r.hget(keys.job(j), "status") for j in job_ids] == [b"queued"] * MAX_QUEUE
-    assert r.xlen(keys.queue("default")) == MAX_QUEUE  # the hand-backs' new entries
+    # The hand-backs' new entries.
+    assert sum(r.xlen(keys.queue(p)) for p in queue_parts(r, keys)) == MAX_QUEUE
     assert all(small_client.cancel(j) for j in job_ids)
     followers.join()
     states = [small_client.wait(j, timeout=10) for j in job_ids]

@@ -34,7 +34,9 @@ from tokenfleet.workers.runner import HFRunner
 
 from helpers import RedisClusterServers, RedisServer, logged_count, redis_client, wait_until
 
-pytestmark = [pytest.mark.faults, pytest.mark.timeout(180)]
+pytestmark = [pytest.mark.faults, pytest.mark.timeout(180), pytest.mark.one_partition(
+    "the worker's queue must lie on one master that stays up; a queue of three partitions "
+    "spreads over every master")]
 
 CANDIDATE_QUEUES = ("default", "other", "third", "fourth", "fifth", "sixth")
 # The bound: a job of a healthy queue submitted after a master died

@@ -14,8 +14,8 @@ from tokenfleet import FleetClient
 from tokenfleet.shared.keys import GROUP, Keys
 from tokenfleet.shared.schemas import JobStatus
 
-from helpers import (ChannelTally, direct_greedy, follow_all, logged_tokens, redis_client,
-                     stream_fault, wait_until)
+from helpers import (ChannelTally, direct_greedy, follow_all, logged_tokens, queue_parts,
+                     redis_client, stream_fault, wait_until)
 
 pytestmark = [pytest.mark.faults, pytest.mark.timeout(300)]
 
@@ -47,7 +47,7 @@ def test_kill_9_mid_batch_loses_nothing_and_runs_nothing_twice(
         return sum(1 for s in pipe.execute() if s == b"succeeded")
 
     wait_until(lambda: succeeded() >= 40, timeout=120, what="40 jobs to finish before the kill")
-    in_flight = r.xpending(keys.queue("default"), GROUP)["pending"]
+    in_flight = sum(r.xpending(keys.queue(p), GROUP)["pending"] for p in queue_parts(r, keys))
     first.kill()  # SIGKILL: no drain, no hand-back, pending entries stay with cpu@first
     killed_at = time.monotonic()
     done_at_kill = succeeded()
@@ -97,10 +97,10 @@ def test_redis_restart_mid_run_every_accepted_job_finishes(
     try:
         states = [client.wait(j, timeout=120) for j in job_ids]
     except TimeoutError:
-        pending = r.xpending(keys.queue("default"), GROUP)
+        pending = [r.xpending(keys.queue(p), GROUP) for p in queue_parts(r, keys)]
         statuses = Counter(r.hget(keys.job(j), "status") for j in job_ids)
         raise AssertionError(f"jobs stuck after the restart: {statuses}, pending {pending}, "
-                             f"groups {r.xinfo_groups(keys.queue('default'))}\n"
+                             f"groups {[r.xinfo_groups(keys.queue(p)) for p in queue_parts(r, keys)]}\n"
                              f"worker log:\n{worker.output()[-4000:]}") from None
     recovery_s = time.monotonic() - down_at
     assert [s.status for s in states] == [JobStatus.SUCCEEDED] * 60

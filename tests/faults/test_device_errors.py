@@ -23,7 +23,7 @@ from tokenfleet.workers import supervisor
 from tokenfleet.workers.service import FATAL_EXIT_CODE, JOB_FAULT_EXIT_CODE
 from tokenfleet.workers.supervisor import Child, Supervisor
 
-from helpers import direct_greedy, logged_tokens
+from helpers import dead_letters, direct_greedy, logged_tokens, queue_parts
 
 
 @pytest.fixture
@@ -70,12 +70,13 @@ def check_handed_back(r: redis.Redis, keys: Keys, job_ids: list[str], worker: st
     """Nothing failed or dead-lettered, nothing left pending with the worker;
     returns how many jobs went back to the queue."""
     statuses = [r.hget(keys.job(j), "status") for j in job_ids]
-    assert b"failed" not in statuses and r.xlen(keys.dlq("default")) == 0, statuses
-    consumers = {c["name"]: c["pending"] for c in r.xinfo_consumers(keys.queue("default"), GROUP)}
-    assert consumers.get(worker.encode(), 0) == 0, consumers
+    assert b"failed" not in statuses and dead_letters(r, keys) == [], statuses
+    for part in queue_parts(r, keys):
+        consumers = {c["name"]: c["pending"] for c in r.xinfo_consumers(keys.queue(part), GROUP)}
+        assert consumers.get(worker.encode(), 0) == 0, consumers
+        assert r.zscore(keys.queue_workers(part), worker) is None
     # It left the fleet: no heartbeat says it is healthy.
     assert not r.exists(keys.worker(worker))
-    assert r.zscore(keys.queue_workers("default"), worker) is None
     return statuses.count(b"queued")
 
 

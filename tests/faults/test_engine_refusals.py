@@ -19,9 +19,10 @@ import redis
 from tokenfleet import FleetClient
 from tokenfleet.shared.keys import GROUP, Keys, level_queue
 from tokenfleet.shared.schemas import REFUSED_BY_WORKER, FinishReason, JobStatus
-from tokenfleet.shared.serialization import loads
 from tokenfleet.workers.hf_engine import HFEngine
 from tokenfleet.workers.sequence import Sequence
+
+from helpers import dead_letters, queue_parts
 
 
 @pytest.fixture
@@ -110,8 +111,8 @@ def test_a_request_the_engine_says_it_refuses_fails_before_it_takes_a_slot(
     assert state.error == f"{REFUSED_BY_WORKER}seed must not be {REFUSED_SEED}"
     check_served_on(client, worker, good)
     assert refused not in taken, "the engine was handed a request it refuses"
-    stream = keys.queue(level_queue("default", "high"))
-    assert r.xpending(stream, GROUP)["pending"] == 0
+    for part in queue_parts(r, keys):
+        assert r.xpending(keys.queue(level_queue(part, "high")), GROUP)["pending"] == 0
 
 
 def test_a_token_log_with_ids_outside_the_vocabulary_fails_its_job_alone_before_any_step(
@@ -138,7 +139,7 @@ def test_a_token_log_with_ids_outside_the_vocabulary_fails_its_job_alone_before_
         assert state.status is JobStatus.FAILED
         assert state.error == (f"token log holds id {bad!r} outside the vocabulary of "
                                f"{vocab} (ids 0 to {vocab - 1})")
-    dead = {loads(f[b"data"])["job_id"] for _, f in r.xrange(keys.dlq("default"))}
+    dead = {d["job_id"] for d in dead_letters(r, keys)}
     assert dead == set(hostile)
     check_served_on(client, worker, good)
     # The highest id in the vocabulary is sound: that job resumes after its tokens.

@@ -17,7 +17,7 @@ from tokenfleet.shared.keys import Keys, job_id_in
 from tokenfleet.shared.schemas import JobStatus
 
 from gateway_server import gateway, pin_live_worker, port_of  # noqa: F401  (a fixture)
-from helpers import redis_client, stream_fault, wait_until
+from helpers import redis_client, stream_fault, url_id, wait_until, written_keys
 
 pytestmark = [pytest.mark.faults, pytest.mark.timeout(120)]
 
@@ -77,8 +77,8 @@ def test_clients_that_hang_up_mid_stream_leave_no_subscription_behind(
                 return asyncio.ensure_future(
                     stream_then_hang_up(h, method, path, body, data, opened, now))
 
-            streams = [*(go("GET", f"/v1/jobs/{j}/events", None, True) for j in running),
-                       *(go("GET", f"/v1/jobs/{j}/events", None, False) for j in queued),
+            streams = [*(go("GET", f"/v1/jobs/{url_id(j)}/events", None, True) for j in running),
+                       *(go("GET", f"/v1/jobs/{url_id(j)}/events", None, False) for j in queued),
                        *(go("POST", "/v1/completions", completion, True) for _ in range(6)),
                        *(go("POST", "/v1/completions", {**completion, "model": WAITING}, False)
                          for _ in range(24))]
@@ -113,7 +113,7 @@ def test_clients_that_hang_up_mid_stream_leave_no_subscription_behind(
     # The gateway still serves, streams included, and lets go of those too.
     job_id = http.post("/v1/jobs", json={"prompt": "still here",
                                          "sampling": {"max_new_tokens": 4}}).json()["id"]
-    with http.stream("GET", f"/v1/jobs/{job_id}/events") as response:
+    with http.stream("GET", f"/v1/jobs/{url_id(job_id)}/events") as response:
         assert response.status_code == 200
         assert any(line == "event: end" for line in response.iter_lines())
     assert http.get("/healthz").json() == {"ok": True}
@@ -261,7 +261,7 @@ def test_a_body_sent_byte_by_byte_is_408_at_the_body_timeout_and_nothing_is_enqu
         assert b"connection: close" in head.lower() and b"TOKENFLEET_BODY_TIMEOUT_S" in body
         seconds.append(took)
     assert http.get("/healthz").status_code == 200
-    assert not list(r.scan_iter(match=f"{settings.namespace}:*"))
+    assert not written_keys(r, settings.namespace)
     report.update({"slow_bodies": len(seconds), "body_timeout_s": limit,
                    "answered_408_after_s": round(max(seconds), 2)})
 
@@ -307,7 +307,7 @@ def test_event_streams_of_queued_jobs_send_keep_alives(
     http = gateway(sse_keepalive_s=interval)
     job_id = client.submit("waits", model=WAITING)
     started = time.monotonic()
-    streams = [("GET", f"/v1/jobs/{job_id}/events", None),
+    streams = [("GET", f"/v1/jobs/{url_id(job_id)}/events", None),
                ("POST", "/v1/completions", {"model": WAITING, "prompt": "hi", "stream": True}),
                ("POST", "/v1/chat/completions", {"model": WAITING, "stream": True,
                                                  "messages": [{"role": "user", "content": "hi"}]})]

@@ -21,7 +21,7 @@ import redis
 from tokenfleet.shared.keys import Keys
 
 from gateway_server import gateway, pin_live_worker, port_of  # noqa: F401  (a fixture)
-from helpers import RedisServer, wait_until
+from helpers import RedisServer, url_id, wait_until
 
 pytestmark = [pytest.mark.faults, pytest.mark.timeout(300),
               pytest.mark.single_redis("counts the connections of one redis-server")]
@@ -110,7 +110,7 @@ def test_a_spike_of_requests_waits_for_the_bounded_pool_and_leaves_only_the_idle
         # Every second request a submit, the others a read of a job: two routes, one pool.
         return await asyncio.gather(*(
             http_request(port_of(http), "POST", "/v1/jobs", submit) if i % 2 == 0
-            else http_request(port_of(http), "GET", f"/v1/jobs/{known}")
+            else http_request(port_of(http), "GET", f"/v1/jobs/{url_id(known)}")
             for i in range(SPIKE)))
 
     started = time.monotonic()
@@ -147,7 +147,7 @@ STREAMS = 200  # event streams opened at once, each reading its job's record fir
 async def open_stream(port: int, job_id: str) -> tuple[int, bytes, asyncio.StreamWriter]:
     """An event stream, open: its status and head, and the writer that hangs it up."""
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
-    writer.write(f"GET /v1/jobs/{job_id}/events HTTP/1.1\r\nHost: test\r\n\r\n".encode())
+    writer.write(f"GET /v1/jobs/{url_id(job_id)}/events HTTP/1.1\r\nHost: test\r\n\r\n".encode())
     head = await reader.readuntil(b"\r\n\r\n")
     status = int(head.split(b" ", 2)[1])
     if status != 200:  # a refusal: its body is short, and the gateway closes after it

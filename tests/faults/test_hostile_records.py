@@ -21,7 +21,7 @@ from tokenfleet.shared.schemas import JobStatus
 from tokenfleet.shared.serialization import loads
 from tokenfleet.workers.admission import Admission
 
-from helpers import wait_until
+from helpers import dead_letters, queue_parts, wait_until
 
 
 @pytest.fixture
@@ -33,8 +33,15 @@ def settings(settings: Any) -> Any:
 pytestmark = [pytest.mark.faults, pytest.mark.timeout(120)]
 
 
-def dead_letters(r: redis.Redis, keys: Keys) -> list[dict[str, Any]]:
-    return [loads(f[b"data"]) for _, f in r.xrange(keys.dlq("default"))]
+def high_streams(r: redis.Redis, keys: Keys) -> list[str]:
+    """The high level's stream of the queue (of each partition: ``--partitions``)."""
+    return [keys.queue(level_queue(part, "high")) for part in queue_parts(r, keys)]
+
+
+def queue_is_empty(r: redis.Redis, keys: Keys) -> bool:
+    """Nothing left on the high level to deliver or redeliver."""
+    return all(r.xlen(s) == 0 and r.xpending(s, GROUP)["pending"] == 0
+               for s in high_streams(r, keys))
 
 
 def test_three_hostile_records_in_one_read_are_dead_lettered_alone_and_ten_good_jobs_succeed(
@@ -51,8 +58,7 @@ def test_three_hostile_records_in_one_read_are_dead_lettered_alone_and_ten_good_
     r.hset(keys.job(not_int), "attempts", "two")
     r.delete(keys.job(not_hash))
     r.set(keys.job(not_hash), "not a hash")
-    stream = keys.queue(level_queue("default", "high"))
-    assert r.xlen(stream) == 13
+    assert sum(r.xlen(s) for s in high_streams(r, keys)) == 13
 
     started = time.monotonic()
     worker = start_worker(max_batch=32, prefetch=4, claim_idle_s=2.0)
@@ -61,7 +67,7 @@ def test_three_hostile_records_in_one_read_are_dead_lettered_alone_and_ten_good_
 
     assert [s.status for s in states] == [JobStatus.SUCCEEDED] * 10
     assert all(s.attempts == 1 for s in states)
-    wait_until(lambda: r.xlen(keys.dlq("default")) >= 3, timeout=10, what="three dead letters")
+    wait_until(lambda: len(dead_letters(r, keys)) >= 3, timeout=10, what="three dead letters")
     dead = dead_letters(r, keys)
     reasons = {d.get("job_id") or loads(d["entry"]["data"])["job_id"]: d["reason"] for d in dead}
     assert len(dead) == 3, dead
@@ -69,7 +75,7 @@ def test_three_hostile_records_in_one_read_are_dead_lettered_alone_and_ten_good_
     assert "attempts is not an integer" in reasons[not_int]
     assert "not a hash" in reasons[not_hash] and "string" in reasons[not_hash]
     # Each hostile entry is off the queue for good: nothing left to redeliver.
-    assert r.xlen(stream) == 0 and r.xpending(stream, GROUP)["pending"] == 0
+    assert queue_is_empty(r, keys)
     # The two records that are hashes say that their job failed, and why.
     for job_id in (unknown, not_int):
         record = r.hgetall(keys.job(job_id))
@@ -104,7 +110,7 @@ def test_a_record_without_status_one_gone_and_an_attempt_count_too_long_in_one_r
 
     start_worker(max_batch=32, prefetch=4, claim_idle_s=2.0)
     assert [client.wait(j, timeout=60).status for j in good] == [JobStatus.SUCCEEDED] * 4
-    wait_until(lambda: r.xlen(keys.dlq("default")) >= 3, timeout=10, what="three dead letters")
+    wait_until(lambda: len(dead_letters(r, keys)) >= 3, timeout=10, what="three dead letters")
     reasons = {(d.get("job_id") or loads(d["entry"]["data"])["job_id"]): d["reason"]
                for d in dead_letters(r, keys)}
     assert reasons[no_status] == "job record has no status"
@@ -113,8 +119,7 @@ def test_a_record_without_status_one_gone_and_an_attempt_count_too_long_in_one_r
     for job_id in (no_status, too_long):
         assert client.status(job_id).status is JobStatus.FAILED
     assert r.hget(keys.job(too_long), "attempts") == b"1234567890123456"  # left as found
-    stream = keys.queue(level_queue("default", "high"))
-    assert r.xlen(stream) == 0 and r.xpending(stream, GROUP)["pending"] == 0
+    assert queue_is_empty(r, keys)
     report.update({"good": 4, "dead_lettered": 3})
 
 
@@ -139,4 +144,4 @@ def test_an_error_admitting_one_entry_fails_that_job_alone(
     assert bad.status is JobStatus.FAILED and "tokenizer crashed" in (bad.error or "")
     assert all(s.status is JobStatus.SUCCEEDED for s in states.values())
     assert [d["job_id"] for d in dead_letters(r, keys)] == [poisoned]
-    assert r.xlen(keys.queue(level_queue("default", "high"))) == 0
+    assert all(r.xlen(s) == 0 for s in high_streams(r, keys))

@@ -18,7 +18,7 @@ from tokenfleet.shared.keys import Keys
 from tokenfleet.shared.schemas import JobStatus
 from tokenfleet.workers.identity import NameTaken, check_name
 
-from helpers import wait_until
+from helpers import queue_parts, wait_until
 
 pytestmark = [pytest.mark.faults, pytest.mark.timeout(180)]
 
@@ -34,9 +34,10 @@ def test_a_worker_with_a_ten_second_heartbeat_is_live_between_its_beats(
     # Live until it has missed three beats, as the served set says too (a
     # later beat only moves that time on).
     assert alive_until == pytest.approx(last_seen + 3 * 10)
-    wait_until(lambda: r.zscore(keys.queue_workers("default"), node) is not None,
+    served = keys.queue_workers(queue_parts(r, keys)[0])  # the queue's, or a partition's
+    wait_until(lambda: r.zscore(served, node) is not None,
                timeout=30, what="the beat's entry in the served set")
-    assert (r.zscore(keys.queue_workers("default"), node) or 0) >= alive_until
+    assert (r.zscore(served, node) or 0) >= alive_until
 
     # Seen 15 s after that beat: past the next beat's time, and past any fixed
     # window of 10 s, yet within three beats.

@@ -25,7 +25,7 @@ from tokenfleet import (
     RedisUnavailable,
 )
 from tokenfleet.fleet import Repaired, fleet_status, repair_fleet
-from tokenfleet.shared.keys import Keys
+from tokenfleet.shared.keys import Keys, job_model
 from tokenfleet.shared.schemas import FinishReason, JobStatus
 
 from helpers import free_port, wait_until
@@ -100,8 +100,9 @@ def _assert_expired_and_gone(state: JobState, r: redis.Redis, settings: Any,
     with FleetClient(settings=settings) as repairer:
         repair_fleet(repairer)
     assert r.hget(keys.job(state.id), "status") == b"expired"
-    assert r.xlen(keys.queue(model)) == 0  # off the queue
-    assert int(r.get(keys.backlog(model)) or 0) == 0  # out of the backlog
+    part = job_model(state.id)  # the queue, or the job's partition of it
+    assert r.xlen(keys.queue(part)) == 0  # off the queue
+    assert int(r.get(keys.backlog(part)) or 0) == 0  # out of the backlog
 
 
 def test_wait_reports_expired_at_the_deadline_with_no_worker_alive(

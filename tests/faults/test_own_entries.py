@@ -17,7 +17,7 @@ import pytest
 import redis
 
 from tokenfleet import FleetClient
-from tokenfleet.shared.keys import GROUP, Keys
+from tokenfleet.shared.keys import GROUP, Keys, job_model
 from tokenfleet.shared.schemas import JobStatus
 from tokenfleet.shared.serialization import loads, token_event
 from tokenfleet.shared.worker_scripts import log_entry_id
@@ -55,12 +55,12 @@ def test_a_workers_own_running_entry_is_not_reclaimed_by_it_when_it_goes_idle(
     report: dict[str, Any],
 ) -> None:
     keys = Keys(settings.namespace)
-    stream = keys.queue("default")
     # A heartbeat slower than the claim time: the running entry goes idle, and
     # the worker's reclaim pass (every claim_idle_s / 2) finds it many times.
     worker = start_worker(runner=SlowRunner(*loaded_tiny), max_batch=2, prefetch=0,
                           heartbeat_s=30, claim_idle_s=0.3)
     job_id = client.submit("drain 0", max_new_tokens=80, temperature=0.0)
+    stream = keys.queue(job_model(job_id))  # the queue's, or its partition's
     wait_until(lambda: logged_count(r, keys, job_id) >= 40, timeout=60,
                what="40 tokens (some 2 s: several claim periods)")
     pending = r.xpending_range(stream, GROUP, "-", "+", 10)
@@ -77,9 +77,9 @@ def test_a_second_entry_of_a_running_job_is_dropped_at_once_and_runs_nothing_twi
     client: FleetClient, start_worker: Any, loaded_tiny: Any, r: redis.Redis, settings: Any,
 ) -> None:
     keys = Keys(settings.namespace)
-    stream = keys.queue("default")
     start_worker(runner=SlowRunner(*loaded_tiny), max_batch=2, prefetch=2, claim_idle_s=0.3)
     job_id = client.submit("drain 0", max_new_tokens=200, temperature=0.0)
+    stream = keys.queue(job_model(job_id))  # the queue's, or its partition's
     wait_until(lambda: logged_count(r, keys, job_id) >= 3, timeout=60, what="the job to run")
     (live, fields), = r.xrange(stream)
     copy = r.xadd(stream, {"data": fields[b"data"]})  # the same job, a second entry
@@ -89,16 +89,16 @@ def test_a_second_entry_of_a_running_job_is_dropped_at_once_and_runs_nothing_twi
     assert [p["message_id"] for p in r.xpending_range(stream, GROUP, "-", "+", 10)] == [live]
     state = client.wait(job_id, timeout=60)
     assert state.status is JobStatus.SUCCEEDED and state.attempts == 1
-    assert r.xlen(stream) == 0 and r.xlen(keys.dlq("default")) == 0
+    assert r.xlen(stream) == 0 and r.xlen(keys.dlq(job_model(job_id))) == 0
 
 
 def test_a_job_resumed_from_a_log_with_a_gap_continues_from_the_gap_and_its_log_stays_gap_free(
     client: FleetClient, start_worker: Any, loaded_tiny: Any, r: redis.Redis, settings: Any,
 ) -> None:
     keys = Keys(settings.namespace)
-    stream = keys.queue("default")
     _model, tok = loaded_tiny
     job_id = client.submit("Once upon a time", max_new_tokens=12, temperature=0.0)
+    stream = keys.queue(job_model(job_id))  # the queue's, or its partition's
     # Attempt 1 ran on a worker that died: its entry is pending with it, and it
     # logged tokens 0-2 and 5-6, not 3-4 (a log with a gap).
     r.xgroup_create(stream, GROUP, id="0")

@@ -23,7 +23,7 @@ from tokenfleet.workers import service
 from tokenfleet.workers.runner import HFRunner
 from tokenfleet.workers.scheduler import Batch
 
-from helpers import direct_greedy, free_port, wait_until
+from helpers import direct_greedy, free_port, queue_parts, wait_until
 
 pytestmark = [pytest.mark.faults, pytest.mark.timeout(240)]
 
@@ -128,8 +128,9 @@ def test_a_stop_whose_engine_thread_does_not_end_hands_back_nothing_it_may_still
     assert any(t.is_alive() for t in stuck.threads), "the engine thread was to be still running"
     # Every job is still the stuck worker's first attempt, its entry pending with it...
     assert [r.hget(keys.job(j), "status") for j in job_ids] == [b"running"] * 3
-    consumers = {c["name"]: c["pending"] for c in r.xinfo_consumers(keys.queue("default"), GROUP)}
-    assert consumers[b"stuck@test"] == 3
+    assert sum(c["pending"] for p in queue_parts(r, keys)
+               for c in r.xinfo_consumers(keys.queue(p), GROUP)
+               if c["name"] == b"stuck@test") == 3
     # ...and the worker left the fleet: no heartbeat renews its entries.
     assert not r.exists(keys.worker("stuck@test"))
 

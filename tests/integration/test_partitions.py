@@ -1,16 +1,22 @@
 """Partitioned queues: one model's jobs spread over P partitions, each a queue of
-its own in Redis (``<queue>#<p>``, its keys in its own hash slot), each served
-by workers of its own (``TOKENFLEET_QUEUE=<queue>#<p>``).
+its own in Redis (``<queue>#<p>``, its keys in its own hash slot). A worker
+named for the queue (``TOKENFLEET_QUEUE=<queue>``) reads every partition, its
+credits shared among them; one named for a partition (``<queue>#<p>``) reads
+that one only.
 
 - on a Redis Cluster of three masters, a queue of three partitions (one on each
-  master) under 300 jobs: every job whole, and each master's share of the
-  commands (``INFO commandstats``, before and after) within 15% of a third;
+  master) under 300 jobs, served by two workers that read every partition:
+  every job whole, and each master's share of the commands (``INFO
+  commandstats``, before and after) within 15% of a third;
+- one worker of the queue with a backlog on every partition takes its jobs
+  from the partitions in turn, a third from each;
 - on one redis-server, the same queue (made with ``tokenfleet queue create
   --partitions``): jobs spread over the partitions, the
   same idempotency key lands on its first job, a queued job cancels, and
-  ``status`` sums the partitions into one row;
+  ``status`` and the backlog exporter sum the partitions into one queue;
 - a partition's worker killed with SIGKILL mid-run: its jobs are resumed by
-  the partition's next worker, each whole and ended once;
+  the partition's next worker, each whole and ended once; the same for a worker
+  of every partition, its jobs in both partitions resumed by the next one;
 - a queue of one partition keeps its names: ids ``<queue>:<hex>``, keys ``{<queue>}``.
 """
 
@@ -90,7 +96,8 @@ def test_three_partitions_spread_a_queue_evenly_over_three_masters(
     keys = Keys.for_url(settings.namespace, settings.redis_url)
     queue = spread_queue(r, keys)
     set_partitions(r, keys, queue, PARTS)
-    start_partition_workers(start_worker, queue)
+    for name in ("a@parts", "b@parts"):  # each reads every partition
+        start_worker(name, queue=queue)
     nodes = cluster.nodes  # three masters, no replicas
     before = command_counts(nodes)
     ids = [client.submit(f"job {i} of a partitioned queue", model=queue, max_new_tokens=6,
@@ -105,6 +112,26 @@ def test_three_partitions_spread_a_queue_evenly_over_three_masters(
     print(f"\njobs per partition {per_part}; commands per master {delta}, "
           f"shares {[round(s, 3) for s in shares]}")
     assert all(abs(s - 1 / PARTS) <= 0.15 / PARTS for s in shares), (delta, shares)
+
+
+def test_a_worker_of_the_queue_takes_from_every_partition_in_turn(
+    settings: Any, client: FleetClient, r: Any, start_worker: Any,
+) -> None:
+    """Its credits are shared fairly: with a backlog on each partition, the
+    jobs it starts come from the partitions in turn, not one drained first."""
+    keys = Keys.for_url(settings.namespace, settings.redis_url)
+    set_partitions(r, keys, "turns", PARTS)
+    ids = [client.submit(f"job {i}", model="turns", max_new_tokens=3, temperature=0.0,
+                         require_worker=False) for i in range(60)]
+    worker = start_worker("one@parts", queue="turns", max_batch=2, prefetch=1)
+    assert worker.partitions == partitions_of("turns", PARTS)
+    states = [client.wait(j, timeout=120) for j in ids]
+    assert all(whole(r, keys, j, s) for j, s in zip(ids, states))
+    started = sorted(ids, key=lambda j: float(r.hget(keys.job(j), "started_at") or 0))
+    first = [job_model(j) for j in started[:30]]
+    counts = {p: first.count(p) for p in partitions_of("turns", PARTS)}
+    print(f"\nthe first 30 jobs started, by partition: {counts}")
+    assert all(7 <= n <= 13 for n in counts.values()), counts
 
 
 @pytest.fixture
@@ -148,6 +175,14 @@ def test_a_partitioned_queue_on_one_redis(single: Any, start_worker: Any) -> Non
 
         row = next(q for q in fleet_status(client)["queues"] if q["queue"] == "parts")
         assert row["partitions"] == PARTS and row["depth"] == len(ids) + 1, row
+        # What an autoscaler reads: the queue once, its partitions' jobs summed.
+        from prometheus_client import generate_latest
+
+        from tokenfleet.backlog_metrics import registry
+
+        text = generate_latest(registry(r, keys)).decode()
+        assert f'tokenfleet_queue_backlog{{priority="normal",queue="parts"}} {len(ids) + 1}.0' \
+            in text and "parts#" not in text, text
         start_partition_workers(start_worker, "parts", redis_url=single.redis_url)
         states = [client.wait(j, timeout=60) for j in [*ids, first]]
         assert all(whole(r, keys, j, s) for j, s in zip([*ids, first], states))
@@ -207,4 +242,37 @@ def test_kill_9_of_a_partitions_worker_loses_nothing_and_runs_nothing_twice(
     assert in_flight > 0 and any(s.attempts > 1 for j, s in zip(ids, states)
                                  if job_model(j) == first), "the kill hit no job in flight"
     assert all(s.attempts == 1 for j, s in zip(ids, states) if job_model(j) == second)
+    assert tally.ends_not_once(ids) == {} and tally.duplicated == 0
+
+
+def test_kill_9_of_a_worker_of_every_partition_loses_nothing_and_runs_nothing_twice(
+    settings: Any, client: FleetClient, r: Any, start_worker: Any, celery_workers: Any,
+    loaded_tiny: Any,
+) -> None:
+    """A worker that reads every partition killed mid-run: its jobs of both
+    partitions are reclaimed, each in its partition, by the next such worker."""
+    keys = Keys.for_url(settings.namespace, settings.redis_url)
+    set_partitions(r, keys, "every", 2)
+    jobs = [(f"job {i} the value of a list", 30 + (i * 7) % 30) for i in range(24)]
+    ids = [client.submit(p, model="every", max_new_tokens=n, temperature=0.0,
+                         require_worker=False) for p, n in jobs]
+    tally = ChannelTally(settings.redis_url, keys, ids)
+    victim = celery_workers("cpu@victim", TOKENFLEET_QUEUE="every", TOKENFLEET_MAX_BATCH="6")
+
+    def in_flight() -> dict[str, int]:
+        return {p: r.xpending(keys.queue(p), GROUP)["pending"]
+                for p in partitions_of("every", 2)}
+
+    wait_until(lambda: sum(1 for j in ids if r.hget(keys.job(j), "status") == b"succeeded")
+               >= 2 and all(in_flight().values()), timeout=120,
+               what="jobs of both partitions in flight, 2 finished, before the kill")
+    victim.kill()  # SIGKILL: its pending entries in both partitions stay with cpu@victim
+    start_worker("next@every", queue="every", claim_idle_s=2)
+    states = [client.wait(j, timeout=120) for j in ids]
+    tally.wait_ended(ids, timeout=30)
+    tally.close()
+    assert [s.text for s in states] == direct_greedy(loaded_tiny, jobs)
+    assert all(whole(r, keys, j, s) for j, s in zip(ids, states))
+    resumed = {job_model(j) for j, s in zip(ids, states) if s.attempts > 1}
+    assert resumed == set(partitions_of("every", 2)), resumed
     assert tally.ends_not_once(ids) == {} and tally.duplicated == 0
