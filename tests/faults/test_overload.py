@@ -128,7 +128,9 @@ def test_ten_times_the_fleet_rate_for_30s(
     redis_growth = max(m[1] for m in late) - max(m[1] for m in early)
     rss_growth = max(m[2] for m in late) - max(m[2] for m in early)
     assert redis_growth < 5, memory
-    assert rss_growth < 30, memory
+    # A tenth of what the worker held early on: a leak of the load's size grows past it in
+    # 30 s; less is the allocator settling, 9-31 MB from run to run on a shared machine.
+    assert rss_growth < 0.1 * max(m[2] for m in early), memory
     report.update(fleet_jobs_per_s=round(fleet_rate, 1), offered_per_s=round(offered_rate, 1),
                   accepted=len(accepted), refused=refused, completed=len(statuses), lost=0,
                   redis_mb_growth=round(redis_growth, 2), worker_rss_mb_growth=round(rss_growth, 2))
