@@ -4,7 +4,8 @@ Token events of the step go to each job's log and channel in one script call;
 the final states of the jobs it finished go in one more script call in the same
 pipeline. A worker that serves a queue of several partitions makes those calls
 per partition, each on a connection to the node that holds the partition's
-slot (a script's keys must share one slot), all sent before any reply is read. Both scripts fence off a worker that lost a job to a reclaim: it finds out
+slot (a script's keys must share one slot), all sent before any reply is read.
+Both scripts fence off a worker that lost a job to a reclaim: it finds out
 here and drops the job. ``emit.lua`` does it without a read: the attempt is in
 the log entry's id, and a newer attempt's resume moves the log's last id past
 every id an older one writes, so Redis refuses the stale write.
@@ -43,7 +44,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable, Sequence as Seq
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from redis.exceptions import (
     AskError,
@@ -85,6 +86,8 @@ try:
     import hiredis
 except ImportError:  # redis-py works without it, more slowly
     hiredis = None
+
+_T = TypeVar("_T")
 
 __all__ = ["Ending", "Held", "Publisher", "Stored", "is_transient"]
 
@@ -225,22 +228,22 @@ class Publisher:
             raise RuntimeError("collect() the step sent before sending the next")
         events = self._due(outputs)
         endings = [self._ending(o) for o in outputs if o.finished]
-        by_partition: dict[str, tuple[list[Held], list[Ending]]] = {}
-        for event in events:
-            by_partition.setdefault(model_of(event.seq.queue), ([], []))[0].append(event)
-        for ending in endings:
-            by_partition.setdefault(model_of(ending.queue), ([], []))[1].append(ending)
+        events_of = _by_partition(events, lambda e: e.seq.queue)
+        endings_of = _by_partition(endings, lambda e: e.queue)
+        parts = list(dict.fromkeys([*events_of, *endings_of]))
         conns: dict[str, Any] = {}
-        for part in by_partition:
+        for part in parts:
             try:
                 conns[part] = self._connection(part)  # first: a new one unverifies every log
             except (ConnectionError, TimeoutError, OSError):
                 self._drop_connection(part)  # collect() writes through the pool instead
+        per_part: list[_Writes] = []
+        for part in parts:
+            evs, ends = events_of.get(part, []), endings_of.get(part, [])
+            per_part.append(_Writes(part, evs, self._emit(evs) if evs else None,
+                                    self._finish(ends) if ends else None))
         step = self._pending = _Step(
-            events, [_Writes(part, evs, self._emit(evs) if evs else None,
-                             self._finish(ends) if ends else None)
-                     for part, (evs, ends) in by_partition.items()],
-            [(e.job_id, e.attempt or 0) for e in endings],
+            events, per_part, [(e.job_id, e.attempt or 0) for e in endings],
             ends=[o.seq for o in outputs if o.finished])
         for writes in step.writes:
             conn = conns.get(writes.partition)
@@ -405,10 +408,7 @@ class Publisher:
 
     def end(self, endings: Iterable[Ending]) -> None:
         """Store endings decided outside the engine (expired, rejected, cancelled)."""
-        by_partition: dict[str, list[Ending]] = {}
-        for ending in endings:
-            by_partition.setdefault(model_of(ending.queue), []).append(ending)
-        for part, ends in by_partition.items():
+        for part, ends in _by_partition(endings, lambda e: e.queue).items():
             self._execute(part, [self._finish(ends)])
             self._verified.difference_update((e.job_id, e.attempt or 0) for e in ends)
 
@@ -421,15 +421,16 @@ class Publisher:
         """
         seqs = list(seqs)
         self._verified.difference_update(_run(seq) for seq in seqs)
-        by_partition: dict[str, list[ScriptCall[int]]] = {}
-        for seq in seqs:
-            if seq.entry_json:
-                by_partition.setdefault(model_of(seq.queue), []).append(requeue(
-                    self.keys, queue=seq.queue, job_id=seq.job_id, entry_id=seq.entry_id,
-                    attempt=seq.attempt, entry_json=seq.entry_json,
-                    counts_as_attempt=seq.job_id in suspects))
-        return sum(call.decode(reply) for part, calls in by_partition.items()
-                   for call, reply in zip(calls, self._execute(part, calls)))
+        handed = 0
+        for part, of_part in _by_partition([s for s in seqs if s.entry_json],
+                                           lambda s: s.queue).items():
+            calls = [requeue(self.keys, queue=seq.queue, job_id=seq.job_id,
+                             entry_id=seq.entry_id, attempt=seq.attempt,
+                             entry_json=seq.entry_json, counts_as_attempt=seq.job_id in suspects)
+                     for seq in of_part]
+            replies = self._execute(part, calls)
+            handed += sum(call.decode(reply) for call, reply in zip(calls, replies))
+        return handed
 
     def dead_letter(self, queue: str, entry_id: str, raw: Any, reason: str) -> None:
         """An entry no job can come from: keep it in the DLQ, take it off the queue."""
@@ -494,6 +495,14 @@ class Publisher:
         for call in calls:
             pipe.execute_command(*call.command())
         return pipe.execute(raise_on_error=False)  # type: ignore[no-any-return]
+
+
+def _by_partition(items: Iterable[_T], level: Callable[[_T], str]) -> dict[str, list[_T]]:
+    """``items`` by the partition (the queue, of one) of their level's name, in order."""
+    found: dict[str, list[_T]] = {}
+    for item in items:
+        found.setdefault(model_of(level(item)), []).append(item)
+    return found
 
 
 def _run(seq: Sequence) -> tuple[str, int]:
