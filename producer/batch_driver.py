@@ -280,6 +280,15 @@ class BatchDriver:
         if not running:
             return
         pipe = self.redis.pipeline(transaction=False)
+        for index in running:
+            pipe.getbit(self.keys.batch_done(batch_id), index)
+        written = {i: running.pop(i) for i, bit in zip(list(running), await pipe.execute())
+                   if bit}
+        # Written and marked done by a driver stopped before it let them go.
+        await self._let_go(batch_id, written)
+        if not running:
+            return
+        pipe = self.redis.pipeline(transaction=False)
         for job_id in running.values():
             pipe.hget(self.keys.job(job_id), "status")
         statuses = await pipe.execute()
@@ -307,20 +316,21 @@ class BatchDriver:
                        else batch_lines.job_error(state))
                 err.append((index, batch_lines.error_line(custom_id, why)))
         ended = [i for i, _ in out + err]
-        await self._record_done(batch_id, out, err, ended=ended, tokens=tokens)
+        await self._record_done(batch_id, out, err, tokens=tokens)
         await self._let_go(batch_id, {i: running[i] for i in ended})
         for index in ended:  # written: its checked request is needed no more
             feeding.made.pop(index, None)
 
     async def _record_done(self, batch_id: str, out: list[tuple[int, bytes]],
-                           err: list[tuple[int, bytes]], *, ended: list[int],
+                           err: list[tuple[int, bytes]], *,
                            started: dict[int, str] | None = None,
                            next_line: int | None = None,
                            tokens: dict[int, int] | None = None) -> None:
         """Write a part of the lines done, then mark them done and count those not
         done before (``batch_done.lua``: a line collected twice counts once), then
         note the lines started and the next line to feed. A crash in between
-        writes the lines again later: joining the parts keeps one of each."""
+        writes the lines again later: joining the parts keeps one of each. Lines
+        that were running stay in the running hash until ``_let_go``."""
         keys = self.keys
         if out or err:
             part = await self.redis.hincrby(keys.batch(batch_id), "parts", 1)
@@ -333,8 +343,6 @@ class BatchDriver:
         if done:
             await batch_done(keys, batch_id, done).run_async(self.redis)
         pipe = self.redis.pipeline(transaction=True)
-        if ended:
-            pipe.hdel(keys.batch_running(batch_id), *ended)
         if started:
             pipe.hset(keys.batch_running(batch_id), mapping=started)
         if next_line is not None:
@@ -345,7 +353,10 @@ class BatchDriver:
     async def _let_go(self, batch_id: str, jobs: dict[int, str]) -> None:
         """The done lines' records expire soon, and their token logs and
         idempotency keys go now: a done line is never fed again (the next line
-        to feed is past it)."""
+        to feed is past it). Then the lines leave the running hash: the job's keys
+        live in its queue's slot, not the batch's, so this cannot be one
+        transaction, and a driver stopped in between leaves a line running and
+        done, let go again at the next collect."""
         if not jobs:
             return
         pipe = self.redis.pipeline(transaction=False)
@@ -357,6 +368,7 @@ class BatchDriver:
             if model is not None:
                 pipe.delete(self.keys.idempotency(model, batch_lines.job_key(batch_id, index)))
         await pipe.execute()
+        await self.redis.hdel(self.keys.batch_running(batch_id), *jobs)
 
     async def release(self) -> None:
         """Give up the leases this driver holds (a gateway stopping), so that
@@ -405,7 +417,7 @@ class BatchDriver:
         if fed:
             next_line = feeding.waiting[fed - 1][0] + 1
             del feeding.waiting[:fed]
-            await self._record_done(batch_id, [], err, ended=[], started=started,
+            await self._record_done(batch_id, [], err, started=started,
                                     next_line=next_line)
             feeding.next_line = next_line
 
@@ -448,7 +460,7 @@ class BatchDriver:
         expired = batch_lines.expired()
         err = [(index, batch_lines.error_line(feeding.made.get(index, (None,))[0], expired))
                for index in running]
-        await self._record_done(batch_id, [], err, ended=list(running))
+        await self._record_done(batch_id, [], err)
         await self._let_go(batch_id, running)
         while True:
             if not feeding.waiting:
@@ -460,7 +472,7 @@ class BatchDriver:
                 for index, raw in feeding.waiting]
             next_line = feeding.waiting[-1][0] + 1
             feeding.waiting = []
-            await self._record_done(batch_id, [], err, ended=[], next_line=next_line)
+            await self._record_done(batch_id, [], err, next_line=next_line)
             feeding.next_line = next_line
         await batch_ends.to_finalizing(self.client, self.store, record, "expired",
                                        from_=("in_progress", "cancelling"))

@@ -25,9 +25,8 @@ def batch_move(keys: Keys, batch_id: str, *, allowed: tuple[str, ...], status: s
 
 def batch_done(keys: Keys, batch_id: str, lines: list[tuple[int, str, int]]
                ) -> ScriptCall[int]:
-    """Mark the lines (index, 'out' or 'err', tokens) done, no longer running, and
-    count those not done before: the number newly done."""
+    """Mark the lines (index, 'out' or 'err', tokens) done and count those not
+    done before: the number newly done."""
     args = [str(part) for line in lines for part in line]
-    return ScriptCall(script("batch_done"), (keys.batch(batch_id), keys.batch_done(batch_id),
-                                             keys.batch_running(batch_id)), tuple(args),
-                      integer)
+    return ScriptCall(script("batch_done"), (keys.batch(batch_id), keys.batch_done(batch_id)),
+                      tuple(args), integer)

@@ -398,8 +398,58 @@ def test_a_line_collected_twice_is_counted_once(settings: Settings) -> None:
     assert batch_done(keys, "batch_x", [(0, "out", 5), (1, "err", 0)]).run(r) == 2
     assert batch_done(keys, "batch_x", [(0, "out", 5), (1, "out", 3)]).run(r) == 0
     assert r.hmget(keys.batch("batch_x"), "completed", "failed", "tokens") == [b"1", b"1", b"5"]
-    assert not r.exists(keys.batch_running("batch_x"))
+    # Still running: a line leaves that hash once its job's keys are let go.
+    assert r.hlen(keys.batch_running("batch_x")) == 2
     r.close()
+
+
+def test_a_driver_stopped_after_marking_lines_done_leaves_no_token_log_behind(
+    settings: Settings, start_worker: Any, tmp_path: Any
+) -> None:
+    """Driver a writes and marks lines done, then stops before it lets their
+    jobs go (a power cut between the two): driver b lets them go, so no token
+    log of a written line stays in Redis, and each line counts once."""
+    from tokenfleet.batch_driver import BatchDriver
+
+    settings = settings.model_copy(update={"files_url": f"file://{tmp_path}/files",
+                                           "batch_window": 3})
+    start_worker()
+
+    class Stopped(Exception):
+        pass
+
+    async def main() -> None:
+        async with AsyncFleetClient(settings=settings) as client:
+            keys, store = client.keys, open_store(settings.files_url)
+            batch = await client.submit_batch([completion_line(i) for i in range(6)])
+            a = BatchDriver(client, store, name="a", lease_ms=300, step_s=0.05)
+            marked: dict[int, str] = {}
+
+            async def stop(batch_id: str, jobs: dict[int, str]) -> None:
+                if jobs:
+                    marked.update(jobs)
+                    raise Stopped
+
+            a._let_go = stop  # type: ignore[method-assign]
+            with pytest.raises(Stopped):
+                while True:
+                    await a.step_batch(batch.id)
+                    await asyncio.sleep(0.05)
+            assert marked and all(await asyncio.gather(
+                *(client.redis.exists(keys.out(j)) for j in marked.values())))
+            await client.redis.delete(keys.batch_lease(batch.id))  # a's lease lapsed
+
+            b = BatchDriver(client, store, name="b", lease_ms=300, step_s=0.05)
+            done = await b.drive(batch.id, timeout=60)
+            assert done.batch.status == "completed"
+            assert done.batch.request_counts.completed == 6
+            lines = [line async for line in client.batch_results(batch.id)]
+            jobs = [line["response"]["request_id"] for line in lines]
+            assert sorted(line["custom_id"] for line in lines) == [f"c-{i}" for i in range(6)]
+            assert set(marked.values()) <= set(jobs)
+            assert sum([await client.redis.exists(keys.out(j)) for j in jobs]) == 0
+
+    asyncio.run(main())
 
 
 def test_another_tenants_batch_and_input_file_are_404(fleet: dict[str, Any]) -> None:
