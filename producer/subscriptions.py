@@ -143,14 +143,19 @@ class Subscriptions:
             try:
                 await self._sync()
                 backoff = BACKOFF_S[0]
-            except (RedisConnectionError, RedisTimeoutError, OSError, RuntimeError) as exc:
-                # redis-py has retried already; go on trying, but never block a listener.
-                # RuntimeError: redis-py's reconnect inside a (un)subscribe reads the
-                # server's greeting while the reader waits on the same connection
-                # ("read() called while another coroutine is already waiting"), in
-                # an outage; the keeper died of it and the channels it had yet to
-                # subscribe stayed on polling.
-                log.warning("pub/sub (un)subscribe failed (%s); trying again", exc)
+            except Exception as exc:
+                # redis-py has retried already; go on trying, but never block a
+                # listener. Nothing ends this task but close(): a keeper that died
+                # left the channels it had yet to subscribe on polling, for good
+                # once every listener was waiting (none enters or leaves to start
+                # another). RuntimeError: redis-py's reconnect inside a
+                # (un)subscribe reads the server's greeting while the reader waits
+                # on the same connection ("read() called while another coroutine
+                # is already waiting"), in an outage. A ResponseError: a cluster
+                # still forming after a restart (CLUSTERDOWN).
+                expected = isinstance(exc, (RedisError, OSError, RuntimeError))
+                log.warning("pub/sub (un)subscribe failed (%s); trying again", exc,
+                            exc_info=not expected)
                 self._wake.set()
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, BACKOFF_S[1])
@@ -172,34 +177,41 @@ class Subscriptions:
                 return
             if self._pubsub is None:
                 self._pubsub = (await ready(self._redis)).pubsub()
+            # The reader may leave a shard node while a command below awaits
+            # (its connection lost): the sets are cleared then, the channels
+            # told they moved, and this connection is done with.
+            pubsub = self._pubsub
             if gone:
                 self._sent -= gone
                 self._live -= gone  # a listener back for one waits for a new confirmation
                 try:
-                    await self._command("unsubscribe", gone)
+                    await self._command(pubsub, "unsubscribe", gone)
                 except BaseException:
                     self._unsure |= gone
                     raise
-            if new:
+            if new and self._pubsub is pubsub:
                 self._sent |= new
                 try:
-                    await self._command("subscribe", new)
+                    await self._command(pubsub, "subscribe", new)
                 except BaseException:
                     self._unsure |= new
                     raise
-                self._ensure_reader()
+                if self._pubsub is pubsub:
+                    self._ensure_reader()
 
-    async def _command(self, verb: str, channels: set[bytes]) -> None:
+    async def _command(self, pubsub: Any, verb: str, channels: set[bytes]) -> None:
         """(UN)SUBSCRIBE ``channels``; on a node's shard channels S(UN)SUBSCRIBE,
         one command per slot (Redis refuses one that spans slots: CROSSSLOT)."""
         if not self._sharded:
-            await getattr(self._pubsub, verb)(*channels)
+            await getattr(pubsub, verb)(*channels)
             return
         by_slot: dict[int, list[bytes]] = {}
         for channel in channels:
             by_slot.setdefault(key_slot(channel), []).append(channel)
         for same_slot in by_slot.values():
-            await shard_pubsub_command(self._pubsub, f"s{verb}", *same_slot)
+            if self._pubsub is not pubsub:
+                return  # left the node meanwhile: these channels moved
+            await shard_pubsub_command(pubsub, f"s{verb}", *same_slot)
 
     def _ensure_reader(self) -> None:
         # Started after the first subscribe: reading needs the connection it opens.

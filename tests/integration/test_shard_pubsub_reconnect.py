@@ -11,10 +11,12 @@ for one node of a cluster.
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import pytest
 
 from helpers import RedisServer
+from tokenfleet import subscriptions as subscriptions_module
 from tokenfleet.shared.redis_conn import connect_async
 from tokenfleet.subscriptions import MOVED, Subscriptions
 
@@ -43,6 +45,56 @@ async def test_a_shard_pubsub_that_reconnects_moves_its_channels(
         async with subscriptions.listen("reconnect:{a}") as again:
             await client.spublish("reconnect:{a}", b"after")
             assert await asyncio.wait_for(again.get(), 10) == b"after"
+    finally:
+        await subscriptions.close()
+        await client.aclose()
+
+
+async def test_a_node_left_while_a_subscribe_awaits_subscribes_its_listeners_again(
+        redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The node's connection is lost while the keeper's SSUBSCRIBE of another
+    channel awaits (a whole cluster restarting): the reader leaves the node and
+    its listeners listen again before that SSUBSCRIBE returns. The keeper goes
+    on with a new connection; it died there once, and the listeners that came
+    back were never subscribed again."""
+    client = connect_async(redis_server.url)
+    held, hold = asyncio.Event(), asyncio.Event()
+    send = subscriptions_module.shard_pubsub_command
+
+    async def held_send(pubsub: Any, verb: str, *channels: bytes) -> None:
+        await send(pubsub, verb, *channels)
+        if verb == "ssubscribe" and channels == (b"race:{b}",) and not held.is_set():
+            held.set()
+            await hold.wait()
+
+    monkeypatch.setattr(subscriptions_module, "shard_pubsub_command", held_send)
+
+    async def reread() -> None:
+        pass
+
+    subscriptions = Subscriptions(client, moved=reread)
+
+    async def follow_b() -> bytes:
+        async with subscriptions.listen("race:{b}") as b:
+            return await b.get()
+
+    try:
+        async with subscriptions.listen("race:{a}") as a:
+            b_told = asyncio.ensure_future(follow_b())
+            await asyncio.wait_for(held.wait(), 10)
+            await client.client_kill_filter(_type="pubsub")
+            assert await asyncio.wait_for(a.get(), 30) == MOVED
+        assert await asyncio.wait_for(b_told, 30) == MOVED
+
+        async def follow_a_again() -> bytes:
+            async with subscriptions.listen("race:{a}") as again:
+                await client.spublish("race:{a}", b"after")
+                return await asyncio.wait_for(again.get(), 10)
+
+        again = asyncio.ensure_future(follow_a_again())
+        await asyncio.sleep(0)  # it listens (waits for its confirmation) before the send returns
+        hold.set()
+        assert await asyncio.wait_for(again, 30) == b"after"
     finally:
         await subscriptions.close()
         await client.aclose()
