@@ -286,6 +286,8 @@ class BatchDriver:
                    if bit}
         # Written and marked done by a driver stopped before it let them go.
         await self._let_go(batch_id, written)
+        for index in written:
+            feeding.made.pop(index, None)
         if not running:
             return
         pipe = self.redis.pipeline(transaction=False)
