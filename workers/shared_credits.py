@@ -13,6 +13,11 @@ that read last (so with one credit free at a time the partitions get it in
 turn, whichever feeder's thread wakes first). A feeder whose last turn found
 its partition empty is left out of the deal until it finds an entry again, so
 one busy partition gets every credit, and P busy ones a P-th each.
+
+Several credits free at once (two jobs ending in the same step) are dealt the
+same way, but the next deal starts after whichever feeder read last: one that
+comes before a partition dealt a credit ahead of it takes that partition's
+turn, so the order is then only roughly fair.
 """
 
 from __future__ import annotations
