@@ -282,14 +282,10 @@ class BatchDriver:
         pipe = self.redis.pipeline(transaction=False)
         for index in running:
             pipe.getbit(self.keys.batch_done(batch_id), index)
+        # Lines written and marked done by a driver stopped before it let them
+        # go: let go below with the lines that end now.
         written = {i: running.pop(i) for i, bit in zip(list(running), await pipe.execute())
                    if bit}
-        # Written and marked done by a driver stopped before it let them go.
-        await self._let_go(batch_id, written)
-        for index in written:
-            feeding.made.pop(index, None)
-        if not running:
-            return
         pipe = self.redis.pipeline(transaction=False)
         for job_id in running.values():
             pipe.hget(self.keys.job(job_id), "status")
@@ -317,9 +313,9 @@ class BatchDriver:
                 why = (batch_lines.expired() if expiring and state.status.value == "cancelled"
                        else batch_lines.job_error(state))
                 err.append((index, batch_lines.error_line(custom_id, why)))
-        ended = [i for i, _ in out + err]
         await self._record_done(batch_id, out, err, tokens=tokens)
-        await self._let_go(batch_id, {i: running[i] for i in ended})
+        ended = written | {i: running[i] for i, _ in out + err}
+        await self._let_go(batch_id, ended)
         for index in ended:  # written: its checked request is needed no more
             feeding.made.pop(index, None)
 
