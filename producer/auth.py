@@ -8,14 +8,19 @@ a key. On the way out it adds the key's ``x-ratelimit-*`` headers, which the
 route (or, for a route that counts nothing, this middleware) put in
 ``request.state.rate_headers``.
 
-``TOKENFLEET_GATEWAY_AUTH``: ``auto`` asks for a key once any key exists (a
-fresh install keeps working locally; a key made later holds at once), ``on``
-always, ``off`` never. The key is never logged: only its id is ever named.
+``TOKENFLEET_GATEWAY_AUTH``: ``on`` always asks for a key, ``off`` never,
+``auto`` once a key has ever been made on the fleet (a fresh install keeps
+working locally; a key made later holds at once; revoking every key, or Redis
+losing its data while the gateway runs, does not open it again). Unset, a
+gateway bound to a loopback address runs ``auto`` and any other ``on``
+(``auth_mode``). ``auto`` says so in a WARNING at start, and every minute
+while it serves without keys. The key is never logged: only its id is named.
 """
 
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -39,6 +44,31 @@ INCORRECT = ("incorrect API key provided: it does not exist or was revoked "
              "(`tokenfleet keys list` shows the keys in force)")
 
 
+# How often an open ``auto`` gateway repeats that it serves everyone.
+OPEN_WARNING_S = 60.0
+OPEN = ("no API key was ever made on this fleet: this gateway (TOKENFLEET_GATEWAY_AUTH=auto) "
+        "serves everyone without a key until the first is made (tokenfleet keys create "
+        "--tenant NAME); set TOKENFLEET_GATEWAY_AUTH=on to refuse requests without a key now")
+
+
+def auth_mode(setting: str | None, host: str) -> str:
+    """The mode of a gateway bound to ``host``: the setting, or when it is unset
+    ``on`` for every address but loopback (a gateway others can reach never
+    starts open), ``auto`` on loopback (a local try-out)."""
+    if setting is not None:
+        return setting
+    return "auto" if _loopback(host) else "on"
+
+
+def _loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name: it may resolve to anything
+        return False
+
+
 def bearer(headers: Headers) -> str | None:
     """The key of an ``Authorization: Bearer <key>`` header, or None."""
     scheme, _, key = headers.get("authorization", "").partition(" ")
@@ -57,12 +87,28 @@ async def announce(mode: str, book: KeyBook) -> None:
         log.warning("API keys are off (TOKENFLEET_GATEWAY_AUTH=off / --no-auth): anyone who "
                     "reaches this gateway can submit, read and cancel any job; serve it on a "
                     "private network only")
-    elif mode == "auto" and not await book.any_exist():
-        log.warning("no API key exists: this gateway serves everyone without a key until the "
-                    "first is made (tokenfleet keys create --tenant NAME); set "
-                    "TOKENFLEET_GATEWAY_AUTH=on to refuse requests without a key now")
+    elif mode == "auto" and not await book.ever_made():
+        log.warning(OPEN)
+    elif mode == "auto":
+        # Closed now, but only as long as Redis keeps the mark that keys were made.
+        log.warning("API keys are required (keys were made on this fleet), but "
+                    "TOKENFLEET_GATEWAY_AUTH=auto: if Redis loses its data, this gateway "
+                    "serves everyone from its next start; set TOKENFLEET_GATEWAY_AUTH=on")
     else:
         log.info("API keys are required (Authorization: Bearer) on every route but health")
+
+
+async def warn_while_open(book: KeyBook, every_s: float = OPEN_WARNING_S) -> None:
+    """An ``auto`` gateway's task: the WARNING ``OPEN`` every ``every_s`` while
+    no key was ever made; it ends once one is (the gateway never opens again)."""
+    while True:
+        await asyncio.sleep(every_s)
+        try:
+            if await book.ever_made():
+                return
+        except (RedisError, OSError, TimeoutError):
+            continue  # each request reads the keys again, and is refused meanwhile
+        log.warning(OPEN)
 
 
 # What the app gives the middleware (see ``Authenticate.__init__``).
@@ -125,7 +171,7 @@ class Authenticate:
     async def _authenticate(self, scope: Scope) -> Response | None:
         """None to go on (``state.api_key`` set where a key was read), or the refusal."""
         book: KeyBook = scope["app"].state.keybook
-        if self.mode == "auto" and not await book.any_exist():
+        if self.mode == "auto" and not await book.ever_made():
             # Open until the first key is made; a key sent anyway is not read
             # (OpenAI's client always sends one, whatever it is set to).
             return None

@@ -13,10 +13,10 @@
   lines every gateway's batch driver runs;
 - ``GET /healthz`` (live) and ``GET /readyz`` (ready): ``tokenfleet.gateway_health``.
 
-Every route but ``/healthz`` asks for an API key once any exists
-(``tokenfleet.auth``); a key's tenant owns the jobs made with it, and another
-tenant's ids read as missing (``tokenfleet.shared.ownership``); its limits
-apply where a job is submitted (``tokenfleet.key_limits``).
+Every route but ``/healthz`` asks for an API key (on a loopback address, once
+one was ever made: ``tokenfleet.auth``); a key's tenant owns the jobs made with
+it, and another tenant's ids read as missing (``tokenfleet.shared.ownership``);
+its limits apply where a job is submitted (``tokenfleet.key_limits``).
 
 Event streams send a keep-alive comment every ``sse_keepalive_s`` while nothing
 else goes out; the server bounds the time a client takes to send a request's head
@@ -48,7 +48,8 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from tokenfleet import openai_batches, openai_chat, openai_compat, openai_files, sse
 from tokenfleet.aio import AsyncFleetClient
-from tokenfleet.auth import Authenticate, announce, caller, unauthorized
+from tokenfleet.auth import (Authenticate, announce, auth_mode, caller, unauthorized,
+                             warn_while_open)
 from tokenfleet.gateway_health import HEALTH_TIMEOUT_S, GatewayServer
 from tokenfleet.gateway_health import router as health_router
 from tokenfleet.key_limits import KeyLimits, submit_as_caller
@@ -132,8 +133,11 @@ def validation_errors(exc: ValidationError) -> list[dict[str, Any]]:
 
 
 def create_app(settings: Settings | None = None) -> FastAPI:
-    """The gateway app; ``settings`` defaults to the process-wide ones."""
+    """The gateway app; ``settings`` defaults to the process-wide ones. An app
+    served by ``server_config`` runs the auth mode of its address; one made
+    here with the mode unset (a test's in-process client) runs ``auto``."""
     settings = settings or get_settings()
+    mode = settings.gateway_auth or "auto"
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -150,19 +154,23 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                 await app.state.fleet.redis.ping()
         app.state.keybook = KeyBook(app.state.fleet.redis, app.state.fleet.keys,
                                     settings.gateway_key_cache_s)
-        app.state.limits = KeyLimits(app.state.fleet)
+        app.state.limits = KeyLimits(app.state.fleet, tenant_by_body=mode == "off")
         try:
             async with asyncio.timeout(HEALTH_TIMEOUT_S):
-                await announce(settings.gateway_auth, app.state.keybook)
+                await announce(mode, app.state.keybook)
         except (RedisError, OSError, TimeoutError):
             log.warning("could not read the API keys (Redis does not answer): each request "
-                        "reads them again (TOKENFLEET_GATEWAY_AUTH=%s)", settings.gateway_auth)
+                        "reads them again (TOKENFLEET_GATEWAY_AUTH=%s)", mode)
+        warning = (asyncio.create_task(warn_while_open(app.state.keybook)) if mode == "auto"
+                   else None)
         webhooks = Deliverer(app.state.fleet.redis, app.state.fleet.keys,
                              settings).start(settings.gateway_webhooks)
         try:
             async with openai_batches.driving(app):
                 yield
         finally:
+            if warning is not None:
+                warning.cancel()
             await webhooks.stop()
             await app.state.limits.close()
             await app.state.fleet.close()
@@ -175,7 +183,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.add_middleware(BodyDeadline, timeout_s=settings.body_timeout_s)
     app.add_middleware(CountRefusals)  # inside Authenticate: it reads the key it set
     app.add_middleware(
-        Authenticate, mode=settings.gateway_auth,
+        Authenticate, mode=mode,
         error=lambda scope, message: unauthorized(_openai_path(scope["path"]), message),
         peek=lambda scope, key: scope["app"].state.limits.peek(scope, key),
         failed=_handled)
@@ -201,8 +209,10 @@ def server_config(settings: Settings | None = None, *, host: str = "127.0.0.1",
     The h11 protocol is set, not chosen: the limits on a request's head live in
     it (``tokenfleet.timeouts``): its time, and its size (``MAX_HEAD_BYTES``,
     16 KiB: a 431 past it). uvicorn closes a keep-alive connection idle for 5 s.
+    The auth mode left unset is the one for ``host`` (``auth_mode``).
     """
     settings = settings or get_settings()
+    settings = settings.model_copy(update={"gateway_auth": auth_mode(settings.gateway_auth, host)})
     return uvicorn.Config(create_app(settings), host=host, port=port, lifespan="on",
                           http=head_deadline_protocol(settings.header_timeout_s),
                           h11_max_incomplete_event_size=MAX_HEAD_BYTES, **uvicorn_options)

@@ -86,8 +86,12 @@ async def submit_as_caller(request: Request, client: AsyncFleetClient,
 class KeyLimits:
     """One gateway's side of the keys' limits (one per app, closed at shutdown)."""
 
-    def __init__(self, client: AsyncFleetClient) -> None:
-        self.client = client
+    def __init__(self, client: AsyncFleetClient, *, tenant_by_body: bool = False) -> None:
+        # ``tenant_by_body``: a request without a key may name its job's tenant
+        # (``off``: a private network's backends do). Elsewhere it may not: on an
+        # ``auto`` gateway not yet closed, anyone could plant jobs under a tenant
+        # whose key is made later, and that tenant would read them as its own.
+        self.client, self.tenant_by_body = client, tenant_by_body
         self.settlement = Settlement(client)
 
     def peek(self, scope: Scope, key: ApiKey) -> Coroutine[Any, Any, None] | None:
@@ -106,6 +110,11 @@ class KeyLimits:
         """Submit ``job`` as the request's key allows, as its tenant's job."""
         key = caller(request.state)
         if key is None:
+            if job.tenant is not None and not self.tenant_by_body:
+                raise InvalidRequest(
+                    f"invalid 'tenant': {job.tenant!r}: only an API key sets a job's tenant on "
+                    "this gateway (its jobs without a key are the tenant 'default'); leave "
+                    "it out, or send a key of that tenant")
             return await self.client.submit(job)
         if job.tenant is not None and job.tenant != key.tenant:
             raise InvalidRequest(f"invalid 'tenant': {job.tenant!r} is not this API key's "

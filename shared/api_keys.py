@@ -6,6 +6,10 @@ the SHA-256 of the whole key, so a copy of Redis gives no usable key; the key
 id (public, in ``keys list``) names it for ``keys revoke``. A gateway looks a
 key up on its requests and keeps the answer for at most ``cache_s`` (under a
 second), so a new or revoked key holds on every gateway within that time.
+
+Making a key also marks the fleet as one that has had keys (``api_keys_made``);
+no revoke clears the mark, so revoking the last key (after a leak) leaves an
+``auto`` gateway asking for keys, not open to everyone.
 """
 
 from __future__ import annotations
@@ -35,7 +39,9 @@ def new_key() -> tuple[str, str]:
 def create_key(redis: Any, keys: Keys, record: ApiKey, key: str) -> None:
     """Store ``key``'s record. The listing goes first: a crash in between
     leaves a listed key that does not work yet (``keys revoke`` clears it),
-    never a usable key that ``keys list`` does not show."""
+    never a usable key that ``keys list`` does not show. The mark that keys
+    were made goes before both: no key exists without it."""
+    redis.set(keys.api_keys_made, record.created_at, nx=True)
     redis.hset(keys.api_keys, record.key_id, digest(key))
     redis.set(keys.api_key(digest(key)), record.model_dump_json())
 
@@ -66,14 +72,17 @@ def _text(value: bytes | str) -> str:
 
 
 class KeyBook:
-    """A gateway's view of the keys: ``lookup`` a presented key, ``any_exist``;
+    """A gateway's view of the keys: ``lookup`` a presented key, ``ever_made``;
     each answer is kept ``cache_s`` (monotonic clock), unknown keys included,
     so a flood of bad keys costs Redis one read per key and interval."""
 
     def __init__(self, redis: Any, keys: Keys, cache_s: float) -> None:
         self.redis, self.keys, self.cache_s = redis, keys, cache_s
         self._found: dict[str, tuple[float, ApiKey | None]] = {}
-        self._any: tuple[float, bool] | None = None
+        self._made: tuple[float, bool] | None = None
+        # Once seen, for the life of this process: Redis losing its data (a
+        # FLUSHALL, a restart without persistence) does not open a running gateway.
+        self._seen_made = False
 
     async def lookup(self, key: str) -> ApiKey | None:
         name = digest(key)
@@ -88,11 +97,19 @@ class KeyBook:
         self._found[name] = (now + self.cache_s, record)
         return record
 
-    async def any_exist(self) -> bool:
+    async def ever_made(self) -> bool:
+        """Whether a key was ever made on this fleet (revoked since or not)."""
+        if self._seen_made:
+            return True
         now = time.monotonic()
-        if self._any is not None and self._any[0] > now:
-            return self._any[1]
-        exists = bool(await self.redis.hlen(self.keys.api_keys))
-        self._any = (now + self.cache_s, exists)
-        return exists
+        if self._made is not None and self._made[0] > now:
+            return self._made[1]
+        made = bool(await self.redis.exists(self.keys.api_keys_made))
+        if not made and await self.redis.hlen(self.keys.api_keys):
+            # Keys made before the mark existed: mark them now.
+            await self.redis.set(self.keys.api_keys_made, time.time(), nx=True)
+            made = True
+        self._seen_made = made
+        self._made = (now + self.cache_s, made)
+        return made
 

@@ -382,6 +382,13 @@ class Keys:
         ``keys list`` and ``keys revoke``; a gateway reads ``api_key`` alone)."""
         return f"{self.namespace}:apikeys"
 
+    @property
+    def api_keys_made(self) -> str:
+        """String: when the fleet's first API key was made (seconds since the epoch).
+        Set by ``create_key``, never removed by a revoke: an ``auto`` gateway asks
+        for keys once it exists, even when no key is left."""
+        return f"{self.namespace}:apikeys:made"
+
     def rate_requests(self, key_id: str) -> str:
         """Sorted set: the requests of one key in the last minute (member the
         request id, score its time); tagged by the key id, as is ``rate_tokens``,

@@ -199,11 +199,13 @@ class Settings(BaseSettings):
         "(they resume later from their tokens) when live jobs wait; false: live jobs wait for "
         "batch jobs to end."))
     # The gateway's API keys (tokenfleet keys create): "auto" asks for one once
-    # any key exists, "on" always, "off" never (a private network only).
-    gateway_auth: Literal["auto", "on", "off"] = Field(default="auto", description=(
-        "Gateway: API keys (Authorization: Bearer). auto: required once any key exists "
-        "(tokenfleet keys create), on: always, off: never (a private network; a WARNING at "
-        "start)."))
+    # a key was ever made, "on" always, "off" never (a private network only).
+    # Unset, the gateway's bind address decides (tokenfleet.auth.auth_mode).
+    gateway_auth: Literal["auto", "on", "off"] | None = Field(default=None, description=(
+        "Gateway: API keys (Authorization: Bearer). on: always; auto: once a key was ever made "
+        "on the fleet (revoking every key does not open it again; a WARNING at start and every "
+        "minute while open); off: never (a private network; a WARNING at start). Unset: on for "
+        "a gateway bound to any address but loopback, auto on loopback."))
     gateway_key_cache_s: float = Field(default=0.5, ge=0, le=1.0, description=(
         "Gateway: seconds a gateway keeps what it read of an API key; a new or revoked key holds "
         "on every gateway within this time."))

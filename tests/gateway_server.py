@@ -45,16 +45,17 @@ def gateway(settings: Any) -> Iterator[Callable[..., httpx.Client]]:
 def gateways(settings: Any) -> Iterator[Callable[..., httpx.Client]]:
     """What the ``gateway`` fixture gives, for a fixture of any scope: ``start(
     **overrides)`` serves a gateway until the block ends. ``uvicorn_options``
-    (a dict) go to uvicorn (TLS files, say); ``scheme`` and ``verify`` to the client."""
+    (a dict) go to uvicorn (TLS files, say); ``scheme`` and ``verify`` to the client;
+    ``host`` is the address it binds (the client reaches it on 127.0.0.1)."""
     running: list[tuple[_Server, threading.Thread, httpx.Client]] = []
 
     def start(*, uvicorn_options: dict[str, Any] | None = None, scheme: str = "http",
-              verify: Any = True, **overrides: Any) -> httpx.Client:
+              verify: Any = True, host: str = "127.0.0.1", **overrides: Any) -> httpx.Client:
         sock = socket.socket()
-        sock.bind(("127.0.0.1", 0))
+        sock.bind((host, 0))
         port = sock.getsockname()[1]
-        config = server_config(settings.model_copy(update=overrides), log_level="warning",
-                               **(uvicorn_options or {}))
+        config = server_config(settings.model_copy(update=overrides), host=host,
+                               log_level="warning", **(uvicorn_options or {}))
         server = _Server(config)
         thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
         thread.start()

@@ -3,13 +3,16 @@ redis-server, OpenAI's reset durations, the ownership rule, a job's tenant."""
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import uuid
-from typing import Any
+from typing import Any, cast
 
 import pytest
 import redis
 
 from tokenfleet import FleetClient, InvalidRequest
+from tokenfleet.auth import auth_mode, warn_while_open
 from tokenfleet.key_limits import duration
 from tokenfleet.shared import gateway_scripts
 from tokenfleet.shared.gateway_scripts import RateVerdict
@@ -81,3 +84,25 @@ def test_submit_stores_the_tenant_and_refuses_a_bad_name(client: FleetClient,
     assert r.hget(client.keys.job(plain), "tenant") is None  # omitted when none
     with pytest.raises(InvalidRequest, match="tenant"):
         client.submit("hi", tenant="no spaces", require_worker=False)
+
+
+def test_the_auth_mode_left_unset_is_on_beyond_loopback() -> None:
+    assert auth_mode(None, "0.0.0.0") == auth_mode(None, "::") == "on"
+    assert auth_mode(None, "10.1.2.3") == auth_mode(None, "gateway.internal") == "on"
+    assert auth_mode(None, "127.0.0.1") == auth_mode(None, "::1") == "auto"
+    assert auth_mode(None, "localhost") == "auto"
+    assert auth_mode("auto", "0.0.0.0") == "auto" and auth_mode("off", "0.0.0.0") == "off"
+
+
+async def test_an_open_auto_gateway_warns_every_interval_until_a_key_is_made(
+        caplog: pytest.LogCaptureFixture) -> None:
+    class Book:  # no key for three looks, then one
+        looks = 0
+
+        async def ever_made(self) -> bool:
+            self.looks += 1
+            return self.looks > 3
+
+    caplog.set_level(logging.WARNING, logger="tokenfleet.gateway")
+    await asyncio.wait_for(warn_while_open(cast(Any, Book()), every_s=0.01), timeout=10)
+    assert caplog.text.count("serves everyone without a key") == 3

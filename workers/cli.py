@@ -441,7 +441,7 @@ def gateway(host: str, port: int, header_timeout: float | None, body_timeout: fl
     """Serve the HTTP gateway: jobs, token streams (SSE), OpenAI-style completions and chat.
 
     API keys (tokenfleet keys create) are asked for on every route but /healthz
-    once any exists; --no-auth turns them off."""
+    (bound to loopback: once one was ever made); --no-auth turns them off."""
     from tokenfleet.workers.preflight import need_extra, need_free_port
 
     need_extra("gateway", "gateway")

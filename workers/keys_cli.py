@@ -7,7 +7,8 @@ from typing import TYPE_CHECKING
 
 import click
 
-from tokenfleet.shared.keys import TENANT_NAME_RULE, is_queue_name, is_tenant_name
+from tokenfleet.shared.keys import (DEFAULT_TENANT, TENANT_NAME_RULE, is_queue_name,
+                                   is_tenant_name)
 
 if TYPE_CHECKING:
     from tokenfleet import FleetClient
@@ -17,6 +18,11 @@ if TYPE_CHECKING:
 def _tenant(ctx: click.Context, param: click.Parameter, value: str) -> str:
     if not is_tenant_name(value):
         raise click.BadParameter(f"{value!r}: a tenant is {TENANT_NAME_RULE}")
+    if value == DEFAULT_TENANT:
+        # Its jobs are those made without a key (an open gateway's, a backend's
+        # without tenant=): a key of it would read them all.
+        raise click.BadParameter(f"{value!r} is the tenant of the jobs made without a key, "
+                                 "which no key may read: name another tenant")
     return value
 
 
@@ -85,7 +91,7 @@ def list_(redis_url: str | None) -> None:
     with _client(redis_url) as client:
         records = list_keys(client.redis, client.keys)
     if not records:
-        click.echo("no API keys (a gateway with TOKENFLEET_GATEWAY_AUTH=auto serves everyone)")
+        click.echo("no API keys in force")
         return
     click.echo(f"{'KEY ID':<14}{'TENANT':<20}{'CREATED (UTC)':<22}LIMITS")
     for r in records:

@@ -23,7 +23,7 @@ from tokenfleet.shared.settings import Settings
 from tokenfleet.workers.cli import main as cli
 
 from gateway_server import gateways, pin_live_worker
-from helpers import redis_client, wait_until
+from helpers import RedisServer, redis_client, wait_until
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -262,7 +262,7 @@ def test_a_fresh_install_serves_without_a_key_until_one_is_made(
                         gateway_key_cache_s=0.2)
     with gateways(settings) as start:
         http = start()
-        assert "no API key exists" in caplog.text
+        assert "no API key was ever made" in caplog.text
         assert http.get("/v1/models").status_code == 200
         r = redis_client(redis_url)
         key, key_id = new_key()
@@ -272,6 +272,92 @@ def test_a_fresh_install_serves_without_a_key_until_one_is_made(
         wait_until(lambda: http.get("/v1/models").status_code == 401, timeout=5,
                    what="the first key to close the open gateway")
         assert http.get("/v1/models", headers=bearer(key)).status_code == 200
+
+
+def fresh_fleet(redis_url: str, **overrides: Any) -> tuple[Settings, dict[str, str]]:
+    """A namespace of its own, no key ever made, the idle queue served; its
+    settings (the auth mode unset) and the CLI's environment."""
+    settings = Settings(redis_url=redis_url, namespace=f"t{uuid.uuid4().hex[:10]}", **overrides)
+    r = redis_client(redis_url)
+    pin_live_worker(r, settings.namespace, IDLE)
+    r.close()
+    return settings, {"TOKENFLEET_REDIS_URL": redis_url,
+                      "TOKENFLEET_NAMESPACE": settings.namespace}
+
+
+def test_revoking_the_last_key_leaves_an_auto_gateway_closed(redis_url: str) -> None:
+    settings, env = fresh_fleet(redis_url, gateway_key_cache_s=0.2)
+    with gateways(settings) as start:
+        http = start()  # loopback, the mode unset: auto
+        made = CliRunner().invoke(cli, ["keys", "create", "--tenant", "leaky"], env=env)
+        assert made.exit_code == 0, made.output
+        key = made.output.strip().splitlines()[-1]
+        job_id = submit(http, key).json()["id"]
+        key_id = key.split("_")[1]
+        revoked = CliRunner().invoke(cli, ["keys", "revoke", key_id], env=env)
+        assert revoked.exit_code == 0, revoked.output
+        wait_until(lambda: http.get("/v1/models", headers=bearer(key)).status_code == 401,
+                   timeout=5, what="the revoked key to be refused")
+        # No key is left, and still nothing passes: not the leaked key, not a
+        # request without one, not a read of the jobs it made.
+        time.sleep(settings.gateway_key_cache_s * 2)  # past every cached answer
+        for headers in (bearer(key), {}):
+            assert http.get("/v1/models", headers=headers).status_code == 401
+            assert http.get(f"/v1/jobs/{job_id}", headers=headers).status_code == 401
+            assert submit(http, key).status_code == 401
+        # A gateway started now (a deploy) is closed too: the mark outlives the keys.
+        assert start().get("/v1/models").status_code == 401
+
+
+def test_after_redis_loses_its_data_running_gateways_and_on_gateways_stay_closed(
+        caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.WARNING, logger="tokenfleet.gateway")
+    server = RedisServer()  # its own: the test empties it
+    try:
+        settings = Settings(redis_url=server.url, namespace="wiped", gateway_key_cache_s=0.2)
+        with gateways(settings) as start:
+            auto, on = start(), start(gateway_auth="on")
+            assert "serves everyone" in caplog.text  # said at start, while open
+            r = redis_client(server.url)
+            key, key_id = new_key()
+            create_key(r, Keys(settings.namespace),
+                       ApiKey(key_id=key_id, tenant="acme", created_at=time.time()), key)
+            for http in (auto, on):
+                wait_until(lambda: http.get("/v1/models").status_code == 401, timeout=5,
+                           what="the first key to close the gateway")
+            r.flushall()
+            time.sleep(settings.gateway_key_cache_s * 2)
+            for http in (auto, on, start(gateway_auth="on")):
+                assert http.get("/v1/models").status_code == 401
+                assert http.get("/v1/models", headers=bearer(key)).status_code == 401
+            # What the setting is for: an auto gateway started after the wipe
+            # cannot know keys were made; it serves everyone, and says so.
+            caplog.clear()
+            assert start().get("/v1/models").status_code == 200
+            assert "serves everyone" in caplog.text
+            r.close()
+    finally:
+        server.close()
+
+
+def test_a_gateway_bound_beyond_loopback_asks_for_keys_by_default(redis_url: str) -> None:
+    settings = Settings(redis_url=redis_url, namespace=f"t{uuid.uuid4().hex[:10]}")
+    with gateways(settings) as start:
+        assert start(host="0.0.0.0").get("/v1/models").status_code == 401
+        assert start(host="127.0.0.1").get("/v1/models").status_code == 200
+
+
+def test_an_open_gateway_plants_no_job_under_a_tenant_a_key_is_made_for_later(
+        redis_url: str) -> None:
+    settings, env = fresh_fleet(redis_url)
+    with gateways(settings) as start:
+        http = start()  # auto, no key yet: open
+        planted = http.post("/v1/jobs", json={"prompt": "hi", "model": IDLE, "tenant": "acme"})
+        assert planted.status_code == 400 and "tenant" in planted.json()["detail"]
+        assert http.post("/v1/jobs", json={"prompt": "hi", "model": IDLE}).status_code == 202
+    # The jobs made without a key are the tenant "default": no key may be made for it.
+    refused = CliRunner().invoke(cli, ["keys", "create", "--tenant", "default"], env=env)
+    assert refused.exit_code != 0 and "made without a key" in refused.output
 
 
 def test_the_gateway_serves_https_with_the_files_it_is_given(

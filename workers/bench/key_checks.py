@@ -57,7 +57,7 @@ def _gateway_process(settings: Settings) -> Iterator[httpx.Client]:
     sock.close()
     env = {**os.environ, "TOKENFLEET_NAMESPACE": settings.namespace,
            "TOKENFLEET_REDIS_URL": settings.redis_url,
-           "TOKENFLEET_GATEWAY_AUTH": settings.gateway_auth,
+           "TOKENFLEET_GATEWAY_AUTH": settings.gateway_auth or "auto",
            "TOKENFLEET_MAX_QUEUE": str(settings.max_queue)}
     command = [sys.executable, "-c", "from tokenfleet.workers.cli import main; main()",
                "gateway", "--host", "127.0.0.1", "--port", str(port)]
