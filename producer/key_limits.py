@@ -3,16 +3,20 @@ the queues it may use, its requests and tokens per minute, and its tenant's
 jobs waiting or running.
 
 Every count lives in Redis (``gateway_scripts``), so every gateway of a fleet
-spends one budget. Tokens are counted at admission as the prompt (estimated
-at 4 bytes a token) plus ``max_new_tokens``; when the job ends, this gateway
+spends one budget. Tokens are charged at admission as the prompt plus
+``max_new_tokens``, the prompt never under its real count: counted by the
+model's tokenizer where this gateway has it, else bounded from above by its
+bytes (``prompt_tokens.charged_prompt_tokens``); when the job ends, this gateway
 corrects the charge to the prompt's tokens and the tokens made, and takes the
 job off its tenant's count (``tokenfleet.settlement``).
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import math
+import time
 import uuid
 from collections.abc import Coroutine
 from typing import Any
@@ -24,7 +28,8 @@ from starlette.types import Scope
 from tokenfleet.aio import AsyncFleetClient
 from tokenfleet.auth import caller
 from tokenfleet.choices import choice_requests
-from tokenfleet.protocol import backlog_weight
+from tokenfleet.prompt_tokens import charged_prompt_tokens
+from tokenfleet.served import served
 from tokenfleet.settlement import Charge, Settlement
 from tokenfleet.shared import gateway_scripts
 from tokenfleet.shared.errors import (InvalidRequest, OverTokenRate,
@@ -39,6 +44,8 @@ SUBMITTING = frozenset({"/v1/jobs", "/v1/completions", "/v1/chat/completions"})
 # A reservation older than this belongs to a submit that never finished (its
 # gateway died in between): a later admission at the cap drops it.
 RESERVATION_S = 60.0
+# How long the models a queue's workers load are kept, to find their tokenizer.
+MODELS_CACHE_S = 5.0
 
 
 def duration(seconds: float) -> str:
@@ -93,6 +100,7 @@ class KeyLimits:
         # whose key is made later, and that tenant would read them as its own.
         self.client, self.tenant_by_body = client, tenant_by_body
         self.settlement = Settlement(client)
+        self._models: dict[str, tuple[float, list[str]]] = {}
 
     def peek(self, scope: Scope, key: ApiKey) -> Coroutine[Any, Any, None] | None:
         """The read of the key's headers for a request that submits nothing
@@ -123,7 +131,7 @@ class KeyLimits:
         if key.queues is not None and job.model not in key.queues:
             raise QueueNotAllowed(job.model, key.queues)
         request_id = uuid.uuid4().hex
-        tokens = backlog_weight(job) if key.tpm is not None else 0
+        tokens = await self._tokens(job, key.tpm) if key.tpm is not None else 0
         if key.limited:
             state = await self._take(key, request_id, requests=1, tokens=tokens)
             request.state.rate_headers = rate_headers(key, state)
@@ -158,6 +166,31 @@ class KeyLimits:
                 key_id=key.key_id, tenant=key.tenant, request_id=request_id, tokens=tokens,
                 max_new_tokens=job.sampling.max_new_tokens, counted=reservation is not None))
         return job_id
+
+    async def _tokens(self, job: GenerationRequest, tpm: int) -> int:
+        """The job's charge at admission: its prompt, never under its real count,
+        plus its ``max_new_tokens``. A bound (not an exact count) over ``tpm``
+        is charged ``tpm``, so it passes once the window is empty instead of
+        never; the job then settles at what it used, past ``tpm`` if it must.
+        One that asks more new tokens than ``tpm`` alone never passes."""
+        models = await self._queue_models(job.model)
+        # Tokenizing a prompt of up to max_payload_bytes takes a while: off the loop.
+        prompt, exact = await asyncio.to_thread(charged_prompt_tokens, job, models)
+        tokens = prompt + job.sampling.max_new_tokens
+        return tokens if exact else min(tokens, max(tpm, job.sampling.max_new_tokens + 1))
+
+    async def _queue_models(self, queue: str) -> list[str]:
+        """The models the queue's live workers load (kept ``MODELS_CACHE_S``)."""
+        now = time.monotonic()
+        cached = self._models.get(queue)
+        if cached is not None and cached[0] > now:
+            return cached[1]
+        found = await served(self.client, queue)
+        models = found.models if found is not None else []
+        if len(self._models) > 1_000:  # queues made up by callers: start over
+            self._models.clear()
+        self._models[queue] = (now + MODELS_CACHE_S, models)
+        return models
 
     async def close(self) -> None:
         """Stop settling (the jobs still open keep their charges: see ``settlement``)."""

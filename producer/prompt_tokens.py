@@ -11,11 +11,17 @@ model's length) and this client's. Elsewhere the worker's own check stands.
 
 A chat is counted by its messages' text alone: its template adds tokens around
 them, so the count is a lower bound, and a chat refused here is surely too long.
+
+An API key's tokens per minute need the other side: ``charged_prompt_tokens``
+is at least the prompt's tokens (exact for a text prompt or token ids where
+the tokenizer is here; else a bound from above), so no charge at admission is
+under what the job will use.
 """
 
 from __future__ import annotations
 
 import functools
+import json
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +33,13 @@ from tokenfleet.shared.settings import Settings
 # finest), plus the special tokens they add: a prompt shorter than the limit by
 # this many bytes needs no count, and no look at who serves the queue.
 SPECIAL_TOKENS_MARGIN = 16
+
+
+# A chat template wraps each message in markers of its own (its role, start and
+# end tokens): charged at this many tokens a message, on top of its text. (A
+# template that adds a long text of its own, a default system prompt, is
+# charged what it used once the job ends.)
+CHAT_MARKERS_PER_MESSAGE = 16
 
 
 def prompt_token_limit(settings: Settings) -> tuple[int, str]:
@@ -53,6 +66,40 @@ def count_prompt_tokens(request: GenerationRequest, models: list[str]) -> int | 
         return sum(len(tokenizer.encode(text, add_special_tokens=False).ids)
                    for text in _texts(request))
     return None
+
+
+def charged_prompt_tokens(request: GenerationRequest, models: list[str]) -> tuple[int, bool]:
+    """At least the tokens the job's prompt will be, and whether exactly: token
+    ids as they are; a text prompt counted by the tokenizer of the first of
+    ``models`` found here; else every text the worker renders into the prompt
+    (a chat's messages, its tools, a suffix) counted by that tokenizer or, with
+    none here, one token a byte (no tokenizer makes more: byte-level BPE is the
+    finest), plus the special tokens and a chat's markers. Tokenizes: call it
+    off the event loop."""
+    if request.prompt_token_ids is not None:
+        return len(request.prompt_token_ids), True
+    if request.prompt is not None and request.suffix is None:
+        counted = count_prompt_tokens(request, models)
+        if counted is not None:
+            return counted, True
+    texts = _rendered_texts(request)
+    tokenizer = next((t for t in map(_tokenizer, models) if t is not None), None)
+    tokens = (sum(len(tokenizer.encode(text, add_special_tokens=False).ids) for text in texts)
+              if tokenizer is not None else sum(len(text.encode()) for text in texts))
+    return (tokens + SPECIAL_TOKENS_MARGIN
+            + CHAT_MARKERS_PER_MESSAGE * len(request.messages or [])), False
+
+
+def _rendered_texts(request: GenerationRequest) -> list[str]:
+    """Every text of the request that can reach its prompt."""
+    texts = [*_texts(request), request.suffix or ""]
+    for message in request.messages or []:
+        if message.tool_calls:
+            texts.append(json.dumps([c.model_dump() for c in message.tool_calls]))
+        texts.append(message.tool_call_id or "")
+    if request.tools:
+        texts.append(json.dumps(request.tools))
+    return texts
 
 
 def _texts(request: GenerationRequest) -> list[str]:

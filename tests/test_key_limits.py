@@ -14,11 +14,13 @@ import redis
 from tokenfleet import FleetClient, InvalidRequest
 from tokenfleet.auth import auth_mode, warn_while_open
 from tokenfleet.key_limits import duration
+from tokenfleet.prompt_tokens import charged_prompt_tokens
 from tokenfleet.shared import gateway_scripts
 from tokenfleet.shared.gateway_scripts import RateVerdict
 from tokenfleet.shared.keys import Keys
+from tokenfleet.shared.models import local_tokenizer_file
 from tokenfleet.shared.ownership import owns
-from tokenfleet.shared.schemas import JobState, JobStatus
+from tokenfleet.shared.schemas import GenerationRequest, JobState, JobStatus
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -106,3 +108,22 @@ async def test_an_open_auto_gateway_warns_every_interval_until_a_key_is_made(
     caplog.set_level(logging.WARNING, logger="tokenfleet.gateway")
     await asyncio.wait_for(warn_while_open(cast(Any, Book()), every_s=0.01), timeout=10)
     assert caplog.text.count("serves everyone without a key") == 3
+
+
+def test_a_prompts_charge_is_never_under_its_tokens() -> None:
+    from tokenizers import Tokenizer
+
+    tiny = Tokenizer.from_file(str(local_tokenizer_file("tiny")))
+    texts = ["\U0001f600" * 225, "héllo wörld " * 40, "plain english text, " * 30]
+    for text in texts:
+        real = len(tiny.encode(text).ids)
+        assert charged_prompt_tokens(GenerationRequest(prompt=text), ["tiny"]) == (real, True)
+        bound, exact = charged_prompt_tokens(GenerationRequest(prompt=text), ["elsewhere"])
+        assert bound >= real and not exact  # no tokenizer here: a token a byte
+    chat = GenerationRequest(messages=[{"role": "user", "content": texts[0]}],
+                             tools=[{"type": "function", "function": {"name": "x" * 500}}])
+    for models in (["tiny"], []):
+        bound, exact = charged_prompt_tokens(chat, models)
+        assert bound >= 901 + 500 // 4 and not exact  # the tools render into the prompt too
+    ids = GenerationRequest(prompt_token_ids=[5, 6, 7])
+    assert charged_prompt_tokens(ids, []) == (3, True)

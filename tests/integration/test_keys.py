@@ -7,6 +7,7 @@ import logging
 import time
 import uuid
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -176,8 +177,9 @@ def test_tokens_are_charged_at_admission_and_corrected_at_the_end(fleet: Any) ->
                      json={"model": "default", "prompt": "abcdefgh", "max_tokens": 40,
                            "temperature": 0, "stop": ["e"]})
     assert done.status_code == 200, done.text
-    # Charged: the prompt's 8 bytes as 2 tokens + 40 new ones.
-    assert done.headers["x-ratelimit-remaining-tokens"] == str(1000 - 42)
+    # Charged: the prompt's 5 tokens (counted by the tiny model's tokenizer,
+    # which this gateway has) + 40 new ones.
+    assert done.headers["x-ratelimit-remaining-tokens"] == str(1000 - 45)
     used = done.json()["usage"]["total_tokens"]
 
     def corrected() -> bool:
@@ -188,6 +190,35 @@ def test_tokens_are_charged_at_admission_and_corrected_at_the_end(fleet: Any) ->
                         json={"model": "default", "prompt": "hi", "max_tokens": 1000})
     assert too_big.status_code == 429 and too_big.headers["x-should-retry"] == "false"
     assert "tpm" in too_big.json()["error"]["message"]
+
+
+@pytest.mark.slow
+def test_prompts_of_many_tokens_a_byte_stay_within_tpm(fleet: Any) -> None:
+    """An emoji is 4 bytes and 4 tokens of the tiny model: a charge of 4 bytes a
+    token let 16 such requests through a tpm of 4,000 (14,432 tokens used)."""
+    key, _ = fleet["make_key"]("emoji", tpm=4000)
+    prompt = "\U0001f600" * 225  # 900 bytes, 901 tokens with the BOS
+    # All 16 are admitted or refused at once, within one window of the limit.
+    with ThreadPoolExecutor(16) as pool:
+        answers = list(pool.map(lambda _: fleet["one"].post(
+            "/v1/completions", headers=bearer(key),
+            json={"model": "default", "prompt": prompt, "max_tokens": 8}), range(16)))
+    used = [a.json()["usage"]["total_tokens"] for a in answers if a.status_code == 200]
+    assert all(a.status_code in (200, 429) for a in answers), [a.text for a in answers]
+    assert used and min(used) >= 901
+    assert sum(used) <= 4000 + max(used), used  # the bound, one request's worth over at most
+    # What the refused were told: when to retry, not that they can never pass.
+    refused = [a for a in answers if a.status_code == 429]
+    assert refused and all(a.headers["x-should-retry"] != "false" for a in refused)
+
+
+def test_a_prompt_no_tokenizer_here_counts_is_charged_a_token_a_byte(fleet: Any) -> None:
+    key, _ = fleet["make_key"]("bytes", tpm=5000)  # IDLE's worker loads no model here
+    admitted = submit(fleet["one"], key, prompt="\U0001f600" * 225,
+                      sampling={"max_new_tokens": 10})
+    assert admitted.status_code == 202, admitted.text
+    charged = 5000 - int(admitted.headers["x-ratelimit-remaining-tokens"])
+    assert charged >= 901 + 10  # never under the tokens it will be
 
 
 def test_max_queued_caps_a_tenants_waiting_jobs(fleet: Any) -> None:
