@@ -32,9 +32,10 @@ from tokenfleet.prompt_tokens import charged_prompt_tokens
 from tokenfleet.served import served
 from tokenfleet.settlement import Charge, Settlement
 from tokenfleet.shared import gateway_scripts
-from tokenfleet.shared.errors import (InvalidRequest, OverTokenRate,
+from tokenfleet.shared.errors import (InvalidRequest, OverTokenRate, PriorityNotAllowed,
                                       QueueNotAllowed, RateLimited, TenantQueueFull,
                                       TokenRateLimited)
+from tokenfleet.shared.keys import PRIORITIES
 from tokenfleet.shared.gateway_scripts import RateState, RateVerdict
 from tokenfleet.shared.schemas import ApiKey, GenerationRequest, JobStatus
 
@@ -130,6 +131,10 @@ class KeyLimits:
         job = job.model_copy(update={"tenant": key.tenant})
         if key.queues is not None and job.model not in key.queues:
             raise QueueNotAllowed(job.model, key.queues)
+        if PRIORITIES.index(job.priority) < PRIORITIES.index(key.max_priority):
+            # Refused, not lowered: a caller that asked for a level is told it
+            # did not get it, rather than finding out from its latency.
+            raise PriorityNotAllowed(job.priority, key.max_priority)
         request_id = uuid.uuid4().hex
         tokens = await self._tokens(job, key.tpm) if key.tpm is not None else 0
         if key.limited:

@@ -119,6 +119,11 @@ QUEUE_NOT_ALLOWED = Refusal(
     403, "permission_error", "model_not_allowed", False,
     "a model (queue) the API key may not use (its --queues)",
     "this API key may not use the model '<model>' (its queues: <queues>); nothing was enqueued")
+PRIORITY_NOT_ALLOWED = Refusal(
+    403, "permission_error", "priority_not_allowed", False,
+    "a priority above the API key's --max-priority",
+    "this API key may not send priority '<priority>' (its max priority: '<max>', `tokenfleet "
+    "keys create --max-priority`); send '<max>' or lower; nothing was enqueued")
 RATE_LIMITED = Refusal(
     429, "requests", "rate_limit_exceeded", True,
     "the API key used its requests per minute (rpm)",
@@ -166,7 +171,8 @@ REDIS_BUSY = Refusal(
 
 # In the order the docs list them.
 REFUSALS = (INVALID_JSON, UNRECOGNIZED, INVALID_VALUE, UNSUPPORTED, CONTEXT_LENGTH, OVER_LIMIT,
-            NO_CHAT_TEMPLATE, INVALID_API_KEY, QUEUE_NOT_ALLOWED, MODEL_NOT_FOUND, JOB_NOT_FOUND,
+            NO_CHAT_TEMPLATE, INVALID_API_KEY, QUEUE_NOT_ALLOWED, PRIORITY_NOT_ALLOWED,
+            MODEL_NOT_FOUND, JOB_NOT_FOUND,
             BATCH_NOT_FOUND, FILE_NOT_FOUND,
             BODY_TIMEOUT, IDEMPOTENCY_CONFLICT, TOO_LARGE, RATE_LIMITED, TOKEN_RATE_LIMITED,
             OVER_TOKEN_RATE, TENANT_QUEUE_FULL, QUEUE_FULL, JOB_REFUSED, JOB_FAILED,
@@ -179,7 +185,8 @@ FLEET_ERRORS = {"QueueFull": QUEUE_FULL, "NoWorker": MODEL_NOT_FOUND,
                 "PromptTooLong": CONTEXT_LENGTH, "LimitExceeded": OVER_LIMIT,
                 "InvalidRequest": INVALID_VALUE, "RedisBusy": REDIS_BUSY,
                 "RedisUnavailable": REDIS_DOWN, "RedisAuthFailed": REDIS_REFUSED,
-                "QueueNotAllowed": QUEUE_NOT_ALLOWED, "RateLimited": RATE_LIMITED,
+                "QueueNotAllowed": QUEUE_NOT_ALLOWED, "PriorityNotAllowed": PRIORITY_NOT_ALLOWED,
+                "RateLimited": RATE_LIMITED,
                 "TokenRateLimited": TOKEN_RATE_LIMITED, "OverTokenRate": OVER_TOKEN_RATE,
                 "TenantQueueFull": TENANT_QUEUE_FULL}
 
@@ -195,4 +202,6 @@ def fleet_refusal(exc: Exception, path: str) -> tuple[Refusal, str, str | None]:
         param = "messages" if path == "/v1/chat/completions" else "prompt"
     elif name == "QueueNotAllowed":
         param = "model"
+    elif name == "PriorityNotAllowed":
+        param = "priority"
     return refusal, message, param

@@ -11,6 +11,7 @@ tenant; the key itself is never a label, nor its id). The reasons:
 - ``tenant_queue_full``: the tenant's ``max_queued`` jobs (429);
   ``queue_full``: the model's queue (429);
 - ``queue_not_allowed``: a model the key may not use (403);
+  ``priority_not_allowed``: a priority above the key's max (403);
 - ``invalid``: the request's fields or size (400, 413, 422);
 - ``busy``: every Redis connection of the gateway in use (503);
   ``unavailable``: Redis out of reach (503: counted once Redis answers again,
@@ -29,8 +30,8 @@ from redis.exceptions import RedisError
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from tokenfleet.aio import AsyncFleetClient
-from tokenfleet.openai_errors import (OVER_TOKEN_RATE, QUEUE_FULL, QUEUE_NOT_ALLOWED,
-                                      RATE_LIMITED, REDIS_BUSY, REDIS_DOWN,
+from tokenfleet.openai_errors import (OVER_TOKEN_RATE, PRIORITY_NOT_ALLOWED, QUEUE_FULL,
+                                      QUEUE_NOT_ALLOWED, RATE_LIMITED, REDIS_BUSY, REDIS_DOWN,
                                       TENANT_QUEUE_FULL, TOKEN_RATE_LIMITED, Refusal)
 
 log = logging.getLogger("tokenfleet.gateway")
@@ -39,7 +40,8 @@ log = logging.getLogger("tokenfleet.gateway")
 REASONS: dict[Refusal, str] = {
     RATE_LIMITED: "requests", TOKEN_RATE_LIMITED: "tokens", OVER_TOKEN_RATE: "oversize",
     TENANT_QUEUE_FULL: "tenant_queue_full", QUEUE_FULL: "queue_full",
-    QUEUE_NOT_ALLOWED: "queue_not_allowed", REDIS_BUSY: "busy", REDIS_DOWN: "unavailable",
+    QUEUE_NOT_ALLOWED: "queue_not_allowed", PRIORITY_NOT_ALLOWED: "priority_not_allowed",
+    REDIS_BUSY: "busy", REDIS_DOWN: "unavailable",
 }
 # ... any other answer with one of these statuses counts by its status; the
 # rest (404 for an id, 401 without a tenant, a 500) are not refusals of a tenant.

@@ -93,6 +93,16 @@ class QueueNotAllowed(TokenfleetError):
         self.queue, self.allowed = queue, allowed
 
 
+class PriorityNotAllowed(TokenfleetError):
+    """The request's priority is above its API key's ``--max-priority``; nothing was enqueued."""
+
+    def __init__(self, priority: str, allowed: str) -> None:
+        super().__init__(f"this API key may not send priority {priority!r} (its max priority: "
+                         f"{allowed!r}, `tokenfleet keys create --max-priority`); send "
+                         f"{allowed!r} or lower; nothing was enqueued")
+        self.priority, self.allowed = priority, allowed
+
+
 class RateLimited(TokenfleetError):
     """The API key used its requests per minute (``rpm``); nothing was enqueued.
     ``retry_after_s``: when the same request would pass."""

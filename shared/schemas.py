@@ -568,6 +568,9 @@ class ApiKey(BaseModel):
     tpm: int | None = Field(default=None, ge=1)  # tokens per minute (prompt + max new)
     queues: list[str] | None = None  # the queues (models) it may use; None: every one
     max_queued: int | None = Field(default=None, ge=1)  # the tenant's jobs waiting or running
+    # The highest priority its requests may ask (fair share holds within a level
+    # only: a level above is ahead of every tenant's normal work).
+    max_priority: Literal["high", "normal", "low"] = "normal"
     created_at: float
 
     @property

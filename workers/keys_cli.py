@@ -64,9 +64,11 @@ def keys() -> None:
               help="the queues (models) it may use, comma-separated (default: every one)")
 @click.option("--max-queued", type=click.IntRange(min=1), default=None,
               help="the most jobs of its tenant waiting or running (default: no limit)")
+@click.option("--max-priority", type=click.Choice(["low", "normal", "high"]), default="normal",
+              show_default=True, help="the highest priority its requests may ask")
 @redis_option
 def create(tenant: str, rpm: int | None, tpm: int | None, queues: list[str] | None,
-           max_queued: int | None, redis_url: str | None) -> None:
+           max_queued: int | None, max_priority: str, redis_url: str | None) -> None:
     """Make a key; it is printed once, on the last line (only its SHA-256 is stored)."""
     from tokenfleet.shared.api_keys import create_key, new_key
     from tokenfleet.shared.schemas import ApiKey
@@ -74,7 +76,8 @@ def create(tenant: str, rpm: int | None, tpm: int | None, queues: list[str] | No
     with _client(redis_url) as client:
         key, key_id = new_key()
         record = ApiKey(key_id=key_id, tenant=tenant, rpm=rpm, tpm=tpm, queues=queues,
-                        max_queued=max_queued, created_at=client.clock.read(client.redis))
+                        max_queued=max_queued, max_priority=max_priority,
+                        created_at=client.clock.read(client.redis))
         create_key(client.redis, client.keys, record, key)
     click.echo(f"key {key_id} for tenant {tenant!r}: {_limits(record)}")
     click.echo("keep it now: it cannot be shown again (revoke it with "
@@ -118,4 +121,5 @@ def _limits(record: ApiKey) -> str:
              (("rpm", record.rpm), ("tpm", record.tpm), ("max-queued", record.max_queued))
              if value is not None]
     parts.append("queues " + (",".join(record.queues) if record.queues else "all"))
+    parts.append(f"max-priority {record.max_priority}")
     return ", ".join(parts)

@@ -242,6 +242,26 @@ def test_a_key_uses_only_its_queues(fleet: Any) -> None:
     assert refused.json()["error"]["param"] == "model"
 
 
+def test_a_priority_above_the_keys_max_is_refused_by_name(fleet: Any) -> None:
+    plain, _ = fleet["make_key"]("plain")  # the default: normal at most
+    low, _ = fleet["make_key"]("slow-lane", max_priority="low")
+    http = fleet["one"]
+    for key, priority, allowed in ((plain, "high", "normal"), (low, "normal", "low")):
+        refused = submit(http, key, priority=priority)
+        assert refused.status_code == 403, refused.text
+        assert refused.headers["x-should-retry"] == "false"
+        assert f"max priority: '{allowed}'" in refused.json()["detail"]
+        assert submit(http, key, priority=allowed).status_code == 202
+        assert submit(http, key, priority="batch").status_code == 202  # lower: always
+    env = {"TOKENFLEET_REDIS_URL": fleet["settings"].redis_url,
+           "TOKENFLEET_NAMESPACE": fleet["settings"].namespace}
+    made = CliRunner().invoke(cli, ["keys", "create", "--tenant", "urgent", "--max-priority",
+                                    "high"], env=env)
+    assert made.exit_code == 0 and "max-priority high" in made.output, made.output
+    urgent = made.output.strip().splitlines()[-1]
+    assert submit(http, urgent, priority="high").status_code == 202
+
+
 def test_the_openai_client_works_with_a_key_and_raises_rate_limit_error(fleet: Any) -> None:
     key, _ = fleet["make_key"]("sdk", rpm=1)
     base = f"{fleet['one'].base_url}/v1"
