@@ -85,6 +85,13 @@ async def submit_as_caller(request: Request, client: AsyncFleetClient,
     if limits is None:
         return await client.submit_choices(job, n=n)
     keyed: KeyLimits = limits
+    key = caller(request.state)
+    if key is not None and key.rpm is not None and n > key.rpm:
+        # It could never pass: told so before any choice is counted or queued,
+        # not with a 429 that asks to retry, each try queueing and cancelling jobs.
+        raise InvalidRequest(f"invalid 'n': {n} choices are {n} requests, more than this API "
+                             f"key's rpm of {key.rpm} allows in any minute; ask for n of "
+                             f"{key.rpm} or fewer")
 
     async def submit(choice: GenerationRequest) -> str:
         return await keyed.submit(request, choice)

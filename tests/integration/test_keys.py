@@ -170,6 +170,20 @@ def test_at_rpm_60_the_61st_request_is_429_and_two_gateways_share_the_budget(
     assert peek.status_code == 200 and peek.headers["x-ratelimit-remaining-requests"] == "0"
 
 
+def test_n_above_the_keys_rpm_is_refused_for_good_and_queues_nothing(fleet: Any) -> None:
+    key, _ = fleet["make_key"]("many", rpm=2)
+    http = fleet["one"]
+    refused = http.post("/v1/completions", headers=bearer(key),
+                        json={"model": IDLE, "prompt": "hi", "max_tokens": 2, "n": 3})
+    assert refused.status_code == 400, refused.text
+    assert refused.headers["x-should-retry"] == "false"
+    message = refused.json()["error"]["message"]
+    assert "'n'" in message and "3" in message and "rpm of 2" in message
+    # Nothing counted, so nothing queued: each choice is counted before it is queued.
+    peek = http.get("/v1/models", headers=bearer(key))
+    assert peek.headers["x-ratelimit-remaining-requests"] == "2"
+
+
 def test_tokens_are_charged_at_admission_and_corrected_at_the_end(fleet: Any) -> None:
     key, _ = fleet["make_key"]("tokens", tpm=1000)
     http = fleet["one"]
