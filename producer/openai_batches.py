@@ -95,7 +95,8 @@ async def create(request: Request) -> Response:
     batch = await create_batch(client.redis, client.keys, input_file_id=file.id,
                                endpoint=ask.endpoint, completion_window=ask.completion_window,
                                metadata=ask.metadata, tenant=tenant,
-                               queues=None if key is None else key.queues)
+                               queues=None if key is None else key.queues,
+                               max_open=client.settings.batch_max_open)
     driver: BatchDriver | None = getattr(request.app.state, "batch_driver", None)
     if driver is not None:
         driver.wake()
