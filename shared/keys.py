@@ -343,6 +343,12 @@ class Keys:
         """Sorted set: one tenant's batch ids, scored by creation time (its listing)."""
         return f"{self.namespace}:batches:t:{tenant}"
 
+    @property
+    def tenant_indexes_done(self) -> str:
+        """String: set once every file and batch made before the tenants' own
+        indexes existed is in its tenant's (``producer/tenant_indexes.py``)."""
+        return f"{self.namespace}:tenant-indexes"
+
     def tenant_open_batches(self, tenant: str) -> str:
         """Set: one tenant's batches not yet ended: its open-batch count, and the
         batches whose lines share its window (``TOKENFLEET_BATCH_WINDOW``)."""

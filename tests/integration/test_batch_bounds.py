@@ -6,6 +6,7 @@ every line stays queued."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import time
 import uuid
@@ -17,10 +18,12 @@ import orjson
 import pytest
 import redis
 
+from tokenfleet.aio import AsyncFleetClient
 from tokenfleet.shared.api_keys import create_key, new_key
 from tokenfleet.shared.keys import Keys, level_queue
 from tokenfleet.shared.schemas import ApiKey
 from tokenfleet.shared.settings import Settings
+from tokenfleet.tenant_indexes import index_by_tenant
 
 from gateway_server import gateways, pin_live_worker, port_of
 from helpers import wait_until
@@ -195,3 +198,26 @@ def test_listings_read_only_the_tenants_own_records(
             r.set(key, "not a hash")
     assert {b.id for b in acme.batches.list().data} == set(mine)
     assert len(acme.files.list().data) == 1
+
+
+def test_records_made_before_the_tenants_indexes_are_listed_once_indexed(
+    fleet: Callable[..., dict[str, Any]], r: redis.Redis
+) -> None:
+    found = fleet()
+    acme, keys = found["acme"], found["keys"]
+    batch_ids = open_batches(acme, 2, 1)
+    file_ids = [f.id for f in acme.files.list().data]
+    # As a fleet upgraded from one without them: the records, no tenant's index.
+    r.delete(keys.tenant_files("acme"), keys.tenant_batches("acme"), keys.tenant_indexes_done)
+    assert acme.files.list().data == [] and acme.batches.list().data == []
+
+    async def index() -> int:
+        async with AsyncFleetClient(settings=found["settings"]) as client:
+            copied = await index_by_tenant(client.redis, client.keys)
+            assert await index_by_tenant(client.redis, client.keys) == 0  # once only
+            return copied
+
+    assert asyncio.run(index()) == 3
+    assert [f.id for f in acme.files.list().data] == file_ids
+    assert {b.id for b in acme.batches.list().data} == set(batch_ids)
+    assert found["other"].files.list().data == []
