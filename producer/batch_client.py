@@ -24,7 +24,7 @@ from tokenfleet.batch_records import (
     create_batch,
     get_batch,
 )
-from tokenfleet.files import create_file, store_name
+from tokenfleet.files import create_file, max_line_bytes, store_name
 from tokenfleet.shared.errors import InvalidRequest
 from tokenfleet.shared.file_store import FileStore, open_store, read_lines
 from tokenfleet.shared.schemas import GenerationRequest
@@ -106,10 +106,13 @@ async def submit_batch(client: Any, requests: Iterable[Request] | AsyncIterable[
             yield bytes(chunk)
 
     file = await create_file(client.redis, client.keys, store, chunks(),
-                             filename="batch_input.jsonl", purpose="batch", tenant=tenant)
+                             filename="batch_input.jsonl", purpose="batch", tenant=tenant,
+                             max_files=client.settings.files_max_per_tenant,
+                             max_line=max_line_bytes(client.settings.max_payload_bytes))
     return await create_batch(client.redis, client.keys, input_file_id=file.id,
                               endpoint=endpoint, completion_window=completion_window,
-                              metadata=metadata, tenant=tenant)
+                              metadata=metadata, tenant=tenant,
+                              max_open=client.settings.batch_max_open)
 
 
 async def _aiter(requests: Iterable[Request] | AsyncIterable[Request]

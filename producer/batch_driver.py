@@ -27,6 +27,15 @@ One step of a batch:
 - ``finalizing``: the parts are joined into the output and error files
   (purpose ``batch_output``), the parts deleted, the batch ends, and a
   ``batch.<end>`` webhook event is queued.
+
+A tenant's batches share one window: at most ``TOKENFLEET_BATCH_WINDOW`` of
+its lines are queued or running at once, all its batches together. A step of
+one batch that fails touches no other: a batch whose input file is gone ends
+``failed`` (``file_not_found``) at once; any other error is logged (a WARNING
+naming the batch) and the batch is tried again later, each time later, and
+ends ``failed`` after ``MAX_FAILED_STEPS`` failures in a row, so that a batch
+cancelled or past its window always ends. Only Redis out of reach stops a
+step of every batch (tried again at the idle pace).
 """
 
 from __future__ import annotations
@@ -41,14 +50,16 @@ import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from tokenfleet import batch_ends, batch_lines, batch_output
 from tokenfleet.aio import AsyncFleetClient
 from tokenfleet.batch_input import skipped, take, validated
 from tokenfleet.batch_lines import LineError, Parsed
 from tokenfleet.batch_records import BatchError, BatchRecord, read_record
-from tokenfleet.files import store_name
+from tokenfleet.files import max_line_bytes, store_name
 from tokenfleet.openai_chat import Chat
 from tokenfleet.openai_compat import Completion
 from tokenfleet.shared.batch_scripts import batch_done, batch_lease, batch_move
@@ -79,8 +90,23 @@ PART_LINES = 1000
 # hold the result. Redis then holds the lines of the last minute, not the
 # whole batch (a token log is about three quarters of a done line's bytes).
 DONE_TTL_S = 60
+# A batch whose step failed is tried again after STEP_S, then twice as long
+# each failure more (at most RETRY_MAX_S), and ends failed after this many
+# failures in a row: about four minutes of an error that does not go away.
+MAX_FAILED_STEPS = 10
+RETRY_MAX_S = 60.0
+# A line longer than this is parsed in a thread: a JSON parse grows with the
+# line (a line is at most a request's payload limit and 64 KiB).
+PARSE_ON_LOOP_BYTES = 64 << 10
+# What stops a step of every batch, not one: Redis out of reach (the pool's
+# own errors, RedisBusy and RedisUnavailable, are ConnectionErrors too).
+UNREACHABLE = (RedisConnectionError, RedisTimeoutError, ConnectionError)
 
 Made = Completion | Chat
+
+
+class InputGone(Exception):
+    """The batch's input file is no longer in the store (deleted)."""
 
 
 @dataclass
@@ -108,9 +134,15 @@ class BatchDriver:
         self.name = name or f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
         self.step_s, self.lease_ms = step_s, lease_ms
         self.window = client.settings.batch_window
+        self.max_line = max_line_bytes(client.settings.max_payload_bytes)
         self.idle_step_s = max(step_s, IDLE_STEP_S)
         self._feeding: dict[str, Feeding] = {}
         self._wake = asyncio.Event()
+        # Each tenant's lines queued or running, read at its first batch of a
+        # step and kept up to date through the step.
+        self._used: dict[str, int] = {}
+        # A batch whose steps failed: how many in a row, and when it is tried again.
+        self._failures: dict[str, tuple[int, float]] = {}
 
     def wake(self) -> None:
         """Step now (a batch was just made here), not at the next idle step."""
@@ -171,7 +203,14 @@ class BatchDriver:
         for batch_id in list(self._feeding):
             if batch_id not in active:
                 del self._feeding[batch_id]
+        for batch_id in list(self._failures):
+            if batch_id not in active:
+                del self._failures[batch_id]
+        self._used.clear()
+        now = time.monotonic()
         for batch_id in sorted(active):
+            if self._failures.get(batch_id, (0, 0.0))[1] > now:
+                continue  # failed lately: tried again at its time
             leased = await batch_lease(self.keys, batch_id, owner=self.name,
                                        ttl_ms=self.lease_ms).run_async(self.redis)
             if not leased:
@@ -179,11 +218,45 @@ class BatchDriver:
                 continue
             try:
                 await self.step_batch(batch_id)
-            except (RedisError, OSError, TimeoutError):
+            except UNREACHABLE:
                 raise
-            except Exception:
-                log.exception("batch %s: step failed; tried again next step", batch_id)
+            except InputGone:
+                await self._input_gone(batch_id)
+            except Exception as exc:  # this batch's own: the others go on
+                await self._step_failed(batch_id, exc)
+            else:
+                self._failures.pop(batch_id, None)
         return bool(active)
+
+    async def _input_gone(self, batch_id: str) -> None:
+        self._feeding.pop(batch_id, None)
+        record = await read_record(self.redis, self.keys, batch_id)
+        file_id = record.batch.input_file_id if record is not None else "?"
+        log.warning("batch %s: its input file %s is gone; the batch ends failed "
+                    "(file_not_found)", batch_id, file_id)
+        await batch_ends.abandon(self.client, self.store, batch_id, BatchError(
+            code="file_not_found", param="input_file_id",
+            message=f"the input file {file_id} cannot be read: it was deleted while the batch "
+                    "ran"))
+
+    async def _step_failed(self, batch_id: str, exc: Exception) -> None:
+        """One more failed step of the batch: tried again later, or, after
+        ``MAX_FAILED_STEPS`` in a row, ended failed (its keys let go)."""
+        self._feeding.pop(batch_id, None)  # rebuilt from the records at the next try
+        failures = self._failures.get(batch_id, (0, 0.0))[0] + 1
+        why = f"{type(exc).__name__}: {str(exc)[:200]}"
+        if failures < MAX_FAILED_STEPS:
+            wait = min(self.step_s * 2 ** (failures - 1), RETRY_MAX_S)
+            self._failures[batch_id] = (failures, time.monotonic() + wait)
+            log.warning("batch %s: step failed (%s); tried again in %.1f s (failure %d of %d)",
+                        batch_id, why, wait, failures, MAX_FAILED_STEPS, exc_info=exc)
+            return
+        self._failures.pop(batch_id, None)
+        log.warning("batch %s: step failed %d times in a row (%s); the batch ends failed",
+                    batch_id, failures, why, exc_info=exc)
+        await batch_ends.abandon(self.client, self.store, batch_id, BatchError(
+            code="batch_failed", message=f"the batch could not go on: its step failed "
+                                         f"{failures} times in a row (last: {why})"))
 
     async def step_batch(self, batch_id: str) -> None:
         record = await read_record(self.redis, self.keys, batch_id)
@@ -221,7 +294,8 @@ class BatchDriver:
         batch = record.batch
         try:
             total, valid, dups, errors = await asyncio.to_thread(
-                validated, self.store, store_name(batch.input_file_id), batch.endpoint)
+                validated, self.store, store_name(batch.input_file_id), batch.endpoint,
+                self.max_line)
         except FileNotFoundError:
             await batch_ends.fail(self.client, self.store, record, [BatchError(
                 code="file_not_found", param="input_file_id",
@@ -246,14 +320,20 @@ class BatchDriver:
         """Where the batch is: its input read up to the next line to feed, and
         the checked request of each line running (its answer is built from it)."""
         batch = record.batch
+        if await self.redis.sadd(self.keys.tenant_open_batches(record.tenant), batch.id):
+            # Made before tenants' batches were counted: its lines were not.
+            self._used.pop(record.tenant, None)
         running = await self._running(batch.id)
         dups = {int(i) for i in await self.redis.smembers(self.keys.batch_dups(batch.id))}
-        lines, raws = await asyncio.to_thread(
-            skipped, self.store, store_name(batch.input_file_id), record.next_line,
-            set(running))
+        try:
+            lines, raws = await asyncio.to_thread(
+                skipped, self.store, store_name(batch.input_file_id), record.next_line,
+                set(running), self.max_line)
+        except FileNotFoundError as exc:
+            raise InputGone(batch.input_file_id) from exc
         feeding = Feeding(lines, dups, record.next_line)
         for index, raw in raws.items():
-            parsed = batch_lines.parse(raw, batch.endpoint)
+            parsed = await _parsed(raw, batch.endpoint)
             if isinstance(parsed.body, dict):
                 ready = await self._ready(record, parsed, index)
                 if isinstance(ready, batch_lines.Ready):
@@ -316,6 +396,8 @@ class BatchDriver:
         await self._record_done(batch_id, out, err, tokens=tokens)
         ended = written | {i: running[i] for i, _ in out + err}
         await self._let_go(batch_id, ended)
+        if record.tenant in self._used:
+            self._used[record.tenant] -= len(ended)
         for index in ended:  # written: its checked request is needed no more
             feeding.made.pop(index, None)
 
@@ -377,10 +459,22 @@ class BatchDriver:
                 await self.redis.delete(lease)
         self._feeding.clear()
 
+    async def _tenant_used(self, tenant: str) -> int:
+        """The lines of ``tenant``'s open batches queued or running (read at its
+        first batch of a step, then kept by this driver's feeds and collects)."""
+        if tenant not in self._used:
+            ids = await self.redis.smembers(self.keys.tenant_open_batches(tenant))
+            pipe = self.redis.pipeline(transaction=False)
+            for batch_id in ids:
+                pipe.hlen(self.keys.batch_running(batch_id.decode()))
+            self._used[tenant] = sum(await pipe.execute()) if ids else 0
+        return self._used[tenant]
+
     async def _feed(self, record: BatchRecord, feeding: Feeding) -> None:
-        """Queue lines until ``batch_window`` of the batch's are queued or running."""
+        """Queue lines until ``batch_window`` of the tenant's (all its batches
+        together) are queued or running."""
         batch_id = record.batch.id
-        room = self.window - await self.redis.hlen(self.keys.batch_running(batch_id))
+        room = self.window - await self._tenant_used(record.tenant)
         if room <= 0:
             return
         if len(feeding.waiting) < room:
@@ -390,7 +484,7 @@ class BatchDriver:
         err: list[tuple[int, bytes]] = []
         fed = 0
         for index, raw in feeding.waiting:
-            parsed = batch_lines.parse(raw, record.batch.endpoint)
+            parsed = await _parsed(raw, record.batch.endpoint)
             outcome: batch_lines.Ready | LineError
             if isinstance(parsed.body, LineError):
                 outcome = parsed.body
@@ -418,6 +512,7 @@ class BatchDriver:
             await self._record_done(batch_id, [], err, started=started,
                                     next_line=next_line)
             feeding.next_line = next_line
+            self._used[record.tenant] += len(started)
 
     async def _maybe_done(self, batch_id: str) -> None:
         record = await read_record(self.redis, self.keys, batch_id)
@@ -465,9 +560,8 @@ class BatchDriver:
                 feeding.waiting = await asyncio.to_thread(take, feeding.lines, PART_LINES)
             if not feeding.waiting:
                 break
-            err = [(index, batch_lines.error_line(
-                batch_lines.parse(raw, record.batch.endpoint).custom_id, expired))
-                for index, raw in feeding.waiting]
+            err = await asyncio.to_thread(_expired_lines, feeding.waiting,
+                                          record.batch.endpoint)
             next_line = feeding.waiting[-1][0] + 1
             feeding.waiting = []
             await self._record_done(batch_id, [], err, next_line=next_line)
@@ -476,3 +570,17 @@ class BatchDriver:
                                        from_=("in_progress", "cancelling"))
 
     # -- finalizing and after ---------------------------------------------------
+
+
+async def _parsed(raw: bytes, endpoint: str) -> Parsed:
+    """``batch_lines.parse``, in a thread for a line long enough to hold the loop."""
+    if len(raw) > PARSE_ON_LOOP_BYTES:
+        return await asyncio.to_thread(batch_lines.parse, raw, endpoint)
+    return batch_lines.parse(raw, endpoint)
+
+
+def _expired_lines(lines: list[tuple[int, bytes]], endpoint: str) -> list[tuple[int, bytes]]:
+    """Each line's ``batch_expired`` error line (blocking: each is parsed for its custom_id)."""
+    expired = batch_lines.expired()
+    return [(index, batch_lines.error_line(batch_lines.parse(raw, endpoint).custom_id, expired))
+            for index, raw in lines]

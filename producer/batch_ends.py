@@ -12,6 +12,7 @@ before it) is deleted when the batch ends, so no tenant lists an orphan.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 
 import orjson
@@ -22,6 +23,7 @@ from tokenfleet.batch_input import MAX_ERRORS
 from tokenfleet.batch_records import (
     ENDED,
     MADE,
+    OPEN,
     BatchError,
     BatchErrors,
     BatchRecord,
@@ -29,6 +31,7 @@ from tokenfleet.batch_records import (
 )
 from tokenfleet.files import delete_file, register, write_file
 from tokenfleet.shared.batch_scripts import batch_move
+from tokenfleet.shared.errors import TokenfleetError
 from tokenfleet.shared.file_store import FileStore
 from tokenfleet.shared.webhook_outbox import add_event
 
@@ -45,6 +48,28 @@ async def fail(client: AsyncFleetClient, store: FileStore, record: BatchRecord,
                      ).run_async(client.redis)
     await ended(client, store, record.batch.id,
                 await read_record(client.redis, client.keys, record.batch.id))
+
+
+async def abandon(client: AsyncFleetClient, store: FileStore, batch_id: str,
+                  error: BatchError) -> None:
+    """End a batch that cannot go on (its input gone, a step that fails again
+    and again) ``failed`` from any status not ended, with ``error``: its
+    running lines' jobs are cancelled first, so that it holds no place in the
+    queue once ended; then its keys and parts are let go as at any end."""
+    keys = client.keys
+    running = await client.redis.hgetall(keys.batch_running(batch_id))
+    for job_id in running.values():
+        with contextlib.suppress(TokenfleetError):
+            await client.cancel(job_id.decode(), timeout=0)
+    listed = BatchErrors(data=[error]).model_dump_json()
+    await batch_move(keys, batch_id, allowed=OPEN, status="failed",
+                     fields={"failed_at": str(int(time.time())), "errors": listed}
+                     ).run_async(client.redis)
+    try:
+        record = await read_record(client.redis, keys, batch_id)
+    except ValueError:  # a record that no longer parses: it leaves the active set all the same
+        record = None
+    await ended(client, store, batch_id, record)
 
 
 async def to_finalizing(client: AsyncFleetClient, store: FileStore, record: BatchRecord,
@@ -117,4 +142,6 @@ async def ended(client: AsyncFleetClient, store: FileStore, batch_id: str,
         await asyncio.to_thread(batch_output.delete_parts, store, batch_id, record.parts)
         await drop_unnamed(client, store, record)
     await client.redis.srem(keys.active_batches, batch_id)
+    if record is not None:  # one the record names no more is cleared at a creation
+        await client.redis.srem(keys.tenant_open_batches(record.tenant), batch_id)
     await client.redis.delete(keys.batch_lease(batch_id))

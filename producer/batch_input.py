@@ -14,30 +14,37 @@ from collections.abc import Iterator
 from tokenfleet import batch_lines
 from tokenfleet.batch_lines import LineError
 from tokenfleet.batch_records import BatchError
-from tokenfleet.shared.file_store import FileStore, read_lines
+from tokenfleet.shared.file_store import FileStore, Overlong, read_lines
 
 # A batch's errors list this many of its lines' problems, at most.
 MAX_ERRORS = 10
 
 
-def numbered_lines(store: FileStore, name: str) -> Iterator[tuple[int, bytes]]:
-    """The input's lines that are not blank, with their index (blocking)."""
+def numbered_lines(store: FileStore, name: str, max_line: int | None = None
+                   ) -> Iterator[tuple[int, bytes]]:
+    """The input's lines that are not blank, with their index (blocking). The
+    file is opened now: FileNotFoundError here, not at the first line. A line
+    over ``max_line`` bytes is an ``Overlong`` (its bytes never held)."""
+    return _numbered(read_lines(store, name, max_line))
+
+
+def _numbered(lines: Iterator[bytes]) -> Iterator[tuple[int, bytes]]:
     index = 0
-    for line in read_lines(store, name):
-        if line.strip():
+    for line in lines:
+        if isinstance(line, Overlong) or line.strip():
             yield index, line
             index += 1
 
 
-def validated(store: FileStore, name: str, endpoint: str
-               ) -> tuple[int, int, list[int], list[BatchError]]:
+def validated(store: FileStore, name: str, endpoint: str, max_line: int | None = None
+              ) -> tuple[int, int, list[int], list[BatchError]]:
     """The input's count of lines, of valid ones, the duplicates' indexes and
     the first problems found (blocking: one pass over the file)."""
     total = valid = 0
     dups: list[int] = []
     errors: list[BatchError] = []
     seen: set[str] = set()
-    for index, raw in numbered_lines(store, name):
+    for index, raw in numbered_lines(store, name, max_line):
         total += 1
         parsed = batch_lines.parse(raw, endpoint)
         if isinstance(parsed.body, LineError):
@@ -54,11 +61,12 @@ def validated(store: FileStore, name: str, endpoint: str
     return total, valid, dups, errors
 
 
-def skipped(store: FileStore, name: str, next_line: int, wanted: set[int]
-             ) -> tuple[Iterator[tuple[int, bytes]], dict[int, bytes]]:
+def skipped(store: FileStore, name: str, next_line: int, wanted: set[int],
+            max_line: int | None = None
+            ) -> tuple[Iterator[tuple[int, bytes]], dict[int, bytes]]:
     """The input's lines from ``next_line`` on, and the lines before it that
-    are ``wanted`` (blocking)."""
-    lines = numbered_lines(store, name)
+    are ``wanted`` (blocking; FileNotFoundError when the input is gone)."""
+    lines = numbered_lines(store, name, max_line)
     raws: dict[int, bytes] = {}
     if next_line == 0:
         return lines, raws

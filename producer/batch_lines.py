@@ -29,6 +29,7 @@ from tokenfleet.openai_chat import Chat, chat_answer, chat_request
 from tokenfleet.openai_compat import Completion, completion, completion_answer
 from tokenfleet.openai_errors import UNSUPPORTED, Refusal, fleet_refusal
 from tokenfleet.shared.errors import QueueNotAllowed, TokenfleetError
+from tokenfleet.shared.file_store import Overlong
 from tokenfleet.shared.keys import named_tenant
 from tokenfleet.shared.schemas import GenerationRequest, JobState, JobStatus
 
@@ -77,6 +78,11 @@ class Ready:
 
 def parse(raw: bytes, endpoint: str) -> Parsed:
     """The line's custom_id and body, or the error that says what is missing."""
+    if isinstance(raw, Overlong):
+        return Parsed(None, LineError(
+            "line_too_long", f"the line is {raw.size} bytes, over the {raw.limit} a batch line "
+            "may hold (a request's TOKENFLEET_MAX_PAYLOAD_BYTES and 64 KiB for its custom_id, "
+            "method and url): send a shorter request"))
     try:
         line = orjson.loads(raw)
     except orjson.JSONDecodeError as exc:

@@ -5,8 +5,10 @@ batch object as JSON, its tenant, and what its driver needs to go on after any
 crash: how many lines it has, the next line to feed, how many parts of output
 it wrote, and the counts of lines done. The batch's other keys (its lease, its
 lines running, the bitmap of lines done) share its hash tag. ``<ns>:batches``
-indexes every batch for listing; ``<ns>:batches:active`` holds those not ended,
-which every driver looks at (``tokenfleet.batch_driver``).
+indexes every batch; ``<ns>:batches:t:<tenant>`` a tenant's, for its listing;
+``<ns>:batches:active`` holds those not ended, which every driver looks at
+(``tokenfleet.batch_driver``), and ``<ns>:batches:open:<tenant>`` a tenant's
+not ended (its limit, and its lines' shared window).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ ENDPOINTS: tuple[str, ...] = ("/v1/completions", "/v1/chat/completions")
 Status = Literal["validating", "failed", "in_progress", "finalizing", "completed", "expired",
                  "cancelling", "cancelled"]
 ENDED = ("failed", "completed", "expired", "cancelled")
+OPEN = ("validating", "in_progress", "finalizing", "cancelling")
 # What a cancel stops: a batch not yet finalizing.
 CANCELLABLE = ("validating", "in_progress")
 # OpenAI's window is 24h; shorter ones (seconds, minutes, hours) serve tests and
@@ -36,6 +39,9 @@ CANCELLABLE = ("validating", "in_progress")
 WINDOW = re.compile(r"([1-9][0-9]{0,6})([smh])")
 MAX_WINDOW_S = 7 * 24 * 3600
 MAX_METADATA = 16
+# A creation writes its record and indexes in well under this; a batch not
+# active this long after it was made was never finished being made.
+CREATION_S = 60
 
 
 class BatchError(BaseModel):
@@ -142,27 +148,70 @@ def dumped(batch: Batch) -> dict[str, bytes]:
 
 async def create_batch(client: Any, keys: Keys, *, input_file_id: str, endpoint: str,
                        completion_window: str, metadata: dict[str, str] | None,
-                       tenant: str | None, queues: list[str] | None = None) -> Batch:
+                       tenant: str | None, queues: list[str] | None = None,
+                       max_open: int | None = None) -> Batch:
     """Record a new batch (``validating``) for the drivers to take up. The
-    caller has checked that the input file is the tenant's."""
+    caller has checked that the input file is the tenant's. ``max_open``: the
+    most batches the tenant may have open (``TOKENFLEET_BATCH_MAX_OPEN``);
+    past it, ``InvalidRequest`` names the limit and nothing is recorded."""
     if endpoint not in ENDPOINTS:
         raise InvalidRequest(f"invalid 'endpoint': {endpoint!r}; this gateway runs batches of "
                              f"{' and '.join(ENDPOINTS)}")
     seconds = window_s(completion_window)
     created = time.time()
     now = int(created)
+    owner = tenant_or_default(tenant)
     batch = Batch(id=new_batch_id(), endpoint=endpoint, input_file_id=input_file_id,
                   completion_window=completion_window, status="validating", created_at=now,
                   expires_at=now + seconds, metadata=check_metadata(metadata))
-    record: dict[str, Any] = {**dumped(batch), "tenant": tenant_or_default(tenant),
+    record: dict[str, Any] = {**dumped(batch), "tenant": owner,
                               "queues": orjson.dumps(queues), "next_line": 0, "parts": 0,
                               **{name: 0 for name in COUNTS}}
     await client.hset(keys.batch(batch.id), mapping=record)
+    if max_open is not None and not await _opened(client, keys, batch.id, owner, max_open):
+        await client.delete(keys.batch(batch.id))
+        raise InvalidRequest(
+            f"tenant {owner!r} has {max_open} batches open, the most a tenant may have "
+            f"(TOKENFLEET_BATCH_MAX_OPEN {max_open}); nothing was made: create it once one "
+            "has ended, or cancel one")
     # Indexed after its record exists: a driver or a lister never meets an id
     # without its record.
-    await client.zadd(keys.batches, {batch.id: created})  # to the µs: listed newest first
+    pipe = client.pipeline(transaction=False)
+    pipe.zadd(keys.batches, {batch.id: created})  # to the µs: listed newest first
+    pipe.zadd(keys.tenant_batches(owner), {batch.id: created})
+    if max_open is None:  # counted all the same: its lines share the tenant's window
+        pipe.sadd(keys.tenant_open_batches(owner), batch.id)
+    await pipe.execute()
     await client.sadd(keys.active_batches, batch.id)
     return batch
+
+
+async def _opened(client: Any, keys: Keys, batch_id: str, tenant: str, limit: int) -> bool:
+    """Count the batch among the tenant's open ones, if there is room. With
+    none, the set is first cleared of batches that will never leave it: ended
+    ones (a driver stopped between its two writes), and ones never made active
+    (a creation stopped half way) once older than a creation takes, then asked
+    again."""
+    if await batch_scripts.batch_open(keys, batch_id, tenant=tenant,
+                                      limit=limit).run_async(client) == 0:
+        return True
+    members = [m.decode() for m in await client.smembers(keys.tenant_open_batches(tenant))]
+    pipe = client.pipeline(transaction=False)
+    for member in members:
+        pipe.hmget(keys.batch(member), "status", "created_at")
+        pipe.sismember(keys.active_batches, member)
+    replies = await pipe.execute()
+    stale = []
+    for member, (status, created_at), active in zip(members, replies[::2], replies[1::2]):
+        if (status is None or orjson.loads(status) in ENDED
+                or (not active and int(created_at or 0) < time.time() - CREATION_S)):
+            stale.append(member)
+    if not stale:
+        return False
+    await client.srem(keys.tenant_open_batches(tenant), *stale)
+    added: int = await batch_scripts.batch_open(keys, batch_id, tenant=tenant,
+                                                 limit=limit).run_async(client)
+    return added == 0
 
 
 def parse_record(fields: dict[bytes, bytes]) -> BatchRecord:
@@ -196,24 +245,20 @@ async def get_batch(client: Any, keys: Keys, batch_id: str, tenant: str | None
 async def list_batches(client: Any, keys: Keys, tenant: str | None, *,
                        after: str | None = None, limit: int = 20) -> tuple[list[Batch], bool]:
     """The tenant's batches, newest first, after the batch ``after``; and
-    whether there are more."""
+    whether there are more. Read from the tenant's own index: no other
+    tenant's record is read."""
+    index = keys.tenant_batches(tenant_or_default(tenant))
     start = 0
     if after is not None:
-        rank = await client.zrevrank(keys.batches, after)
+        rank = await client.zrevrank(index, after)
         start = 0 if rank is None else rank + 1
+    ids = await client.zrevrange(index, start, start + limit)
     found: list[Batch] = []
-    while True:
-        ids = await client.zrevrange(keys.batches, start, start + 99)
-        if not ids:
-            return found, False
-        for batch_id in ids:
-            start += 1
-            batch = await get_batch(client, keys, batch_id.decode(), tenant)
-            if batch is None:
-                continue
-            if len(found) == limit:
-                return found, True
+    for batch_id in ids[:limit]:
+        batch = await get_batch(client, keys, batch_id.decode(), tenant)
+        if batch is not None:
             found.append(batch)
+    return found, len(ids) > limit
 
 
 async def cancel_batch(client: Any, keys: Keys, batch_id: str, tenant: str | None

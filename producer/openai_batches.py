@@ -35,6 +35,7 @@ from tokenfleet.files import get_file
 from tokenfleet.openai_compat import invalid
 from tokenfleet.openai_errors import BATCH_NOT_FOUND, INVALID_VALUE, TOO_LARGE
 from tokenfleet.shared.file_store import open_store
+from tokenfleet.tenant_indexes import index_by_tenant
 
 log = logging.getLogger("tokenfleet.batches")
 # A creation names a file and a few fields: its metadata is the most of it.
@@ -95,7 +96,8 @@ async def create(request: Request) -> Response:
     batch = await create_batch(client.redis, client.keys, input_file_id=file.id,
                                endpoint=ask.endpoint, completion_window=ask.completion_window,
                                metadata=ask.metadata, tenant=tenant,
-                               queues=None if key is None else key.queues)
+                               queues=None if key is None else key.queues,
+                               max_open=client.settings.batch_max_open)
     driver: BatchDriver | None = getattr(request.app.state, "batch_driver", None)
     if driver is not None:
         driver.wake()
@@ -141,6 +143,11 @@ async def driving(app: Any) -> AsyncIterator[None]:
         log.warning("batches are not run here: %s", exc)
         yield
         return
+    with contextlib.suppress(RedisError, OSError):  # tried again at the next start
+        copied = await index_by_tenant(client.redis, client.keys)
+        if copied:
+            log.info("listings: %d files and batches made before the tenants' indexes were "
+                     "put in them", copied)
     driver = app.state.batch_driver = BatchDriver(client, store)
     task = asyncio.get_running_loop().create_task(driver.run())
     try:

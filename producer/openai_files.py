@@ -2,7 +2,9 @@
 
 - ``POST /v1/files`` (a multipart form: ``file``, ``purpose`` ``batch``): the file
   streams into the store (``TOKENFLEET_FILES_URL``) as it arrives, checked on the
-  way (``tokenfleet.files``: 200 MB, 50,000 lines); the answer is its file object.
+  way (``tokenfleet.files``: 200 MB, 50,000 lines not blank, each line at most a
+  request's payload limit and 64 KiB); the answer is its file object. A tenant
+  holding ``TOKENFLEET_FILES_MAX_PER_TENANT`` files is refused before its body is read.
 - ``GET /v1/files`` (``purpose``, ``limit``, ``after``, ``order``), ``GET /v1/files/{id}``,
   ``DELETE /v1/files/{id}``, ``GET /v1/files/{id}/content`` (streamed from the store).
 
@@ -87,10 +89,19 @@ async def upload(request: Request) -> Response:
         # Refused before a byte of it is read: the connection cannot be reused.
         return _refuse(request, INVALID_VALUE, str(BodyTooLarge(limit, max_bytes)),
                        param="file", headers={"Connection": "close"})
+    fleet = _fleet(request)
+    try:
+        await files.check_room(fleet.redis, fleet.keys, _tenant(request),
+                               fleet.settings.files_max_per_tenant)
+    except InvalidRequest as exc:  # refused before a byte of it is read
+        return _refuse(request, INVALID_VALUE, str(exc), param="file",
+                       headers={"Connection": "close"})
     body = bounded(request.stream(), limit, lambda: BodyTooLarge(limit, max_bytes))
     store = _store(request)
+    max_line = files.max_line_bytes(fleet.settings.max_payload_bytes)
     try:
-        file = await _receive(store, form_events(body, boundary), max_bytes, max_lines)
+        file = await _receive(store, form_events(body, boundary), max_bytes, max_lines,
+                              max_line)
     except ClientDisconnect:
         return Response(status_code=400)  # nobody is left to read it
     except (FormError, InvalidRequest) as exc:
@@ -99,7 +110,6 @@ async def upload(request: Request) -> Response:
         message = str(exc)
         return _refuse(request, INVALID_VALUE, message, param=_field_of(message),
                        headers=None if whole else {"Connection": "close"})
-    fleet = _fleet(request)
     try:
         await files.register(fleet.redis, fleet.keys, file, _tenant(request))
     except BaseException:  # Redis out of reach: no file nobody can list or delete
@@ -109,7 +119,7 @@ async def upload(request: Request) -> Response:
 
 
 async def _receive(store: FileStore, events: AsyncGenerator[Event, None], max_bytes: int,
-                   max_lines: int) -> FileObject:
+                   max_lines: int, max_line: int) -> FileObject:
     """The form's file, written to the store; its purpose checked once the form is read
     (a client may send it after the file: then the file is removed if it is wrong)."""
     purpose: str | None = None
@@ -129,7 +139,8 @@ async def _receive(store: FileStore, events: AsyncGenerator[Event, None], max_by
                 async with contextlib.aclosing(part_data(events)) as data:
                     file = await files.store_file(
                         store, data, filename=event.filename or "upload",
-                        purpose=UPLOAD_PURPOSE, max_bytes=max_bytes, max_lines=max_lines)
+                        purpose=UPLOAD_PURPOSE, max_bytes=max_bytes, max_lines=max_lines,
+                        max_line=max_line)
         if file is None:
             raise FormError("file: missing; send the JSONL file in the form's field 'file'")
         if purpose is None:

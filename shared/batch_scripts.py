@@ -1,6 +1,6 @@
 """Typed bindings of the scripts a batch driver and the batch routes run:
-``batch_lease.lua``, ``batch_move.lua`` and ``batch_done.lua``. Each touches one batch's keys,
-which share its hash tag: one slot of a Redis Cluster."""
+``batch_lease.lua``, ``batch_move.lua`` and ``batch_done.lua`` touch one batch's keys, which
+share its hash tag (one slot of a Redis Cluster); ``batch_open.lua`` one tenant's set."""
 
 from __future__ import annotations
 
@@ -30,3 +30,10 @@ def batch_done(keys: Keys, batch_id: str, lines: list[tuple[int, str, int]]
     args = [str(part) for line in lines for part in line]
     return ScriptCall(script("batch_done"), (keys.batch(batch_id), keys.batch_done(batch_id)),
                       tuple(args), integer)
+
+
+def batch_open(keys: Keys, batch_id: str, *, tenant: str, limit: int) -> ScriptCall[int]:
+    """Count the batch among ``tenant``'s open batches if fewer than ``limit``
+    are: 0 when added, else how many are open (nothing added)."""
+    return ScriptCall(script("batch_open"), (keys.tenant_open_batches(tenant),),
+                      (batch_id, limit), integer)

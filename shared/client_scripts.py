@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass
 
 import orjson
 
-from tokenfleet.shared.keys import (GROUP, PRIORITIES, Keys, level_queue, model_streams,
+from tokenfleet.shared.keys import (BATCH, GROUP, PRIORITIES, Keys, level_queue, model_streams,
                                     named_tenant)
 from tokenfleet.shared.schemas import Limit, QueueLimits
 from tokenfleet.shared.scripts import Arg, ScriptCall, integer, items, script, text
@@ -92,15 +92,20 @@ def submit(keys: Keys, *, job_id: str, model: str, priority: str, entry_json: st
     tenants as the caller last heard (TENANTS when one is missing)."""
     named = named_tenant(tenant)
     known = sorted({*tenants, *([named] if named else [])})
+    streams = model_streams(keys, model, known)
+    batch_level = {keys.queue(level_queue(model, BATCH, t)) for t in (None, *known)}
+    live = [s for s in streams if s not in batch_level]
     submitted = orjson.dumps({
         "limits": limits.model_dump(mode="json"),
-        "asked": {k: v for k, v in asdict(asked).items() if v is not None}})
+        "asked": {k: v for k, v in asdict(asked).items() if v is not None},
+        "live": len(live), "batch": priority == BATCH})
     return ScriptCall(
         script("submit"),
         (keys.queue(level_queue(model, priority, tenant)), keys.job(job_id),
          keys.idempotency(model, idempotency_key or "-"),
          keys.backlog(model), keys.queue_workers(model), keys.limits(model),
-         keys.tenants(model), keys.declared(model), *model_streams(keys, model, known)),
+         keys.tenants(model), keys.declared(model), *live,
+         *(s for s in streams if s in batch_level)),
         (job_id, entry_json, submitted, idempotency_ttl_s, "1" if idempotency_key else "0",
          weight, fingerprint,
          "" if live_since is None else repr(live_since),

@@ -44,16 +44,56 @@ class FileStore(Protocol):
         ...
 
 
-def read_lines(store: FileStore, name: str) -> Iterator[bytes]:
-    """The lines of ``name`` without their line ends, streamed."""
-    rest = b""
-    for chunk in store.read(name):
-        rest += chunk
-        *lines, rest = rest.split(b"\n")
-        for line in lines:
-            yield line.removesuffix(b"\r")
-    if rest:
-        yield rest.removesuffix(b"\r")
+class Overlong(bytes):
+    """A line longer than its reader's limit, in its place: empty, never its
+    bytes (they were skipped as they streamed), with how long it was."""
+
+    size: int
+    limit: int
+
+    def __new__(cls, size: int, limit: int) -> Overlong:
+        line = super().__new__(cls)
+        line.size, line.limit = size, limit
+        return line
+
+
+def read_lines(store: FileStore, name: str, max_line: int | None = None) -> Iterator[bytes]:
+    """The lines of ``name`` without their line ends, streamed: the file is
+    opened now (FileNotFoundError here, not at the first line). A line of more
+    than ``max_line`` bytes comes as an ``Overlong``: it is counted as it
+    streams and never held, so memory is the longest line allowed, not the
+    longest line sent."""
+    return _lines(store.read(name), max_line)
+
+
+def _lines(chunks: Iterator[bytes], max_line: int | None) -> Iterator[bytes]:
+    most = max_line if max_line is not None else -1
+    rest = bytearray()  # the line so far, when it began in an earlier chunk
+    skipped = 0  # the length so far of an overlong line being skipped; 0: none
+    for chunk in chunks:
+        start = 0
+        while (end := chunk.find(b"\n", start)) >= 0:
+            length = skipped + len(rest) + end - start
+            if skipped or 0 <= most < length:
+                yield Overlong(length, most)
+            elif rest:
+                rest += chunk[start:end]
+                yield bytes(rest).removesuffix(b"\r")
+            else:
+                yield chunk[start:end].removesuffix(b"\r")
+            rest.clear()
+            skipped = 0
+            start = end + 1
+        tail = len(chunk) - start
+        if skipped or 0 <= most < len(rest) + tail:
+            skipped += len(rest) + tail
+            rest.clear()
+        else:
+            rest += chunk[start:]
+    if skipped:
+        yield Overlong(skipped, most)
+    elif rest:
+        yield bytes(rest).removesuffix(b"\r")
 
 
 def checked_name(name: str) -> str:

@@ -302,6 +302,11 @@ class Keys:
         """Sorted set: every file id, scored by its creation time (for listing)."""
         return f"{self.namespace}:files"
 
+    def tenant_files(self, tenant: str) -> str:
+        """Sorted set: one tenant's file ids, scored by creation time: what its
+        listing reads (never another tenant's records) and its file count."""
+        return f"{self.namespace}:files:t:{tenant}"
+
     def batch(self, batch_id: str) -> str:
         """Hash: one batch's record (``producer/batch_records.py``): OpenAI's batch
         object's fields, its tenant and the driver's position in its input. The
@@ -333,6 +338,21 @@ class Keys:
     def active_batches(self) -> str:
         """Set: the batches not yet ended, which the drivers work on."""
         return f"{self.namespace}:batches:active"
+
+    def tenant_batches(self, tenant: str) -> str:
+        """Sorted set: one tenant's batch ids, scored by creation time (its listing)."""
+        return f"{self.namespace}:batches:t:{tenant}"
+
+    @property
+    def tenant_indexes_done(self) -> str:
+        """String: set once every file and batch made before the tenants' own
+        indexes existed is in its tenant's (``producer/tenant_indexes.py``)."""
+        return f"{self.namespace}:tenant-indexes"
+
+    def tenant_open_batches(self, tenant: str) -> str:
+        """Set: one tenant's batches not yet ended: its open-batch count, and the
+        batches whose lines share its window (``TOKENFLEET_BATCH_WINDOW``)."""
+        return f"{self.namespace}:batches:open:{tenant}"
 
     @property
     def webhook_outbox(self) -> str:

@@ -110,8 +110,9 @@ class Settings(BaseSettings):
     # tokens, payload) hold every submit as the strictest of the live workers'
     # and the client's own (shared/limits.py); the others are checked on each side.
     max_queue: int = Field(default=10_000, ge=1, description=(
-        "The most jobs that may wait or run in one queue, all priorities counted (QueueFull past "
-        "it). Workers and clients: a submit is held to the lowest."))
+        "The most jobs that may wait or run in one queue, the live priorities counted (QueueFull "
+        "past it); batch lines take only the room live jobs leave and never count against them. "
+        "Workers and clients: a submit is held to the lowest."))
     max_prompt_chars: int = Field(default=32_000, ge=1, description=(
         "The longest prompt, in characters."))
     max_prompt_tokens: int = Field(default=2048, ge=1, description=(
@@ -215,8 +216,18 @@ class Settings(BaseSettings):
     files_url: str = Field(default="file:///var/lib/tokenfleet/files", description=(
         "Where uploaded files and batch outputs live: file:///dir (a shared volume for several "
         "gateways) or s3://bucket/prefix (S3-compatible object storage)."))
+    # Per-tenant bounds of batches and files (docs/security.md, "Batches and
+    # files"): a tenant's batches share one window of lines queued or running,
+    # and the number of its open batches and of its files is capped.
     batch_window: int = Field(default=256, ge=1, le=50_000, description=(
-        "The most lines of one batch queued or running at once; the rest wait in its file."))
+        "The most lines of one tenant's batches queued or running at once, all its batches "
+        "together; the rest wait in their files."))
+    batch_max_open: int = Field(default=100, ge=1, description=(
+        "The most batches one tenant may have open (not yet ended); creating another is "
+        "refused (400) until one ends."))
+    files_max_per_tenant: int = Field(default=1000, ge=1, description=(
+        "The most files one tenant may hold (uploads and batch outputs); an upload past it is "
+        "refused (400) until some are deleted."))
     # Webhooks, signed as Standard Webhooks (webhook-id, webhook-timestamp,
     # webhook-signature: HMAC-SHA256 with the secret).
     webhook_url: str = Field(default="", description=(

@@ -67,6 +67,8 @@ READ_BY: dict[str, str] = {
     "gateway_key_cache_s": GATEWAY,
     "files_url": CLIENT,
     "batch_window": CLIENT,
+    "batch_max_open": CLIENT,
+    "files_max_per_tenant": CLIENT,
     "webhook_url": DELIVERER,
     "webhook_secret": DELIVERER,
     "gateway_webhooks": GATEWAY,

@@ -7,10 +7,15 @@ import tracemalloc
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
-from tokenfleet.shared.file_store import DirectoryStore, FileStore, open_store, read_lines, store_for
+from tokenfleet.files import _Checked
+from tokenfleet.shared.file_store import (DirectoryStore, FileStore, Overlong, open_store,
+                                          read_lines, store_for)
 from tokenfleet.shared.s3_store import S3Store
 
 from helpers import S3_BUCKET, s3_client
@@ -129,3 +134,49 @@ def test_a_files_url_of_another_kind_is_refused(url: str) -> None:
     with pytest.raises(ValueError, match="files_url"):
         open_store(url)
 
+
+
+class ChunkedStore:
+    """A store of one object, read back in the chunks given (to cut lines anywhere)."""
+
+    def __init__(self, chunks: list[bytes]) -> None:
+        self.chunks = chunks
+
+    def read(self, name: str) -> Iterator[bytes]:
+        return iter(self.chunks)
+
+
+def cut(data: bytes, cuts: list[int]) -> list[bytes]:
+    points = sorted({min(c, len(data)) for c in cuts})
+    return [data[a:b] for a, b in zip([0, *points], [*points, len(data)])]
+
+
+@given(lines=st.lists(st.binary(max_size=12).map(lambda b: b.replace(b"\n", b" ")), max_size=12),
+       cuts=st.lists(st.integers(0, 200), max_size=8), max_line=st.integers(0, 10),
+       newline_at_end=st.booleans())
+def test_lines_read_in_any_chunks_are_the_files_lines_and_the_long_ones_only_counted(
+    lines: list[bytes], cuts: list[int], max_line: int, newline_at_end: bool
+) -> None:
+    data = b"\n".join(lines) + (b"\n" if newline_at_end and lines else b"")
+    store: Any = ChunkedStore(cut(data, cuts))
+    expected = data.split(b"\n")
+    if expected and expected[-1] == b"":
+        expected.pop()  # a file's last newline ends its last line, it starts none
+    read = list(read_lines(store, "x", max_line))
+    assert len(read) == len(expected)
+    for got, line in zip(read, expected):
+        if len(line) > max_line:
+            assert isinstance(got, Overlong) and got.size == len(line) and got == b""
+        else:
+            assert not isinstance(got, Overlong) and got == line.removesuffix(b"\r")
+
+
+@given(lines=st.lists(st.sampled_from([b"", b" ", b"\t\r", b"{}", b" x ", b"ab"]), max_size=20),
+       cuts=st.lists(st.integers(0, 100), max_size=8))
+def test_an_upload_counts_only_the_lines_that_are_not_blank_however_it_is_cut(
+    lines: list[bytes], cuts: list[int]
+) -> None:
+    checked = _Checked("batch", max_bytes=10_000, max_lines=10_000, max_line=100)
+    for chunk in cut(b"\n".join(lines), cuts):
+        checked.check(chunk)
+    assert checked.lines == sum(1 for line in lines if line.strip())

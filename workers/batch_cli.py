@@ -123,16 +123,18 @@ async def _submit(file: Path, wait: bool, output: Path | None, endpoint: str,
     from tokenfleet.batch_client import results
     from tokenfleet.batch_driver import BatchDriver
     from tokenfleet.batch_records import create_batch
-    from tokenfleet.files import create_file
+    from tokenfleet.files import create_file, max_line_bytes
     from tokenfleet.shared.file_store import open_store
 
     async with client:
         store = open_store(client.settings.files_url)
         uploaded = await create_file(client.redis, client.keys, store, _chunks(file),
-                                     filename=file.name, purpose="batch", tenant=tenant)
+                                     filename=file.name, purpose="batch", tenant=tenant,
+                                     max_files=client.settings.files_max_per_tenant,
+                                     max_line=max_line_bytes(client.settings.max_payload_bytes))
         made = await create_batch(client.redis, client.keys, input_file_id=uploaded.id,
                                   endpoint=endpoint, completion_window=window, metadata=None,
-                                  tenant=tenant)
+                                  tenant=tenant, max_open=client.settings.batch_max_open)
         click.echo(made.id)
         if not wait:
             return None

@@ -74,8 +74,18 @@ for _, tenant in ipairs(members) do
   if not known[tenant] then return {'tenants', unpack(members)} end
 end
 -- Finished entries are deleted, so the length is what is waiting or running.
-local depth = 0
-for i = 9, #KEYS do depth = depth + redis.call('XLEN', KEYS[i]) end
+-- A live job counts only the live levels' jobs: batch lines, however many a
+-- tenant's batches queue, never fill the queue for live requests. A batch line
+-- counts every level, so it takes only room the live jobs leave: the queue
+-- holds at most its limit of live jobs, and of all jobs together past that
+-- only live ones.
+local live, depth = 0, 0
+for i = 9, #KEYS do
+  local length = redis.call('XLEN', KEYS[i])
+  depth = depth + length
+  if i < 9 + submitted.live then live = live + length end
+end
+if not submitted.batch then depth = live end
 local most = limits.queue
 if depth >= most.value then
   return {'full', tostring(depth), tostring(most.value), most.by, most.why}
