@@ -205,6 +205,13 @@ class Worker:
             log.warning("the cancel listener is not subscribed after %.0f s; serving anyway "
                         "(a cancel of a running job may go unheard until it is)",
                         CANCEL_LISTENER_WAIT_S)
+        # One beat before the feeders read: a peer takes the pending entries of
+        # a consumer the served set does not list as live for a dead worker's
+        # (``Feeder._reclaim``), so this worker must be listed before it holds any.
+        try:
+            self._beat()
+        except (RedisError, OSError) as exc:  # the heartbeat thread beats on
+            log.warning("first heartbeat failed: %s", exc)
         for thread in self.threads:
             if thread is not self._cancel_thread:
                 thread.start()
