@@ -30,6 +30,7 @@ from tokenfleet.shared.errors import (
     TenantQueueFull,
     TokenfleetError,
     TokenRateLimited,
+    WorkersGone,
 )
 from tokenfleet.shared.schemas import (
     ChatMessage,
@@ -76,4 +77,5 @@ __all__ = [
     "TokenRateLimited",
     "TokenfleetError",
     "TopLogprob",
+    "WorkersGone",
 ]
