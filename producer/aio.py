@@ -72,7 +72,8 @@ class AsyncFleetClient:
     ) -> None:
         """``bound``: at most that many Redis connections, event streams' included,
         a command waiting for a free one (``RedisBusy`` past the wait), idle ones
-        closed; None: redis-py's pool, which keeps every connection it opened."""
+        closed; None: 100 connections and a wait of 30 s
+        (``tokenfleet.shared.redis_conn``), so a burst of submits waits its turn."""
         self.settings = settings or get_settings()
         # redis-py types replies as bytes | str; with decode_responses off they are bytes.
         self.redis: Any = connect_async(url or self.settings.redis_url, bound)
