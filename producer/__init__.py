@@ -31,6 +31,7 @@ from tokenfleet.shared.errors import (
     TenantQueueFull,
     TokenfleetError,
     TokenRateLimited,
+    WorkersGone,
 )
 from tokenfleet.shared.schemas import (
     ChatMessage,
@@ -78,4 +79,5 @@ __all__ = [
     "TokenRateLimited",
     "TokenfleetError",
     "TopLogprob",
+    "WorkersGone",
 ]

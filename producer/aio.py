@@ -35,6 +35,7 @@ from tokenfleet.protocol import (
     check_deadline,
     expires_at,
     is_end_payload,
+    no_worker,
     parse_state,
     require_worker_for,
     served_queues,
@@ -44,7 +45,7 @@ from tokenfleet.protocol import (
 )
 from tokenfleet.shared.client_scripts import CancelVerdict
 from tokenfleet.shared.clock import FleetClock
-from tokenfleet.shared.errors import JobNotFound, NoWorker, TokenfleetError
+from tokenfleet.shared.errors import JobNotFound, TokenfleetError
 from tokenfleet.shared.keys import Keys
 from tokenfleet.shared.liveness import live_since
 from tokenfleet.shared.redis_conn import connect_async
@@ -71,7 +72,8 @@ class AsyncFleetClient:
     ) -> None:
         """``bound``: at most that many Redis connections, event streams' included,
         a command waiting for a free one (``RedisBusy`` past the wait), idle ones
-        closed; None: redis-py's pool, which keeps every connection it opened."""
+        closed; None: 100 connections and a wait of 30 s
+        (``tokenfleet.shared.redis_conn``), so a burst of submits waits its turn."""
         self.settings = settings or get_settings()
         # redis-py types replies as bytes | str; with decode_responses off they are bytes.
         self.redis: Any = connect_async(url or self.settings.redis_url, bound)
@@ -122,7 +124,7 @@ class AsyncFleetClient:
                 break
         job_id = submitted_id(result, request, self.settings)
         if job_id is None:
-            raise NoWorker(request.model, await self.served_queues())
+            raise no_worker(request, result, await self.served_queues(), now, self.settings)
         return job_id
 
     async def submit_choices(self, prompt: str | GenerationRequest | None = None, /, *,

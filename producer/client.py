@@ -31,6 +31,7 @@ from tokenfleet.protocol import (
     check_deadline,
     expires_at,
     is_end,
+    no_worker,
     parse_state,
     require_worker_for,
     served_queues,
@@ -40,7 +41,7 @@ from tokenfleet.protocol import (
 )
 from tokenfleet.shared.client_scripts import CancelVerdict
 from tokenfleet.shared.clock import FleetClock
-from tokenfleet.shared.errors import JobNotFound, NoWorker, TokenfleetError
+from tokenfleet.shared.errors import JobNotFound, TokenfleetError
 from tokenfleet.shared.file_store import open_store
 from tokenfleet.shared.keys import Keys, partitions_of
 from tokenfleet.shared.liveness import live_since
@@ -96,7 +97,10 @@ class FleetClient:
         (nothing is written), ``QueueFull`` when the model's queue is full,
         ``IdempotencyConflict`` when the ``idempotency_key`` was used for another
         request (the same request again returns the first job's id), and
-        ``NoWorker`` when no live worker serves the queue. To queue ahead of the
+        ``NoWorker`` when no live worker serves the queue. A queue whose last
+        worker was live within ``TOKENFLEET_NO_WORKER_GRACE_S`` (a restart of
+        its only worker) queues the job all the same; past that grace, its
+        ``NoWorker`` is a ``WorkersGone`` (retry later). To queue ahead of the
         workers (they start later) pass ``require_worker=False`` or set
         ``TOKENFLEET_REQUIRE_WORKER=0``; give such jobs a ``deadline_s``.
 
@@ -133,7 +137,7 @@ class FleetClient:
                 break
         job_id = submitted_id(result, request, self.settings)
         if job_id is None:
-            raise NoWorker(request.model, self.served_queues())
+            raise no_worker(request, result, self.served_queues(), now, self.settings)
         return job_id
 
     def submit_choices(self, prompt: str | GenerationRequest | None = None, /, *, n: int,

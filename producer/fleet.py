@@ -52,10 +52,14 @@ def fleet_status(client: Any) -> dict[str, Any]:
         if not fields:
             continue
         stats = loads(fields.pop("stats", "{}"))
-        workers.append({**_typed(fields), "stats": stats,
-                        "age_s": round(now - float(fields.get("last_seen", now)), 2)})
+        worker = {**_typed(fields), "stats": stats,
+                  "age_s": round(now - float(fields.get("last_seen", now)), 2)}
+        # Its hash outlives it by up to a second (a TTL in whole seconds): it
+        # shows dead from the moment its liveness lapses, when its jobs move on.
+        worker["live"] = _live(worker, now)
+        workers.append(worker)
     for q in queues:
-        q["workers"] = sum(1 for w in workers if _live(w, now)
+        q["workers"] = sum(1 for w in workers if w["live"]
                            and queue_of_partition(str(w.get("queue"))) == q["queue"])
         q["unserved"] = q["workers"] == 0
         q["min_workers"] = declared.get(q["queue"])  # None: not declared
@@ -291,7 +295,7 @@ def tables(report: dict[str, Any]) -> list[Table]:
         workers.append([w.get("name", "?"), w.get("device", "?"), w.get("model", "?"),
                         w.get("queue", "?"), f"{w.get('running', 0)}/{w.get('max_batch', '?')}",
                         str(stats.get("peak_batch", 0)), f"{stats.get('tokens_per_s', 0):.1f}",
-                        jobs, f"{w['age_s']:.1f}s ago"])
+                        jobs, f"{w['age_s']:.1f}s ago" + ("" if w.get("live", True) else ", dead")])
     return [("queues", ["queue", f"depth ({'/'.join(PRIORITIES)})", "lag", "pending", "oldest wait",
                         "backlog tokens", "dead letters", "workers"], queues),
             ("workers", ["node", "device", "model", "queue", "batch", "peak", "tokens/s", "jobs",

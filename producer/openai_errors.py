@@ -163,6 +163,13 @@ REDIS_REFUSED = Refusal(
 REDIS_DOWN = Refusal(
     503, SERVER, None, True, "Redis cannot be reached (from the gateway's first request on)",
     "the fleet's Redis cannot be reached right now; retry later")
+MODEL_UNAVAILABLE = Refusal(
+    503, SERVER, "model_unavailable", True,
+    "the model's queue was served, but no worker has been live for longer than the grace "
+    "period (TOKENFLEET_NO_WORKER_GRACE_S; within it, requests queue)",
+    "no live worker has served queue '<model>' for <s> s, past the grace period of <s> s "
+    "(TOKENFLEET_NO_WORKER_GRACE_S) in which its jobs wait for its workers to come back; "
+    "nothing was enqueued: retry later")
 REDIS_BUSY = Refusal(
     503, SERVER, "busy", True,
     "every Redis connection of the gateway stayed in use for the whole wait",
@@ -176,7 +183,7 @@ REFUSALS = (INVALID_JSON, UNRECOGNIZED, INVALID_VALUE, UNSUPPORTED, CONTEXT_LENG
             BATCH_NOT_FOUND, FILE_NOT_FOUND,
             BODY_TIMEOUT, IDEMPOTENCY_CONFLICT, TOO_LARGE, RATE_LIMITED, TOKEN_RATE_LIMITED,
             OVER_TOKEN_RATE, TENANT_QUEUE_FULL, QUEUE_FULL, JOB_REFUSED, JOB_FAILED,
-            REDIS_REFUSED, REDIS_DOWN, REDIS_BUSY)
+            REDIS_REFUSED, REDIS_DOWN, MODEL_UNAVAILABLE, REDIS_BUSY)
 
 # The fleet's own errors, by class name: an error class that a newer client adds
 # maps the same whether or not this module could import it.
@@ -188,7 +195,7 @@ FLEET_ERRORS = {"QueueFull": QUEUE_FULL, "NoWorker": MODEL_NOT_FOUND,
                 "QueueNotAllowed": QUEUE_NOT_ALLOWED, "PriorityNotAllowed": PRIORITY_NOT_ALLOWED,
                 "RateLimited": RATE_LIMITED,
                 "TokenRateLimited": TOKEN_RATE_LIMITED, "OverTokenRate": OVER_TOKEN_RATE,
-                "TenantQueueFull": TENANT_QUEUE_FULL}
+                "TenantQueueFull": TENANT_QUEUE_FULL, "WorkersGone": MODEL_UNAVAILABLE}
 
 
 def fleet_refusal(exc: Exception, path: str) -> tuple[Refusal, str, str | None]:
@@ -196,11 +203,14 @@ def fleet_refusal(exc: Exception, path: str) -> tuple[Refusal, str, str | None]:
     request to ``path`` (a 5xx says its sentence: no Redis URL reaches callers)."""
     name = type(exc).__name__
     refusal = FLEET_ERRORS.get(name, INVALID_VALUE)
-    message = refusal.sentence if refusal.status >= 500 else str(exc)
+    # A 5xx says its sentence (no Redis URL reaches callers); the one a
+    # caller acts on by waiting says the model and for how long.
+    message = (refusal.sentence if refusal.status >= 500 and refusal is not MODEL_UNAVAILABLE
+               else str(exc))
     param = None
     if name == "PromptTooLong":
         param = "messages" if path == "/v1/chat/completions" else "prompt"
-    elif name == "QueueNotAllowed":
+    elif name in ("QueueNotAllowed", "WorkersGone"):
         param = "model"
     elif name == "PriorityNotAllowed":
         param = "priority"

@@ -16,7 +16,8 @@ from pydantic import ValidationError
 from tokenfleet.shared import client_scripts
 from tokenfleet.shared.client_scripts import Admission, Asked, CancelVerdict, Submitted
 from tokenfleet.shared.errors import (IdempotencyConflict, InvalidRequest, JobNotFound,
-                                      LimitExceeded, PromptTooLong, QueueFull)
+                                      LimitExceeded, NoWorker, PromptTooLong, QueueFull,
+                                      WorkersGone)
 from tokenfleet.shared.keys import (Keys, job_model, new_job_id, partition,
                                     queue_of_partition)
 from tokenfleet.shared.limits import client_limits
@@ -171,7 +172,9 @@ def submission(request: GenerationRequest, keys: Keys, settings: Settings,
         idempotency_key=idem,
         idempotency_ttl_s=settings.idempotency_ttl_s,
         fingerprint=request.fingerprint() if idem else "",
-        live_since=live_since(now) if require_worker else None))
+        live_since=live_since(now) if require_worker else None,
+        served_since=(now - settings.no_worker_grace_s
+                      if require_worker and settings.no_worker_grace_s > 0 else None)))
 
 
 def pick_partition(request: GenerationRequest, partitions: int, turn: int = 0) -> str:
@@ -262,6 +265,18 @@ def submitted_id(result: Submitted, request: GenerationRequest,
     if result.admission is Admission.CONFLICT:
         raise IdempotencyConflict(request.idempotency_key or "")
     return result.job_id
+
+
+def no_worker(request: GenerationRequest, result: Submitted, served: list[str], now: float,
+              settings: Settings) -> NoWorker:
+    """Why submit.lua queued nothing for want of a live worker: a queue served
+    within a day but not within the grace period is ``WorkersGone`` (a retry
+    may pass once its workers are back), any other ``NoWorker`` (a name no
+    worker serves: mistyped, or never started)."""
+    if result.served_until is None:
+        return NoWorker(request.model, served)
+    return WorkersGone(request.model, served, max(0.0, now - result.served_until),
+                       settings.no_worker_grace_s)
 
 
 def served_queues(names: list[bytes], live_counts: list[int], keys: Keys) -> list[str]:

@@ -46,6 +46,9 @@ class Submitted:
     value: int | None = None
     limit: Limit | None = None
     tenants: tuple[str, ...] = ()  # TENANTS: the queue's named tenants
+    # NO_WORKER: the time (Redis's clock) until which a worker last counted as
+    # live on the queue; None: not served within a day (an unknown name).
+    served_until: float | None = None
 
 
 @dataclass(frozen=True)
@@ -73,19 +76,23 @@ def _submitted(reply: object) -> Submitted:
                          limit=Limit(value=int(limit), by=by, why=why))
     if admission is Admission.TENANTS:
         return Submitted(admission, tenants=tuple(values))
+    if admission is Admission.NO_WORKER:
+        return Submitted(admission, served_until=float(values[0]) if values[0] else None)
     return Submitted(admission)
 
 
 def submit(keys: Keys, *, job_id: str, model: str, priority: str, entry_json: str,
            record: Mapping[str, Arg], weight: int, limits: QueueLimits, asked: Asked,
            idempotency_key: str | None, idempotency_ttl_s: int, fingerprint: str,
-           live_since: float | None, tenant: str | None = None,
+           live_since: float | None, served_since: float | None = None,
+           tenant: str | None = None,
            tenants: Sequence[str] = ()) -> ScriptCall[Submitted]:
     """Admit one job: ``record`` is its hash's fields, ``entry_json`` its stream
     entry, ``weight`` its tokens in the backlog. With ``live_since`` (the
     heartbeat score a live worker has at least) a queue no live worker serves
-    is refused, unless it is declared (``tokenfleet queue create``); None
-    queues ahead of the workers. ``fingerprint`` (of the
+    is refused, unless it is declared (``tokenfleet queue create``) or a
+    worker was live on it at ``served_since`` or later (the grace period of a
+    restart; None: no grace); None queues ahead of the workers. ``fingerprint`` (of the
     request) tells a retry from another request under the same key. The
     request (``asked``) is held to the strictest of ``limits`` (the client's)
     and those the queue's workers published. ``tenants``: the queue's named
@@ -104,11 +111,12 @@ def submit(keys: Keys, *, job_id: str, model: str, priority: str, entry_json: st
         (keys.queue(level_queue(model, priority, tenant)), keys.job(job_id),
          keys.idempotency(model, idempotency_key or "-"),
          keys.backlog(model), keys.queue_workers(model), keys.limits(model),
-         keys.tenants(model), keys.declared(model), *live,
+         keys.tenants(model), keys.declared(model), keys.served_until(model), *live,
          *(s for s in streams if s in batch_level)),
         (job_id, entry_json, submitted, idempotency_ttl_s, "1" if idempotency_key else "0",
          weight, fingerprint,
          "" if live_since is None else repr(live_since),
+         "" if served_since is None else repr(served_since),
          named or "", len(known), *known,
          *(x for pair in record.items() for x in pair)),
         _submitted,

@@ -70,6 +70,24 @@ class NoWorker(TokenfleetError):
         self.queue, self.served = queue, list(served or [])
 
 
+class WorkersGone(NoWorker):
+    """A queue that was served has had no live worker for longer than the grace
+    period (``TOKENFLEET_NO_WORKER_GRACE_S``): its workers may be restarting or
+    scaling up, so a later retry may pass; nothing was enqueued. Within the
+    grace period its jobs queue instead."""
+
+    def __init__(self, queue: str, served: list[str] | None, gone_for_s: float,
+                 grace_s: float) -> None:
+        # Not NoWorker's sentence: its advice (start a worker, queue ahead) is
+        # for a name never served; this one says to retry.
+        TokenfleetError.__init__(
+            self, f"no live worker has served queue {queue!r} for {gone_for_s:.0f} s, past the "
+            f"grace period of {grace_s:g} s (TOKENFLEET_NO_WORKER_GRACE_S) in which its jobs "
+            "wait for its workers to come back; nothing was enqueued: retry later")
+        self.queue, self.served = queue, list(served or [])
+        self.gone_for_s, self.grace_s = gone_for_s, grace_s
+
+
 class IdempotencyConflict(TokenfleetError):
     """The idempotency key was already used for a different request; nothing was enqueued.
 

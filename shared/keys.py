@@ -246,6 +246,14 @@ class Keys:
         counts as live (``tokenfleet.shared.liveness``)."""
         return f"{self.namespace}:served:{{{model}}}"
 
+    def served_until(self, model: str) -> str:
+        """String with a TTL: the time (Redis's clock) until which the model's
+        latest heartbeat keeps its worker live, kept after that worker left the
+        served set (a warm shutdown takes it out). ``submit.lua``
+        queues ahead for ``no_worker_grace_s`` past it: a queue whose only
+        worker restarts keeps taking jobs."""
+        return f"{self.namespace}:served-until:{{{model}}}"
+
     def limits(self, model: str) -> str:
         """Hash with a TTL: the limits each worker of a model holds its requests
         to (worker name -> ``QueueLimits`` JSON), for ``submit.lua``."""

@@ -31,6 +31,15 @@ __all__ = ["broker_url", "connect", "connect_async", "is_cluster", "left_node", 
 MAX_CONNECTIONS = 2000
 # How long one TCP connect may take: also the bound on a first connect that fails.
 CONNECT_TIMEOUT_S = 3.0
+# An asyncio client's connections, unless it is given a bound: its commands
+# are short and its event streams share one pub/sub connection, so a hundred
+# serve thousands of concurrent calls. A burst that opened thousands at once
+# would see connects that a busy event loop cannot finish in CONNECT_TIMEOUT_S.
+ASYNC_CONNECTIONS = 100
+# How long a command waits for a free connection once all are in use (a burst
+# of thousands of concurrent submits from one client): it waits its turn
+# instead of failing at once, and fails only past this.
+CONNECTION_WAIT_S = 30.0
 
 
 def _options() -> dict[str, Any]:
@@ -48,27 +57,36 @@ def _options() -> dict[str, Any]:
 
 
 def connect(url: str) -> redis.Redis:
-    """A client of the Redis ``url`` names; it connects on its first command."""
+    """A client of the Redis ``url`` names; it connects on its first command.
+    Past ``MAX_CONNECTIONS`` in use at once (threads), a command waits up to
+    ``CONNECTION_WAIT_S`` for a free one (redis-py's plain pool would raise)."""
     if is_cluster(url):
         # Typed as a plain client: RedisCluster answers every command the fleet sends.
         return connect_cluster(url, _options())  # type: ignore[return-value]
-    return redis.Redis.from_url(url, retry=FailFastRetry(FailFast(url)), **_options())
+    # As Redis.from_url builds it, with the pool that waits.
+    pool = redis.BlockingConnectionPool.from_url(
+        url, timeout=CONNECTION_WAIT_S, retry=FailFastRetry(FailFast(url)), **_options())
+    client = redis.Redis(connection_pool=pool)
+    client.auto_close_connection_pool = True
+    return client
 
 
 def connect_async(url: str, bound: PoolBound | None = None) -> aioredis.Redis:
-    """:func:`connect` for asyncio. With a ``bound``, its connections come from a
-    ``BoundedPool``: at most ``bound.connections``, a command waiting for a free
-    one, idle ones closed; on a cluster, at most that many per node (a command
-    that finds none free gets redis-py's ``MaxConnectionsError``, which the
-    cluster client's retry backs off from as from a lost connection)."""
+    """:func:`connect` for asyncio. Its connections come from a ``BoundedPool``:
+    at most ``bound.connections`` (None: ``ASYNC_CONNECTIONS``, waiting up to
+    ``CONNECTION_WAIT_S``), a command waiting for a free one (``RedisBusy``
+    past the wait: redis-py's own pool raises ``MaxConnectionsError`` at once,
+    and a burst of submits failed by the thousand), idle ones closed; on a
+    cluster, at most that many per node (a command that finds none free gets
+    redis-py's ``MaxConnectionsError``, which the cluster client's retry backs
+    off from as from a lost connection)."""
     if is_cluster(url):
         options = _options() if bound is None else {**_options(),
                                                     "max_connections": bound.connections}
         # Typed as a plain client, as in ``connect``.
         return AsyncCluster.for_url(url, options, connect_async)  # type: ignore[return-value]
     retry = AsyncFailFastRetry(FailFast(url))
-    if bound is None:
-        return aioredis.Redis.from_url(url, retry=retry, **_options())
+    bound = bound or PoolBound(ASYNC_CONNECTIONS, CONNECTION_WAIT_S)
     return aioredis.Redis.from_pool(BoundedPool.for_url(url, bound, {**_options(), "retry": retry}))
 
 

@@ -105,6 +105,12 @@ class Settings(BaseSettings):
     require_worker: bool = Field(default=True, description=(
         "Whether submit refuses (NoWorker) a queue that no live worker serves; false: jobs queue "
         "ahead of the workers."))
+    # A queue's only worker restarting (a rolling deploy) leaves it with no live
+    # worker for a while: a queue served until then keeps queueing for this long.
+    no_worker_grace_s: float = Field(default=60.0, ge=0, description=(
+        "Seconds after its last worker's liveness lapsed (or it left) that a queue still takes "
+        "jobs with no live worker, as a restart of its only worker needs; past it, submit "
+        "raises WorkersGone (the gateway: 503 with Retry-After). 0: none."))
 
     # Admission limits. The four a worker publishes (queue, prompt tokens, new
     # tokens, payload) hold every submit as the strictest of the live workers'

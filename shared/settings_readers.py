@@ -44,6 +44,7 @@ READ_BY: dict[str, str] = {
     "fair_share_burst_tokens": WORKER,
     "preempt_batch": WORKER,
     "require_worker": CLIENT,
+    "no_worker_grace_s": CLIENT,
     "max_queue": LIMIT,
     "max_prompt_chars": EACH,
     "max_prompt_tokens": LIMIT,

@@ -3,8 +3,12 @@
 A worker asks for at most ``credits`` entries: its free batch slots plus
 ``prefetch``. So it never hoards jobs another worker could start now, and the
 engine never waits on Redis for its next prefill. On start it first re-reads
-its own pending entries (a restarted process resumes what it had), and now and
-then it reclaims entries that a dead consumer left idle for ``claim_idle_s``.
+its own pending entries (a restarted process resumes what it had). Every
+heartbeat period it takes over the pending entries of consumers the queue's
+served set no longer lists as live (``tokenfleet.shared.liveness``): a dead
+worker's jobs resume as soon as its liveness lapses. And now and then it
+reclaims any entry left idle for ``claim_idle_s``, whoever holds it (a worker
+live by its heartbeat whose engine is stuck).
 
 Priorities: each level (high, normal, low, batch) has streams of its own. The
 live levels' credits are dealt in turns from the cycle ``TURNS``: of every 7
@@ -44,6 +48,7 @@ from typing import Any
 
 from redis.exceptions import ConnectionError, ResponseError, TimeoutError
 
+from tokenfleet.shared import liveness
 from tokenfleet.shared.keys import BATCH, GROUP, LIVE_PRIORITIES, PRIORITIES, Keys, level_priority
 from tokenfleet.shared.settings import Settings
 from tokenfleet.workers.admission import Admission
@@ -113,6 +118,7 @@ class Feeder:
         self.slots_freed = slots_freed or threading.Event()
         self.paused = paused or threading.Event()  # set: read nothing new (drain)
         self._last_reclaim = 0.0
+        self._last_dead_check = 0.0
 
     @property
     def levels(self) -> list[tuple[str, str]]:
@@ -189,9 +195,14 @@ class Feeder:
         if credits <= 0:
             return None  # the credits free now fall to other partitions
         now = time.monotonic()
-        if now - self._last_reclaim >= self.settings.claim_idle_s / 2:
-            self._last_reclaim = now
-            if self._reclaim(credits):
+        idle_due = now - self._last_reclaim >= self.settings.claim_idle_s / 2
+        dead_due = now - self._last_dead_check >= min(self.settings.heartbeat_s,
+                                                      self.settings.claim_idle_s / 2)
+        if idle_due or dead_due:
+            self._last_dead_check = now
+            if idle_due:
+                self._last_reclaim = now
+            if self._reclaim(credits, idle=idle_due):
                 self.shared.found(self.queue, 1)
                 return 1, 0
         self.tenant_streams.refresh()
@@ -270,13 +281,25 @@ class Feeder:
                 self.take(name, entries)
                 start = entries[-1][0]
 
-    def _reclaim(self, credits: int) -> bool:
-        """Take over entries a dead consumer left idle; True if any came.
+    def _reclaim(self, credits: int, idle: bool = True) -> bool:
+        """Take over the entries of dead consumers, and with ``idle`` those left
+        idle for ``claim_idle_s``; True if any came.
 
-        The idle entries are listed first (XPENDING ... IDLE) and only those
-        this worker does not run are claimed. An entry this worker runs goes
-        idle only when the heartbeat, which touches it every ``heartbeat_s``,
-        could not (Redis away, a stall). Claiming it to ourselves would change
+        A consumer is dead once the queue's served set no longer lists it as
+        live: its heartbeat's ``alive_until`` has passed on Redis's clock (or
+        it left). Its entries are taken at once, not after ``claim_idle_s``: a
+        crashed worker's streams stall only until its liveness lapses. A
+        worker frozen, not dead, that wakes after its entries were taken is
+        fenced by the new attempt (start.lua): its late writes change nothing.
+        A worker lists itself before it reads (``WorkerService.start``), so a
+        live one's entries are never taken for a dead one's; even so an entry
+        is taken only once idle for a heartbeat period, the least time a live
+        consumer's could have been untouched.
+
+        The idle entries are listed (XPENDING ... IDLE) and only those this
+        worker does not run are claimed. An entry this worker runs goes idle
+        only when the heartbeat, which touches it every ``heartbeat_s``, could
+        not (Redis away, a stall). Claiming it to ourselves would change
         nothing but its delivery count, again at every pass; starting it again
         would fence our own attempt. So it is left alone: the heartbeat owns
         its liveness, and if this worker really is stuck, another worker's
@@ -284,25 +307,58 @@ class Feeder:
         this one, which is the recovery we want.
         """
         idle_ms = int(self.settings.claim_idle_s * 1000)
+        dead_idle_ms = min(idle_ms, int(self.settings.heartbeat_s * 1000))
+        levels = [(name, stream, self.batch_credits() if level_priority(name) == BATCH
+                   else credits) for name, stream in self.levels]
+        # A batch entry only for a free slot, as when it is read.
+        levels = [(name, stream, most) for name, stream, most in levels if most > 0]
+        if not levels:
+            return False
+        dead = self._dead_holders([stream for _name, stream, _most in levels])
         found = False
-        for name, stream in self.levels:
-            # A batch entry only for a free slot, as when it is read.
-            most = self.batch_credits() if level_priority(name) == BATCH else credits
-            if most <= 0:
-                continue
+        for name, stream, most in levels:
             mine = self.intake.running_entries(stream)
-            pending = self.redis.xpending_range(stream, GROUP, min="-", max="+",
-                                                count=most + len(mine), idle=idle_ms)
-            ids = [p["message_id"] for p in pending
-                   if p["message_id"].decode() not in mine][:most]
+            ids: list[Any] = []
+            for consumer in dead.get(stream, []):
+                pending = self.redis.xpending_range(stream, GROUP, min="-", max="+",
+                                                    count=most - len(ids), idle=dead_idle_ms,
+                                                    consumername=consumer)
+                ids += [p["message_id"] for p in pending if p["message_id"].decode() not in mine]
+                if len(ids) >= most:
+                    break
+            if idle and len(ids) < most:
+                pending = self.redis.xpending_range(stream, GROUP, min="-", max="+",
+                                                    count=most + len(mine), idle=idle_ms)
+                ids += [p["message_id"] for p in pending
+                        if p["message_id"].decode() not in mine and p["message_id"] not in ids]
+            ids = ids[:most]
             if not ids:
                 continue
             # With the idle time again: an entry another worker claimed since
             # the listing has a fresh idle time and stays with it.
-            entries = self.redis.xclaim(stream, GROUP, self.consumer, idle_ms, ids)
+            entries = self.redis.xclaim(stream, GROUP, self.consumer, dead_idle_ms, ids)
             if entries:
-                log.info("reclaimed %d idle entries of %s", len(entries), stream)
+                log.info("reclaimed %d entries of %s", len(entries), stream)
                 self.take(name, entries)
                 found = True
         return found
 
+    def _dead_holders(self, streams: list[str]) -> dict[str, list[str]]:
+        """The consumers holding pending entries of each stream that the
+        queue's served set does not list as live (this one never)."""
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.zrangebyscore(self.keys.queue_workers(self.queue),
+                           liveness.live_since(self.intake.publisher.fleet_clock.now()), "+inf")
+        for stream in streams:
+            pipe.xpending(stream, GROUP)
+        live, *summaries = pipe.execute(raise_on_error=False)
+        if isinstance(live, Exception):
+            raise live
+        live = {m.decode() for m in live} | {self.consumer}
+        dead: dict[str, list[str]] = {}
+        for stream, summary in zip(streams, summaries):
+            if isinstance(summary, Exception):
+                continue  # no such stream (yet): nothing pending in it
+            dead[stream] = [c["name"].decode() for c in summary.get("consumers") or []
+                            if c["name"].decode() not in live]
+        return dead

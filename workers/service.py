@@ -90,6 +90,10 @@ STEPS_AHEAD = 2
 GIL_SWITCH_S = 0.0005
 # How long a starting worker waits for its cancel listener before it serves anyway.
 CANCEL_LISTENER_WAIT_S = 10.0
+# How long a queue's last heartbeat is remembered (``Keys.served_until``): a
+# submit to a queue served within it that finds no live worker is told to
+# retry (WorkersGone), not that the name is unknown.
+SERVED_MEMORY_S = 86_400
 
 
 class Worker:
@@ -205,6 +209,13 @@ class Worker:
             log.warning("the cancel listener is not subscribed after %.0f s; serving anyway "
                         "(a cancel of a running job may go unheard until it is)",
                         CANCEL_LISTENER_WAIT_S)
+        # One beat before the feeders read: a peer takes the pending entries of
+        # a consumer the served set does not list as live for a dead worker's
+        # (``Feeder._reclaim``), so this worker must be listed before it holds any.
+        try:
+            self._beat()
+        except (RedisError, OSError) as exc:  # the heartbeat thread beats on
+            log.warning("first heartbeat failed: %s", exc)
         for thread in self.threads:
             if thread is not self._cancel_thread:
                 thread.start()
@@ -679,6 +690,11 @@ class Worker:
         # Who serves this model, for submit(require_worker=True) and the status view.
         for part in self.partitions:
             pipe.zadd(self.keys.queue_workers(part), {self.name: info["alive_until"]})
+            # Kept past this worker's leaving: submits wait out a restart for
+            # no_worker_grace_s after it, and a name served within a day is
+            # not an unknown one (submit.lua).
+            pipe.set(self.keys.served_until(part), repr(info["alive_until"]),
+                     ex=SERVED_MEMORY_S)
             limits.publish(pipe, self.keys, part, self.name, self.limits.model_dump_json(),
                            self.settings.heartbeat_s)
         # Touch the pending entries still being worked on: their idle time

@@ -1,24 +1,30 @@
--- Admit one job: idempotency check, a live worker (unless queued ahead or the
--- queue is declared as served by an autoscaled pool), the
+-- Admit one job: idempotency check, a live worker (unless queued ahead, the
+-- queue is declared as served by an autoscaled pool, or its last worker was
+-- live within the grace period: a restart), the
 -- queue's limits (its length among them), then record + stream entry together,
 -- so a reader never sees an entry without its record or the reverse.
 -- KEYS: 1 the stream of the job's level and tenant, 2 job hash, 3 idempotency key,
 --       4 the model's backlog counter, 5 the model's live workers (sorted set),
 --       6 the limits its workers published (hash: worker name -> QueueLimits JSON),
 --       7 the model's named tenants (set), 8 the queue's declaration (hash; exists
---       for a queue an autoscaled pool serves), 9.. every stream of the model: each
---       level's, of the default tenant and of each tenant of ARGV 11.. (the
---       depth counts them all)
+--       for a queue an autoscaled pool serves), 9 the time until which a worker
+--       last counted as live (string), 10.. every stream of the model: each
+--       level's, of the default tenant and of each tenant of ARGV 12.., the
+--       live levels' first ("live" of ARGV 3 counts them), the batch level's
+--       after (the depth counts them all)
 -- ARGV: 1 job id, 2 entry JSON, 3 JSON {"limits": the client's QueueLimits,
---       "asked": {limit name: what the request brings}}, 4 idempotency TTL (s),
+--       "asked": {limit name: what the request brings}, "live": how many of
+--       KEYS 10.. are live levels' streams, "batch": true for a batch line}, 4 idempotency TTL (s),
 --       5 '1' if an idempotency key is used, 6 backlog weight (tokens),
 --       7 fingerprint of the request, 8 heartbeat score a live worker has at
---       least ('' to queue ahead of the workers), 9 the job's named tenant ('' for
---       the default one), 10 n: how many named tenants' streams are in KEYS,
---       11..10+n those tenants, then the record's field/value pairs
+--       least ('' to queue ahead of the workers), 9 the least KEYS[9] of a queue
+--       in its grace period ('' for none), 10 the job's named tenant ('' for
+--       the default one), 11 n: how many named tenants' streams are in KEYS,
+--       12..11+n those tenants, then the record's field/value pairs
 -- Returns {'ok', job id}, {'dup', id of the job the key made before},
 --         {'conflict', ''} (the key was used for another request),
---         {'noworker', ''}, {'full', depth, limit, by, why},
+--         {'noworker', KEYS[9]} (KEYS[9]: '' for a queue never served, or not
+--         within a day), {'full', depth, limit, by, why},
 --         {'over', limit name, value, limit, by, why} (a request over a limit),
 --         {'tenants', name...} (KEYS miss a tenant's streams: nothing written;
 --         the caller asks again with the streams of every tenant named)
@@ -36,9 +42,16 @@ if ARGV[5] == '1' then
 end
 -- Checked here rather than by the client beforehand: no extra round trip. A
 -- declared queue's pool may be scaled to zero: its backlog is what wakes it.
+-- A queue served until lately waits for its workers to come back (a rolling
+-- restart of its only worker) for the grace period, then is refused as one
+-- that was served (the caller may retry), not as an unknown name.
 if ARGV[8] ~= '' and redis.call('ZCOUNT', KEYS[5], ARGV[8], '+inf') == 0
     and redis.call('EXISTS', KEYS[8]) == 0 then
-  return {'noworker', ''}
+  local served_until = redis.call('GET', KEYS[9])
+  if not served_until or ARGV[9] == ''
+      or tonumber(served_until) < tonumber(ARGV[9]) then
+    return {'noworker', served_until or ''}
+  end
 end
 -- The strictest of the client's limits and of every worker's of the queue: a
 -- job may run on any of them. Workers publish theirs with each heartbeat and the
@@ -66,9 +79,9 @@ for _, name in ipairs({'payload_bytes', 'new_tokens', 'prompt_tokens'}) do
 end
 -- The depth counts every tenant's streams, so the caller must have named
 -- them all: the tenants a caller knows are cached, and a new one costs a retry.
-local n = tonumber(ARGV[10])
+local n = tonumber(ARGV[11])
 local known = {}
-for i = 11, 10 + n do known[ARGV[i]] = true end
+for i = 12, 11 + n do known[ARGV[i]] = true end
 local members = redis.call('SMEMBERS', KEYS[7])
 for _, tenant in ipairs(members) do
   if not known[tenant] then return {'tenants', unpack(members)} end
@@ -80,10 +93,10 @@ end
 -- holds at most its limit of live jobs, and of all jobs together past that
 -- only live ones.
 local live, depth = 0, 0
-for i = 9, #KEYS do
+for i = 10, #KEYS do
   local length = redis.call('XLEN', KEYS[i])
   depth = depth + length
-  if i < 9 + submitted.live then live = live + length end
+  if i < 10 + submitted.live then live = live + length end
 end
 if not submitted.batch then depth = live end
 local most = limits.queue
@@ -94,11 +107,11 @@ end
 local entry = redis.call('XADD', KEYS[1], '*', 'data', ARGV[2], 'w', ARGV[6])
 -- The record knows its entry, so a cancel can take it off the queue at once.
 local fields = {}
-for i = 11 + n, #ARGV do fields[#fields + 1] = ARGV[i] end
+for i = 12 + n, #ARGV do fields[#fields + 1] = ARGV[i] end
 for _, v in ipairs({'entry', entry, 'weight', ARGV[6]}) do fields[#fields + 1] = v end
 redis.call('HSET', KEYS[2], unpack(fields))
 redis.call('INCRBY', KEYS[4], ARGV[6])
-if ARGV[9] ~= '' then redis.call('SADD', KEYS[7], ARGV[9]) end
+if ARGV[10] ~= '' then redis.call('SADD', KEYS[7], ARGV[10]) end
 if ARGV[5] == '1' then
   redis.call('SET', KEYS[3], ARGV[1] .. ' ' .. ARGV[7], 'EX', ARGV[4])
 end
