@@ -111,6 +111,9 @@ class BatchDriver:
         self.idle_step_s = max(step_s, IDLE_STEP_S)
         self._feeding: dict[str, Feeding] = {}
         self._wake = asyncio.Event()
+        # Counts for the gateway's metrics: lines queued as jobs, and lines
+        # whose ended job was written to the output or error file.
+        self.lines_fed = self.lines_collected = 0
 
     def wake(self) -> None:
         """Step now (a batch was just made here), not at the next idle step."""
@@ -314,6 +317,7 @@ class BatchDriver:
                        else batch_lines.job_error(state))
                 err.append((index, batch_lines.error_line(custom_id, why)))
         await self._record_done(batch_id, out, err, tokens=tokens)
+        self.lines_collected += len(out) + len(err)
         ended = written | {i: running[i] for i, _ in out + err}
         await self._let_go(batch_id, ended)
         for index in ended:  # written: its checked request is needed no more
@@ -418,6 +422,7 @@ class BatchDriver:
             await self._record_done(batch_id, [], err, started=started,
                                     next_line=next_line)
             feeding.next_line = next_line
+            self.lines_fed += len(started)
 
     async def _maybe_done(self, batch_id: str) -> None:
         record = await read_record(self.redis, self.keys, batch_id)
