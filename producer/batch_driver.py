@@ -143,6 +143,9 @@ class BatchDriver:
         self._used: dict[str, int] = {}
         # A batch whose steps failed: how many in a row, and when it is tried again.
         self._failures: dict[str, tuple[int, float]] = {}
+        # Counts for the gateway's metrics: lines queued as jobs, and lines
+        # whose ended job was written to the output or error file.
+        self.lines_fed = self.lines_collected = 0
 
     def wake(self) -> None:
         """Step now (a batch was just made here), not at the next idle step."""
@@ -394,6 +397,7 @@ class BatchDriver:
                        else batch_lines.job_error(state))
                 err.append((index, batch_lines.error_line(custom_id, why)))
         await self._record_done(batch_id, out, err, tokens=tokens)
+        self.lines_collected += len(out) + len(err)
         ended = written | {i: running[i] for i, _ in out + err}
         await self._let_go(batch_id, ended)
         if record.tenant in self._used:
@@ -513,6 +517,7 @@ class BatchDriver:
                                     next_line=next_line)
             feeding.next_line = next_line
             self._used[record.tenant] += len(started)
+            self.lines_fed += len(started)
 
     async def _maybe_done(self, batch_id: str) -> None:
         record = await read_record(self.redis, self.keys, batch_id)

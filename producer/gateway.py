@@ -11,10 +11,11 @@
 - OpenAI's Files API, ``/v1/files`` (``tokenfleet.openai_files``);
 - OpenAI-compatible ``/v1/batches`` (``tokenfleet.openai_batches``), whose
   lines every gateway's batch driver runs;
-- ``GET /healthz`` (live) and ``GET /readyz`` (ready): ``tokenfleet.gateway_health``.
+- ``GET /healthz`` (live) and ``GET /readyz`` (ready): ``tokenfleet.gateway_health``;
+- ``GET /metrics``: the gateway's Prometheus metrics (``tokenfleet.gateway_metrics``).
 
-Every route but ``/healthz`` asks for an API key (on a loopback address, once
-one was ever made: ``tokenfleet.auth``); a key's tenant owns the jobs made with
+Every route but health and ``/metrics`` asks for an API key (on a loopback address,
+once one was ever made: ``tokenfleet.auth``); a key's tenant owns the jobs made with
 it, and another tenant's ids read as missing (``tokenfleet.shared.ownership``);
 its limits apply where a job is submitted (``tokenfleet.key_limits``).
 
@@ -51,6 +52,7 @@ from tokenfleet.aio import AsyncFleetClient
 from tokenfleet.auth import (Authenticate, announce, auth_mode, caller, unauthorized,
                              warn_while_open)
 from tokenfleet.gateway_health import HEALTH_TIMEOUT_S, GatewayServer
+from tokenfleet.gateway_metrics import GatewayMetrics, MeasureRequests, first_token
 from tokenfleet.gateway_health import router as health_router
 from tokenfleet.key_limits import KeyLimits, submit_as_caller
 from tokenfleet.openai_errors import (
@@ -163,8 +165,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                         "reads them again (TOKENFLEET_GATEWAY_AUTH=%s)", mode)
         warning = (asyncio.create_task(warn_while_open(app.state.keybook)) if mode == "auto"
                    else None)
-        webhooks = Deliverer(app.state.fleet.redis, app.state.fleet.keys,
-                             settings).start(settings.gateway_webhooks)
+        webhooks = app.state.webhooks = Deliverer(
+            app.state.fleet.redis, app.state.fleet.keys, settings).start(settings.gateway_webhooks)
         try:
             async with openai_batches.driving(app):
                 yield
@@ -187,6 +189,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         error=lambda scope, message: unauthorized(_openai_path(scope["path"]), message),
         peek=lambda scope, key: scope["app"].state.limits.peek(scope, key),
         failed=_handled)
+    # Outermost: every answer is counted, a 401 too; /metrics needs no key.
+    app.add_middleware(MeasureRequests, metrics=GatewayMetrics(app.state))
     app.add_exception_handler(RedisConnectionError, _redis_unreachable)
     # Redis is up, the pool is full: these classes are more specific than the
     # ConnectionError above, so their handler is the one used.
@@ -353,10 +357,11 @@ async def job_events(
             raise HTTPException(
                 400, f"Last-Event-ID must be a token index as sent in 'id:', not {last_event_id!r}"
             ) from exc
-    return sse.response(_job_events(client, job_id, after), keepalive_s(request))
+    return sse.response(_job_events(client, job_id, after, request.scope), keepalive_s(request))
 
 
-async def _job_events(client: AsyncFleetClient, job_id: str, after: int) -> AsyncIterator[bytes]:
+async def _job_events(client: AsyncFleetClient, job_id: str, after: int, scope: Any
+                      ) -> AsyncIterator[bytes]:
     async with contextlib.aclosing(client.stream_batches(job_id)) as batches:
         async for events in batches:
             # A backlog goes out as one write: the same events, fewer frames.
@@ -364,6 +369,7 @@ async def _job_events(client: AsyncFleetClient, job_id: str, after: int) -> Asyn
                                        name="token", event_id=e.end - 1)
                              for e in events if e.end > after + 1)
             if frame:
+                first_token(scope)
                 yield frame
     yield sse.event((await client.status(job_id)).model_dump_json(), name="end")
 

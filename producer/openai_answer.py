@@ -31,14 +31,16 @@ Logprobs = Callable[[list[TokenEvent]], dict[str, Any]]
 
 async def chunks(client: AsyncFleetClient, job_ids: list[str], head: dict[str, Any],
                  choice: Choice, include_usage: bool, opening: dict[str, Any] | None = None,
-                 logprobs: Callable[[], Logprobs] | None = None) -> AsyncIterator[bytes]:
+                 logprobs: Callable[[], Logprobs] | None = None,
+                 on_first_token: Callable[[], None] | None = None) -> AsyncIterator[bytes]:
     """The jobs' text as OpenAI stream chunks, one choice each (``choice`` shapes
     one; job i is choice i): ``opening`` first for each choice, if given; a
     chunk per piece of text (per event, with its tokens' ``logprobs`` shaped by
     a shape made per choice, when asked for: an event whose text is held back
     still has tokens), the choices' interleaved as they come; each choice's
     finish reason (or the first error: the other choices are then cancelled);
-    the usage if asked for; ``[DONE]``."""
+    the usage if asked for; ``[DONE]``. ``on_first_token()`` is called as the
+    first chunk of generated text goes (the gateway's TTFT)."""
     shapes = None if logprobs is None else [logprobs() for _ in job_ids]
     # Closed on the way out (a failed choice, a client gone): the other choices'
     # subscriptions end then, not when the generator is collected.
@@ -56,6 +58,9 @@ async def chunks(client: AsyncFleetClient, job_ids: list[str], head: dict[str, A
                     data({**head, "choices": [_with(choice(index, e.text, None), e, shape)]})
                     for e in events if e.text or shape)
                 if frame:
+                    if on_first_token is not None:
+                        on_first_token()
+                        on_first_token = None
                     yield frame
                 continue
             state = await client.status(job_ids[index])

@@ -35,6 +35,7 @@ from pydantic import (
 
 from tokenfleet import sse
 from tokenfleet.aio import AsyncFleetClient
+from tokenfleet.gateway_metrics import first_token
 from tokenfleet.key_limits import submit_as_caller
 from tokenfleet.openai_answer import chunks, finish, logged, succeeded, usage
 from tokenfleet.openai_compat import PARAMS, Sampling, invalid, refusal
@@ -314,7 +315,8 @@ async def chat(client: AsyncFleetClient, body: bytes, request: Request,
         return sse.response(chunks(client, job_ids, stream, choose, made.ask.include_usage,
                                    opening=opening,
                                    logprobs=(lambda: chat_logprobs) if made.ask.logprobs
-                                   else None),
+                                   else None,
+                                   on_first_token=lambda: first_token(request.scope)),
                             keepalive_s)
     states = await succeeded(client, job_ids, request)
     if isinstance(states, Response):

@@ -35,6 +35,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError, 
 
 from tokenfleet import sse
 from tokenfleet.aio import AsyncFleetClient
+from tokenfleet.gateway_metrics import first_token
 from tokenfleet.choices import check_n
 from tokenfleet.key_limits import submit_as_caller
 from tokenfleet.openai_answer import chunks, finish, logged, succeeded, usage
@@ -310,7 +311,8 @@ async def complete(client: AsyncFleetClient, body: bytes, request: Request,
         opening = completion_choice(0, echo, None) if echo else None
         shape = None if made.ask.logprobs is None else CompletionLogprobs
         return sse.response(chunks(client, job_ids, made.head(job_ids[0]), completion_choice,
-                                   made.ask.include_usage, opening, logprobs=shape),
+                                   made.ask.include_usage, opening, logprobs=shape,
+                                   on_first_token=lambda: first_token(request.scope)),
                             keepalive_s)
     states = await succeeded(client, job_ids, request)
     if isinstance(states, Response):

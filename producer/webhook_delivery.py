@@ -36,6 +36,7 @@ import os
 import random
 import socket
 import time
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
@@ -136,6 +137,9 @@ class Deliverer:
         self._stopping = False
         self._turn = 0  # which outbox _read_new reads first
         self._warned: set[str] = set()
+        # Attempts by outcome, for the gateway's metrics: delivered, failed
+        # (retried later), dead (given up), dropped (no URL to post to).
+        self.outcomes: Counter[str] = Counter()
 
     # -- life ------------------------------------------------------------------------
 
@@ -316,6 +320,7 @@ class Deliverer:
             if not url:
                 self._warn_once("no-url", "webhook events are dropped: none names a URL and "
                                 "TOKENFLEET_WEBHOOK_URL is not set")
+                self.outcomes["dropped"] += 1
                 await self._forget(event)
                 return
             problem = webhook_url_problem(url)
@@ -356,6 +361,7 @@ class Deliverer:
                    "status": "" if outcome.status is None else str(outcome.status),
                    "error": outcome.error, "deliverer": self.consumer}
         if outcome.delivered:
+            self.outcomes["delivered"] += 1
             await self._forget(event, attempt)
             return
         failures = await self.redis.hincrby(state, "attempts", 1)
@@ -368,6 +374,7 @@ class Deliverer:
         if now + wait > first + self.settings.webhook_retry_s:
             await self._dead(event, url, failures, outcome)
             return
+        self.outcomes["failed"] += 1
         await self.redis.hset(state, mapping={
             "type": event.type, "url": url, "stream": event.stream, "entry": event.entry_id,
             "last_status": "" if outcome.status is None else str(outcome.status),

@@ -22,6 +22,46 @@ from typing import Protocol
 from urllib.parse import unquote, urlsplit
 
 READ_CHUNK = 1 << 20
+# The store of a host's service (its account, a container's volume), where
+# this process may write; else the user's own (``default_files_url``).
+SYSTEM_DIR = Path("/var/lib/tokenfleet/files")
+
+
+def default_files_url() -> str:
+    """``file:///var/lib/tokenfleet/files`` where this user may write it, else
+    the user's data directory (``$XDG_DATA_HOME/tokenfleet/files``, or
+    ``~/.local/share/tokenfleet/files``)."""
+    if _may_create(SYSTEM_DIR):
+        return SYSTEM_DIR.as_uri()
+    base = os.environ.get("XDG_DATA_HOME", "")
+    if not os.path.isabs(base):  # unset, or relative: the spec says to ignore it
+        try:
+            base = str(Path.home() / ".local" / "share")
+        except RuntimeError:  # no home directory to be found: the service's path
+            return SYSTEM_DIR.as_uri()
+    return (Path(base) / "tokenfleet" / "files").as_uri()
+
+
+def _may_create(path: Path) -> bool:
+    """Whether ``path`` is, or can be made, a directory this process writes in:
+    its nearest existing ancestor is a directory it may write."""
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path.is_dir() and os.access(path, os.W_OK | os.X_OK)
+
+
+class StoreUnwritable(OSError):
+    """The file store's directory cannot be written by this process."""
+
+    def __init__(self, root: Path, exc: OSError) -> None:
+        self.root, self.reason = root, exc.strerror or type(exc).__name__
+        super().__init__(f"{self.where()}: set TOKENFLEET_FILES_URL to "
+                         "file:///a/directory/this/user/can/write or s3://bucket/prefix")
+
+    def where(self) -> str:
+        """What cannot be written, and why."""
+        return (f"the file store {self.root.as_uri()} cannot be written: {self.root} "
+                f"({self.reason})")
 
 
 class FileStore(Protocol):
@@ -118,9 +158,12 @@ class DirectoryStore:
 
     def put(self, name: str, chunks: Iterable[bytes]) -> int:
         path = self._path(name)
-        path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".part-")
+        except OSError as exc:  # not a disk full (that comes later): the directory
+            raise StoreUnwritable(self.root, exc) from exc
         size = 0
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".part-")
         try:
             with os.fdopen(fd, "wb") as out:
                 for chunk in chunks:

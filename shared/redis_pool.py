@@ -61,6 +61,11 @@ class BoundedPool(ConnectionPool):
         # Connections handed back and not taken since, with when (the loop's clock).
         self._idle_since: dict[Any, float] = {}
         self._sweeper: asyncio.Task[None] | None = None
+        # For the gateway's metrics: connections handed out and not yet back;
+        # commands that had to wait for one, and those that waited in vain.
+        self._taken: set[Any] = set()
+        self.waits = 0
+        self.timeouts = 0
 
     @classmethod
     def for_url(cls, url: str, bound: PoolBound, options: dict[str, Any]) -> BoundedPool:
@@ -72,6 +77,11 @@ class BoundedPool(ConnectionPool):
     def waiting(self) -> int:
         """How many commands wait for a connection now."""
         return len(self._waiting)
+
+    @property
+    def in_use(self) -> int:
+        """How many connections are handed out now (a pub/sub's included)."""
+        return len(self._taken)
 
     async def get_connection(self, *args: Any, **kwargs: Any) -> Any:
         deadline = asyncio.get_running_loop().time() + self.wait_s
@@ -85,6 +95,7 @@ class BoundedPool(ConnectionPool):
                     pass  # taken while redis-py's release held its lock: wait again
                 else:
                     self._idle_since.pop(connection, None)
+                    self._taken.add(connection)
                     return connection
             await self._wait_turn(deadline)
             my_turn = True
@@ -93,6 +104,7 @@ class BoundedPool(ConnectionPool):
         """Until a released connection is handed to this caller; ``RedisBusy`` at ``deadline``."""
         turn = asyncio.get_running_loop().create_future()
         self._waiting.append(turn)
+        self.waits += 1
         try:
             async with asyncio.timeout_at(deadline):
                 await turn
@@ -105,6 +117,7 @@ class BoundedPool(ConnectionPool):
                 self._woken -= 1
                 self._wake_next()
             if isinstance(exc, TimeoutError):
+                self.timeouts += 1
                 raise RedisBusy(self.max_connections, self.wait_s) from None
             raise
         self._woken -= 1
@@ -118,6 +131,7 @@ class BoundedPool(ConnectionPool):
                 return
 
     async def release(self, connection: Any) -> None:
+        self._taken.discard(connection)
         await super().release(connection)
         self._wake_next()
         if not connection.is_connected:

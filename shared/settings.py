@@ -12,6 +12,7 @@ from typing import Annotated, Literal
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from tokenfleet.shared.file_store import default_files_url
 from tokenfleet.shared.keys import QUEUE_NAME_RULE, is_partition_name
 
 MAX_BATCH_LIMIT = 4096  # the largest max_batch a worker takes
@@ -219,9 +220,10 @@ class Settings(BaseSettings):
 
     # Batches (the OpenAI Files and Batch API): where uploaded files and batch
     # outputs live. Redis holds a batch's state and counters, never its JSONL.
-    files_url: str = Field(default="file:///var/lib/tokenfleet/files", description=(
+    files_url: str = Field(default_factory=default_files_url, description=(
         "Where uploaded files and batch outputs live: file:///dir (a shared volume for several "
-        "gateways) or s3://bucket/prefix (S3-compatible object storage)."))
+        "gateways) or s3://bucket/prefix (S3-compatible object storage). Every process of a "
+        "fleet (gateways, tokenfleet batch) must name the same one."))
     # Per-tenant bounds of batches and files (docs/security.md, "Batches and
     # files"): a tenant's batches share one window of lines queued or running,
     # and the number of its open batches and of its files is capped.

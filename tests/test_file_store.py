@@ -14,8 +14,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from tokenfleet.files import _Checked
-from tokenfleet.shared.file_store import (DirectoryStore, FileStore, Overlong, open_store,
-                                          read_lines, store_for)
+from tokenfleet.shared import file_store
+from tokenfleet.shared.file_store import (DirectoryStore, FileStore, Overlong, StoreUnwritable,
+                                          default_files_url, open_store, read_lines, store_for)
 from tokenfleet.shared.s3_store import S3Store
 
 from helpers import S3_BUCKET, s3_client
@@ -180,3 +181,31 @@ def test_an_upload_counts_only_the_lines_that_are_not_blank_however_it_is_cut(
     for chunk in cut(b"\n".join(lines), cuts):
         checked.check(chunk)
     assert checked.lines == sum(1 for line in lines if line.strip())
+def test_the_default_store_is_the_services_where_this_user_may_write_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(file_store, "SYSTEM_DIR", tmp_path / "lib" / "tokenfleet" / "files")
+    assert default_files_url() == (tmp_path / "lib" / "tokenfleet" / "files").as_uri()
+
+
+def test_else_the_default_store_is_in_the_users_data_directory(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "a-file").write_text("")  # nothing can be made under a file, even by root
+    monkeypatch.setattr(file_store, "SYSTEM_DIR", tmp_path / "a-file" / "files")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.delenv("XDG_DATA_HOME", raising=False)
+    assert default_files_url() == (tmp_path / "home/.local/share/tokenfleet/files").as_uri()
+    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "data"))
+    assert default_files_url() == (tmp_path / "data/tokenfleet/files").as_uri()
+    monkeypatch.setenv("XDG_DATA_HOME", "relative/data")  # not absolute: ignored, as the spec says
+    assert default_files_url() == (tmp_path / "home/.local/share/tokenfleet/files").as_uri()
+
+
+def test_a_directory_that_cannot_be_made_is_one_sentence_naming_the_store(
+        tmp_path: Path) -> None:
+    (tmp_path / "a-file").write_text("")
+    store = DirectoryStore(tmp_path / "a-file" / "files")
+    with pytest.raises(StoreUnwritable) as refused:
+        store.put("files/x", [b"data"])
+    assert str(refused.value).startswith(
+        f"the file store {(tmp_path / 'a-file' / 'files').as_uri()} cannot be written")
+    assert "TOKENFLEET_FILES_URL" in str(refused.value)

@@ -244,6 +244,11 @@ def test_the_launcher_restarts_a_dead_worker_and_gives_up_on_one_that_keeps_dyin
 def test_everyday_failures_are_one_line_with_an_exit_code(tmp_path: Path, settings: Any) -> None:
     env = user_env(settings)
     tf = str(BIN / "tokenfleet")
+    batch = tmp_path / "in.jsonl"
+    batch.write_text('{"custom_id": "a", "method": "POST", "url": "/v1/completions", '
+                     '"body": {"model": "default", "prompt": "Hi"}}\n')
+    (tmp_path / "a-file").write_text("")  # no directory can be made under a file, even by root
+    unwritable = f"file://{tmp_path}/a-file/files"
     cases = [
         # (command, extra env, exit code, words in the line)
         ([tf, "submit", "Hi"], {"TOKENFLEET_REDIS_URL": "redis://127.0.0.1:1/0"}, 4,
@@ -251,17 +256,43 @@ def test_everyday_failures_are_one_line_with_an_exit_code(tmp_path: Path, settin
         ([tf, "status"], {"TOKENFLEET_REDIS_URL": "127.0.0.1:6379"}, 4, "Redis URL"),
         ([tf, "worker", "--gpus", "none", "--model", str(tmp_path / "no-such-model")], {}, 2,
          "no such directory"),
-        ([tf, "submit", "Hi", "--max-new-tokens", "0", "--queue-ahead"], {}, 3, "max_new_tokens"),
+        # The command line's errors name its options, not Python's parameters.
+        ([tf, "submit", "Hi", "--model", "nobody-serves-this"], {}, 3,
+         "pass --queue-ahead to queue ahead"),
+        ([tf, "submit", "Hi", "--max-new-tokens", "0", "--queue-ahead"], {}, 3,
+         "invalid --max-new-tokens"),
         ([tf, "submit", "Hi", "--queue-ahead", "--wait", "--timeout", "0.5"], {}, 5,
          "did not end"),
         ([tf, "status", "0" * 32], {}, 1, "no job"),
+        ([tf, "batch", "submit", str(batch)], {"TOKENFLEET_FILES_URL": unwritable}, 2,
+         f"the file store {unwritable} cannot be written"),
     ]
     for cmd, extra, code, words in cases:
         out = run(cmd, {**env, **extra}, timeout=60)  # the timeout catches a hang only
         assert out.returncode == code, (cmd, out.returncode, out.stderr)
         lines = out.stderr.strip().splitlines()
         assert len(lines) == 1 and words in lines[0], (cmd, out.stderr)
-        assert "Traceback" not in out.stderr
+        assert "Traceback" not in out.stderr and "require_worker" not in out.stderr
+
+
+def test_batch_submit_with_default_settings_uses_the_users_data_directory(
+        tmp_path: Path, settings: Any) -> None:
+    """A user who may not write /var/lib/tokenfleet (here: a path under a file,
+    which nobody can create, root included) gets a store of their own."""
+    batch = tmp_path / "in.jsonl"
+    batch.write_text('{"custom_id": "a", "method": "POST", "url": "/v1/completions", '
+                     '"body": {"model": "default", "prompt": "Hi"}}\n')
+    (tmp_path / "a-file").write_text("")
+    env = {k: v for k, v in user_env(settings, HOME=str(tmp_path / "home")).items()
+           if k not in ("TOKENFLEET_FILES_URL", "XDG_DATA_HOME")}
+    as_a_user = ("import pathlib, sys; import tokenfleet.shared.file_store as f; "
+                 f"f.SYSTEM_DIR = pathlib.Path({str(tmp_path / 'a-file' / 'files')!r}); "
+                 "from tokenfleet.workers.cli import main; sys.argv[0] = 'tokenfleet'; main()")
+    out = run([sys.executable, "-c", as_a_user, "batch", "submit", str(batch)], env)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().startswith("batch_") and out.stderr == ""
+    stored = tmp_path / "home" / ".local" / "share" / "tokenfleet" / "files"
+    assert [p.read_text() for p in stored.rglob("*") if p.is_file()] == [batch.read_text()]
 
 
 @pytest.mark.timeout(300)

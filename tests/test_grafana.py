@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import json
 import re
+from collections import Counter
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
+from tokenfleet.gateway_metrics import GatewayMetrics
 from tokenfleet.workers.metrics import Metrics
 from tokenfleet.workers.stats import WorkerStats
 
@@ -37,8 +40,18 @@ def exported() -> dict[str, set[str]]:
     metrics.ttft.labels("q").observe(0.1)
     metrics.itl.labels("q").observe(0.01)
     metrics.started(metrics.clock())
+    # A gateway's, with its pool, batch driver and webhook deliverer.
+    pool = SimpleNamespace(in_use=1, max_connections=4, waiting=0, waits=0, timeouts=0)
+    gateway = GatewayMetrics(SimpleNamespace(
+        fleet=SimpleNamespace(redis=SimpleNamespace(connection_pool=pool)),
+        batch_driver=SimpleNamespace(lines_fed=1, lines_collected=1),
+        webhooks=SimpleNamespace(outcomes=Counter(delivered=1))))
+    gateway.requests.labels("/v1/models", "GET", "200", "acme").inc()
+    gateway.duration.labels("/v1/models").observe(0.1)
+    gateway.ttft.labels("/v1/chat/completions").observe(0.1)
+    gateway.streams.labels("/v1/chat/completions").inc()
     series: dict[str, set[str]] = {}
-    for family in metrics.registry.collect():
+    for family in [*metrics.registry.collect(), *gateway.registry.collect()]:
         labels = {label for sample in family.samples for label in sample.labels}
         for suffix in SUFFIXES[family.type]:
             series[family.name + suffix] = labels
@@ -46,7 +59,7 @@ def exported() -> dict[str, set[str]]:
 
 
 def expressions(dashboard: dict[str, Any]) -> list[str]:
-    found = [t["expr"] for panel in dashboard["panels"] for t in panel["targets"]]
+    found = [t["expr"] for panel in dashboard["panels"] for t in panel.get("targets", [])]
     found += [v["definition"] for v in dashboard["templating"]["list"] if "definition" in v]
     return found
 
@@ -74,3 +87,17 @@ def test_the_dashboard_shows_what_an_operator_scales_and_pages_on(
         assert series in text, series
     assert "by (queue, priority)" in text  # backlog per queue and priority
     assert text.count("histogram_quantile(0.99") >= 2  # TTFT and ITL tails
+
+
+def test_the_dashboard_has_a_gateway_row_of_its_requests_latencies_and_pool(
+        dashboard: dict[str, Any]) -> None:
+    titles = [p["title"] for p in dashboard["panels"]]
+    assert "Gateway" in titles
+    text = "\n".join(expressions(dashboard))
+    for series in ("tokenfleet_gateway_requests_total",
+                   "tokenfleet_gateway_time_to_first_token_seconds_bucket",
+                   "tokenfleet_gateway_request_duration_seconds_bucket",
+                   "tokenfleet_gateway_open_streams", "tokenfleet_gateway_redis_waiting",
+                   "tokenfleet_gateway_batch_lines_fed_total",
+                   "tokenfleet_gateway_webhook_deliveries_total"):
+        assert series in text, series

@@ -161,7 +161,7 @@ def test_disruption_budgets_and_the_monitor_select_real_pods(rendered: list[Obj]
     assert all(selects(b["spec"]["selector"]["matchLabels"]) == 1 for b in budgets)
     exporters = [d for d in of_kind(rendered, "Deployment")
                  if d["metadata"]["name"] == "tokenfleet-metrics-exporter"]
-    scraped = {"tokenfleet-workers": len(workers(rendered)),
+    scraped = {"tokenfleet-workers": len(workers(rendered)), "tokenfleet-gateway": 1,
                "tokenfleet-metrics-exporter": len(exporters)}
     monitors = of_kind(rendered, "ServiceMonitor")
     assert {m["metadata"]["name"] for m in monitors} == {n for n, k in scraped.items() if k}

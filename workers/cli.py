@@ -55,12 +55,16 @@ class Group(click.Group):
         from pydantic import ValidationError
         from redis.exceptions import AuthenticationError, RedisError
 
+        from tokenfleet.shared.file_store import StoreUnwritable
         from tokenfleet.workers.preflight import Unfit
 
         try:
             return super().invoke(ctx)
         except Unfit as exc:
             raise BadSetup(str(exc)) from None
+        except StoreUnwritable as exc:
+            raise BadSetup(f"{exc.where()}: pass --files-url file:///a/directory/you/can/write "
+                           "(or s3://bucket/prefix), or set TOKENFLEET_FILES_URL") from None
         except ValidationError as exc:
             if exc.title != "Settings":
                 raise
@@ -273,6 +277,7 @@ def submit(prompt: str | None, prompt_file: Any, queue: str, priority: str, queu
 
     from tokenfleet import FleetClient
     from tokenfleet.shared.errors import InvalidRequest, TokenfleetError
+    from tokenfleet.workers.cli_errors import said
 
     text = _prompt_text(prompt, prompt_file)
     sampling = {k: v for k, v in sampling.items() if v not in (None, ())}
@@ -285,11 +290,11 @@ def submit(prompt: str | None, prompt_file: Any, queue: str, priority: str, queu
                                    require_worker=not queue_ahead,
                                    **sampling)
         except InvalidRequest as exc:
-            raise Refused(f"invalid request: {exc}") from None
+            raise Refused(f"invalid request: {said(exc)}") from None
         except RedisError:
             raise  # Redis itself failed (the group turns it into one line): not a refusal
         except TokenfleetError as exc:
-            raise Refused(str(exc)) from None
+            raise Refused(said(exc)) from None
         try:
             if stream:
                 for event in client.stream(job_id, timeout=timeout):

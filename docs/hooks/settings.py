@@ -30,6 +30,16 @@ def default_text(value: Any) -> str:
     return f"`{value}`"
 
 
+def default_of(field: Any) -> str:
+    """A field's default; one a function of the fleet's computes is told by its docstring."""
+    factory = field.default_factory
+    if factory is None:
+        return default_text(field.default)
+    if getattr(factory, "__module__", "").startswith("tokenfleet") and factory.__doc__:
+        return " ".join(factory.__doc__.split()).replace("``", "`")
+    return default_text(factory())
+
+
 def render_table() -> str:
     """The reference table, one row per settings field, in the class's order.
 
@@ -46,7 +56,7 @@ def render_table() -> str:
                              "which process reads it (client, gateway, worker)")
         text = type_text(field.annotation, field.metadata)
         desc = field.description.replace("|", "\\|")
-        rows.append(f"| `{env_name(name)}` | {READ_BY[name]} | {text} | {default_text(field.default)} | {desc} |")
+        rows.append(f"| `{env_name(name)}` | {READ_BY[name]} | {text} | {default_of(field)} | {desc} |")
     return "\n".join(rows)
 
 
