@@ -120,12 +120,12 @@ def secret(tenant: str) -> None:
     TOKENFLEET_WEBHOOK_SECRET and the tenant's name; the default tenant's is
     TOKENFLEET_WEBHOOK_SECRET itself."""
     from tokenfleet.shared.keys import TENANT_NAME_RULE, is_tenant_name
-    from tokenfleet.shared.settings import get_settings
+    from tokenfleet.shared.settings import Settings
     from tokenfleet.webhook_signing import tenant_secret
 
     if not is_tenant_name(tenant):
         raise click.BadParameter(f"must be {TENANT_NAME_RULE}", param_hint="--tenant")
-    operator = get_settings().webhook_secret
+    operator = Settings().webhook_secret  # the environment as it is now
     if not operator:
         raise click.UsageError("TOKENFLEET_WEBHOOK_SECRET is not set: events go out unsigned, "
                                "and there is no tenant secret to derive")

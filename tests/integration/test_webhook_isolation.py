@@ -228,20 +228,28 @@ async def _outbox_and_lanes_empty(fleet: Fleet, tenant: str) -> bool:
 
 async def test_each_tenants_events_verify_with_its_own_secret_only(
         hook_settings: Any, receiver: Receiver) -> None:
+    """A batch's event and a job's (its end written by cancel.lua) are signed
+    with their tenant's secret."""
     receiver.start()
     async with fleet_of(hook_settings) as fleet:
         await add(fleet, "acme", receiver.url)
         fleet.deliverer()
-        [got] = await receiver.until(lambda r: len(r) == 1, 10, "acme's event")
+        [got] = await receiver.until(lambda r: len(r) == 1, 10, "acme's batch event")
+        job_id = await fleet.client.submit("a", model="nobody", require_worker=False,
+                                           tenant="acme", webhook_url=receiver.url)
+        assert await fleet.client.cancel(job_id)
+        job = (await receiver.until(lambda r: len(r) == 2, 10, "acme's job event"))[1]
     env = {"TOKENFLEET_WEBHOOK_SECRET": SECRET}
     printed = CliRunner().invoke(main, ["webhooks", "secret", "--tenant", "acme"], env=env)
     assert printed.exit_code == 0, printed.output
     acme = printed.output.strip().splitlines()[-1]
     assert Webhook(acme).verify(got.body, got.headers)["type"] == "batch.completed"
+    assert Webhook(acme).verify(job.body, job.headers)["data"]["id"] == job_id
     other = CliRunner().invoke(main, ["webhooks", "secret", "--tenant", "globex"], env=env)
     for secret in (SECRET, other.output.strip().splitlines()[-1]):
-        with pytest.raises(WebhookVerificationError):
-            Webhook(secret).verify(got.body, got.headers)
+        for one in (got, job):
+            with pytest.raises(WebhookVerificationError):
+                Webhook(secret).verify(one.body, one.headers)
 
 
 def internal_forms(port: int) -> list[str]:
