@@ -234,11 +234,13 @@ async def test_each_tenants_events_verify_with_its_own_secret_only(
     async with fleet_of(hook_settings) as fleet:
         await add(fleet, "acme", receiver.url)
         fleet.deliverer()
-        [got] = await receiver.until(lambda r: len(r) == 1, 10, "acme's batch event")
+        got = (await receiver.until(lambda r: len(r) >= 1, 10, "acme's batch event"))[0]
         job_id = await fleet.client.submit("a", model="nobody", require_worker=False,
                                            tenant="acme", webhook_url=receiver.url)
         assert await fleet.client.cancel(job_id)
-        job = (await receiver.until(lambda r: len(r) == 2, 10, "acme's job event"))[1]
+        received = await receiver.until(lambda r: any(b"job.cancelled" in x.body for x in r),
+                                        10, "acme's job event")
+        [job] = [x for x in received if b"job.cancelled" in x.body]
     env = {"TOKENFLEET_WEBHOOK_SECRET": SECRET}
     printed = CliRunner().invoke(main, ["webhooks", "secret", "--tenant", "acme"], env=env)
     assert printed.exit_code == 0, printed.output

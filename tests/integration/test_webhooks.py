@@ -167,12 +167,18 @@ async def fleet_of(settings: Any) -> AsyncIterator[Fleet]:
 
 
 async def outbox_empty(fleet: Fleet, stream: str) -> bool:
-    """Every event of ``stream`` acknowledged and deleted (by the group it has)."""
+    """Every event of ``stream`` acknowledged and deleted (by the group it has),
+    and every tenant's lane empty: each event delivered, dropped or given up."""
     try:
         pending = await fleet.redis.xpending(stream, GROUP)
     except ResponseError:  # no group yet: no deliverer has read it
         return False
-    return await fleet.redis.xlen(stream) == 0 and pending["pending"] == 0
+    if await fleet.redis.xlen(stream) or pending["pending"]:
+        return False
+    for tenant in await fleet.redis.smembers(fleet.keys.webhook_lanes):
+        if await fleet.redis.zcard(fleet.keys.webhook_lane(tenant.decode())):
+            return False
+    return True
 
 
 async def test_an_event_arrives_signed_verifiable_with_standardwebhooks(
