@@ -5,8 +5,9 @@ loses nothing, and a deliverer that dies leaves its events to another."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import base64
+import contextlib
+import json
 import os
 import secrets
 import signal
@@ -376,6 +377,11 @@ async def test_a_deliverer_killed_mid_retry_leaves_the_retry_to_another(
             await asyncio.to_thread(proc.wait, 10)
         state = await fleet.redis.hgetall(fleet.keys.webhook_event(receiver.received[0].id))
         assert state[b"attempts"] == b"1" and state[b"last_status"] == b"503"
+        listed = CliRunner().invoke(main, ["webhooks", "list", "--json"], env={
+            "TOKENFLEET_REDIS_URL": s.redis_url, "TOKENFLEET_NAMESPACE": s.namespace})
+        [waiting] = json.loads(listed.output)["waiting"]
+        assert waiting["id"] == receiver.received[0].id and waiting["tenant"] == "default"
+        assert waiting["last_error"] == "HTTP 503 Service Unavailable"  # no byte of the body
         fleet.deliverer("d2")
         got = await receiver.until(lambda r: len(r) == 2, 10, "the retry, from d2")
         assert got[1].status == 200 and got[1].id == got[0].id
