@@ -8,8 +8,7 @@ signed with its tenant's key (``tokenfleet.webhook_signing``), to its own URL or
 else ``TOKENFLEET_WEBHOOK_URL``.
 
 - **Lanes.** An event read from an outbox is moved at once into its tenant's
-  lane (``Keys.webhook_lane``: a sorted set of event ids by due time; the event
-  itself in ``Keys.webhook_event``) and deleted from the stream. Deliverers take
+  lane (``webhook_lanes``) and deleted from the stream. Deliverers take
   the tenants' lanes in turn, one event each round, and run at most
   ``webhook_tenant_concurrency`` attempts of one tenant at once: a tenant with
   2,000 events, or 64 receivers that hang, holds a few slots, and another
@@ -47,18 +46,17 @@ import random
 import socket
 import time
 from collections import Counter
-from dataclasses import dataclass
 from typing import Any
 
 import httpcore
 from redis.exceptions import RedisError, ResponseError
 
-from tokenfleet.shared.keys import DEFAULT_TENANT, Keys
+from tokenfleet.shared.keys import Keys
 from tokenfleet.shared.settings import Settings
 from tokenfleet.shared.webhook_destination import policy_of, url_problem
 from tokenfleet.shared.webhook_outbox import webhook_url_problem
-from tokenfleet.shared.webhook_scripts import webhook_take
 from tokenfleet.webhook_connect import Outcome, connection_pool, post
+from tokenfleet.webhook_lanes import Event, Lanes, as_text
 from tokenfleet.webhook_signing import body, event_time, headers, secret_key, tenant_key
 
 log = logging.getLogger("tokenfleet.webhooks")
@@ -66,8 +64,6 @@ log = logging.getLogger("tokenfleet.webhooks")
 GROUP = "deliverers"
 # How often the list of queue outboxes is read again (a queue new to the fleet).
 DISCOVER_S = 5.0
-# Lines the attempts stream keeps (approximately: MAXLEN ~).
-ATTEMPTS_KEPT = 10_000
 # Entries read from one outbox at a time, and the most reads of one outbox in a
 # pass (moving an event to its lane is quick; the loop then starts attempts).
 INTAKE = 256
@@ -94,32 +90,6 @@ def backoff_s(failures: int, first_s: float, max_s: float) -> float:
     return wait * random.uniform(0.5, 1.0)
 
 
-@dataclass(frozen=True)
-class Event:
-    """One event: its id (the ``webhook-id``), type, JSON payload, own URL,
-    tenant, and the outbox entry it came from (whose id tells its time)."""
-
-    id: str
-    type: str
-    data: str
-    url: str | None
-    tenant: str
-    entry: str
-
-    @classmethod
-    def of(cls, entry_id: Any, fields: dict[Any, Any]) -> Event:
-        """The event of an outbox entry, or of its hash in ``Keys.webhook_event``."""
-        text = {_s(k): _s(v) for k, v in fields.items()}
-        entry = text.get("entry") or _s(entry_id)
-        return cls(text.get("id") or f"msg_{entry}", text.get("type", ""),
-                   text.get("data", "null"), text.get("url") or None,
-                   text.get("tenant") or DEFAULT_TENANT, entry)
-
-    def fields(self) -> dict[str, str]:
-        return {"id": self.id, "type": self.type, "data": self.data, "url": self.url or "",
-                "tenant": self.tenant, "entry": self.entry}
-
-
 class Deliverer:
     """Delivers webhook events from the outboxes until ``stop()``.
 
@@ -139,6 +109,7 @@ class Deliverer:
         self.lease_s = settings.webhook_timeout_s + LEASE_MARGIN_S
         self._key = secret_key(settings.webhook_secret) if settings.webhook_secret else None
         self._policy = policy_of(settings)
+        self.lanes = Lanes(redis, keys, settings)
         self._pools: dict[bool, httpcore.AsyncConnectionPool] = {}
         self._streams: list[str] = []
         self._grouped: set[str] = set()
@@ -181,11 +152,7 @@ class Deliverer:
         await asyncio.gather(*self._running.values(), return_exceptions=True)
         if cut:  # else each would wait for its lease to end
             with contextlib.suppress(RedisError, OSError):
-                pipe = self.redis.pipeline(transaction=False)
-                for event in cut:
-                    pipe.zadd(self.keys.webhook_lane(event.tenant), {event.id: time.time()},
-                              xx=True)
-                await pipe.execute()
+                await self.lanes.hand_back(cut)
         for pool in self._pools.values():
             await pool.aclose()
 
@@ -242,7 +209,7 @@ class Deliverer:
         if full:
             async for key in self.redis.scan_iter(match=self.keys.job_webhooks_pattern(),
                                                   count=500):
-                streams.add(_s(key))
+                streams.add(as_text(key))
         for stream in streams - self._grouped:
             try:
                 # From the start: events added before any deliverer ran are delivered.
@@ -263,7 +230,7 @@ class Deliverer:
                 reply = await self.redis.xreadgroup(GROUP, self.consumer, {stream: ">"},
                                                     count=INTAKE)
                 entries = [e for _, batch in reply or [] for e in batch]
-                moved += await self._intake(stream, entries)
+                moved += await self.lanes.intake(stream, GROUP, entries)
                 if len(entries) < INTAKE:
                     break
         return moved
@@ -278,56 +245,14 @@ class Deliverer:
             while True:
                 reply = await self.redis.xautoclaim(stream, GROUP, self.consumer, idle_ms,
                                                     start_id=cursor, count=INTAKE)
-                cursor = _s(reply[0])
+                cursor = as_text(reply[0])
                 if reply[1]:
                     log.info("webhook deliverer: took over %d event(s) of %s left by another",
                              len(reply[1]), stream)
-                moved += await self._intake(stream, reply[1])
+                moved += await self.lanes.intake(stream, GROUP, reply[1])
                 if cursor == "0-0":
                     break
         return moved
-
-    async def _intake(self, stream: str, entries: list[Any]) -> int:
-        """Move outbox entries into their tenants' lanes (due now), or to the
-        dead letters when the tenant's lane is full; then acknowledge and
-        delete them, in the same round trip. A crash before that round trip
-        leaves them pending, to be reclaimed; moving one twice changes nothing
-        (its id is its member)."""
-        if not entries:
-            return 0
-        ids = [_s(entry_id) for entry_id, _ in entries]
-        events = [Event.of(entry_id, fields) for entry_id, fields in entries if fields]
-        tenants = sorted({e.tenant for e in events})
-        pipe = self.redis.pipeline(transaction=False)
-        for tenant in tenants:
-            pipe.zcard(self.keys.webhook_lane(tenant))
-        waiting = dict(zip(tenants, await pipe.execute() if tenants else []))
-        cap, now = self.settings.webhook_tenant_queued, time.time()
-        ttl = int(self.settings.webhook_retry_s + 86_400)
-        over: Counter[str] = Counter()
-        pipe = self.redis.pipeline(transaction=False)
-        for event in events:
-            if waiting[event.tenant] >= cap:
-                over[event.tenant] += 1
-                self._add_dead(pipe, event, event.url or self.settings.webhook_url or "", 0,
-                               Outcome(None, f"tenant {event.tenant!r} has {cap} webhook events "
-                                       "waiting already, the limit "
-                                       "(TOKENFLEET_WEBHOOK_TENANT_QUEUED)"))
-                continue
-            waiting[event.tenant] += 1
-            state = self.keys.webhook_event(event.id)
-            pipe.hset(state, mapping=event.fields())
-            pipe.expire(state, ttl)
-            pipe.zadd(self.keys.webhook_lane(event.tenant), {event.id: now}, nx=True)
-        for tenant in tenants:
-            pipe.sadd(self.keys.webhook_lanes, tenant)
-        pipe.xack(stream, GROUP, *ids)
-        pipe.xdel(stream, *ids)
-        await pipe.execute()
-        for tenant, n in over.items():
-            log.warning("webhook deliverer: %d event(s) of tenant %r went to its dead letters: "
-                        "%d wait already (TOKENFLEET_WEBHOOK_TENANT_QUEUED)", n, tenant, cap)
-        return len(entries)
 
     async def _dispatch(self) -> int:
         """Start due events, one per tenant in each round, as far as free slots
@@ -335,7 +260,7 @@ class Deliverer:
         moves on by one each pass, so no tenant is always served first."""
         if self._free <= 0:
             return 0
-        tenants = sorted(_s(t) for t in await self.redis.smembers(self.keys.webhook_lanes))
+        tenants = await self.lanes.tenants()
         if not tenants:
             return 0
         self._turn = (self._turn + 1) % len(tenants)
@@ -348,37 +273,13 @@ class Deliverer:
                 if self._per_tenant[tenant] >= self.settings.webhook_tenant_concurrency:
                     open_lanes.remove(tenant)
                     continue
-                now = time.time()
-                taken = await webhook_take(self.keys, tenant, now=now,
-                                           lease_until=now + self.lease_s,
-                                           count=1).run_async(self.redis)
+                taken, event = await self.lanes.take(tenant, self.lease_s)
                 if not taken:
                     open_lanes.remove(tenant)
-                    await self._drop_lane_if_empty(tenant)
-                    continue
-                event = await self._load(tenant, taken[0])
-                if event is not None and event.id not in self._running:
+                elif event is not None and event.id not in self._running:
                     self._begin(event)
                     started += 1
         return started
-
-    async def _load(self, tenant: str, event_id: str) -> Event | None:
-        fields = await self.redis.hgetall(self.keys.webhook_event(event_id))
-        if not fields:  # delivered by another meanwhile, or expired: nothing to post
-            await self.redis.zrem(self.keys.webhook_lane(tenant), event_id)
-            return None
-        return Event.of("", fields)
-
-    async def _drop_lane_if_empty(self, tenant: str) -> None:
-        """Forget an empty lane. An event moved in meanwhile adds the tenant
-        after its ZADD, so a ZCARD after our SREM sees either the event (and the
-        tenant goes back) or that SADD is still to come."""
-        lane = self.keys.webhook_lane(tenant)
-        if await self.redis.zcard(lane):
-            return
-        await self.redis.srem(self.keys.webhook_lanes, tenant)
-        if await self.redis.zcard(lane):
-            await self.redis.sadd(self.keys.webhook_lanes, tenant)
 
     # -- one attempt --------------------------------------------------------------------
 
@@ -404,13 +305,13 @@ class Deliverer:
             if not url:
                 self._warn_once("no-url", "webhook events are dropped: none names a URL and "
                                 "TOKENFLEET_WEBHOOK_URL is not set")
-                await self._forget(event)
+                await self.lanes.forget(event)
                 return
             # Checked again here: an event queued before a check, or by an older client.
             problem = webhook_url_problem(url) or (None if own else
                                                    url_problem(url, self._policy))
             if problem:  # no attempt could ever land: given up at once, with the reason
-                await self._dead(event, url, 0, Outcome(None, problem))
+                await self.lanes.dead(event, url, 0, Outcome(None, problem))
                 return
             if self._key is None:
                 self._warn_once("no-secret", "webhook events go out unsigned: set "
@@ -437,70 +338,23 @@ class Deliverer:
     async def _record(self, event: Event, url: str, outcome: Outcome) -> None:
         """Store the attempt; then delete the event, schedule the next, or give up."""
         now = time.time()
-        state = self.keys.webhook_event(event.id)
         attempt = {"id": event.id, "type": event.type, "url": url, "tenant": event.tenant,
                    "at": repr(now), "deliverer": self.consumer, "error": outcome.error,
                    "status": "" if outcome.status is None else str(outcome.status)}
         if outcome.delivered:
-            await self._forget(event, attempt)
+            await self.lanes.forget(event, attempt)
             return
-        failures = await self.redis.hincrby(state, "attempts", 1)
-        await self.redis.xadd(self.keys.webhook_attempts, attempt, maxlen=ATTEMPTS_KEPT,
-                              approximate=True)
-        if outcome.refused:  # the destination is not allowed: no retry would be
-            await self._dead(event, url, failures, outcome)
-            return
-        await self.redis.hsetnx(state, "first_failed_at", repr(now))
-        first = float(_s(await self.redis.hget(state, "first_failed_at") or repr(now)))
+        failures, first = await self.lanes.failed(event, attempt, now)
         wait = backoff_s(failures, self.settings.webhook_backoff_s,
                          self.settings.webhook_backoff_max_s)
-        if now + wait > first + self.settings.webhook_retry_s:
-            await self._dead(event, url, failures, outcome)
+        # A destination not allowed is given up at once: no retry would be.
+        if outcome.refused or now + wait > first + self.settings.webhook_retry_s:
+            await self.lanes.dead(event, url, failures, outcome)
             return
-        await self.redis.hset(state, mapping={
-            "last_status": "" if outcome.status is None else str(outcome.status),
-            "last_error": outcome.error, "last_at": repr(now), "next_at": repr(now + wait)})
-        # Kept a day past the last retry, should the event vanish without a word.
-        await self.redis.expire(state, int(self.settings.webhook_retry_s + 86_400))
-        # The lease ends at the next attempt's time: then any deliverer takes it.
-        await self.redis.zadd(self.keys.webhook_lane(event.tenant), {event.id: now + wait})
-
-    def _add_dead(self, pipe: Any, event: Event, url: str, attempts: int,
-                  outcome: Outcome) -> None:
-        """Queue on ``pipe`` the dead letter of ``event``, in its tenant's list,
-        which keeps the newest ``webhook_tenant_dead``."""
-        pipe.xadd(self.keys.webhook_dead_of(event.tenant), {
-            "id": event.id, "type": event.type, "data": event.data, "url": url,
-            "tenant": event.tenant, "attempts": str(attempts),
-            "last_status": "" if outcome.status is None else str(outcome.status),
-            "last_error": outcome.error, "at": repr(time.time()), "entry": event.entry},
-            maxlen=self.settings.webhook_tenant_dead, approximate=False)
-
-    async def _dead(self, event: Event, url: str, attempts: int, outcome: Outcome) -> None:
-        log.warning("webhook %s (%s) of tenant %r to %s given up after %d failed attempts "
-                    "(last: %s): moved to %s", event.id, event.type, event.tenant, url,
-                    attempts, outcome.error, self.keys.webhook_dead_of(event.tenant))
-        pipe = self.redis.pipeline(transaction=False)
-        self._add_dead(pipe, event, url, attempts, outcome)
-        await pipe.execute()
-        await self._forget(event)
-
-    async def _forget(self, event: Event, attempt: dict[str, str] | None = None) -> None:
-        """Take the event out of its lane and delete it (and record the
-        ``attempt`` that delivered it): one round trip. Should the cleanup be
-        lost, the next take finds no event, and the state's TTL ends it."""
-        pipe = self.redis.pipeline(transaction=False)
-        pipe.zrem(self.keys.webhook_lane(event.tenant), event.id)
-        pipe.delete(self.keys.webhook_event(event.id))
-        if attempt is not None:
-            pipe.xadd(self.keys.webhook_attempts, attempt, maxlen=ATTEMPTS_KEPT, approximate=True)
-        await pipe.execute()
+        await self.lanes.retry_at(event, outcome, now, now + wait)
 
     def _warn_once(self, kind: str, message: str) -> None:
         if kind not in self._warned:
             self._warned.add(kind)
             log.warning(message)
 
-
-def _s(value: Any) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
