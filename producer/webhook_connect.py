@@ -151,27 +151,36 @@ async def post(pool: httpcore.AsyncConnectionPool, url: str, payload: bytes,
                                                  for k, v in headers.items()),
             (b"content-length", str(len(payload)).encode())]
     phases = {"connect": timeout_s, "read": timeout_s, "write": timeout_s, "pool": timeout_s}
+    status: int | None = None
+    reason = b""
     try:
         async with asyncio.timeout(timeout_s):
             async with pool.stream("POST", url, headers=head, content=payload,
                                    extensions={"timeout": phases}) as answer:
+                status, reason = answer.status, answer.extensions.get("reason_phrase", b"")
+                # The body is read only so that the connection may serve the next
+                # event; past MAX_ANSWER, or the time budget, it is dropped with
+                # the connection, and the status counts as it is.
                 read = 0
                 async for chunk in answer.aiter_stream():
                     read += len(chunk)
                     if read >= MAX_ANSWER:
-                        break  # the rest is never read: closing drops the connection
-                reason = answer.extensions.get("reason_phrase", b"")
+                        break
     except (TimeoutError, httpcore.TimeoutException):
-        return Outcome(None, f"no whole answer within {timeout_s:g} s "
-                       "(TOKENFLEET_WEBHOOK_TIMEOUT_S)")
+        if status is None:
+            return Outcome(None, f"no answer within {timeout_s:g} s "
+                           "(TOKENFLEET_WEBHOOK_TIMEOUT_S)")
     except DestinationRefused as exc:
         return Outcome(None, refusal(url, str(exc))[:MAX_ERROR], refused=True)
     except (httpcore.ProtocolError, httpcore.NetworkError, httpcore.UnsupportedProtocol,
             OSError, ssl.SSLError) as exc:
-        return Outcome(None, f"{type(exc).__name__}: {exc}"[:MAX_ERROR] or type(exc).__name__)
-    if 200 <= answer.status < 300:
-        return Outcome(answer.status, "")
+        if status is None:
+            return Outcome(None, f"{type(exc).__name__}: {exc}"[:MAX_ERROR] or type(exc).__name__)
+    if status is None:  # not reached: the block ends with a status or an exception
+        return Outcome(None, "no answer")
+    if 200 <= status < 300:
+        return Outcome(status, "")
     # The status and its reason phrase only: the body is the receiver's to
     # choose, and what is stored here an operator lists.
     said = "".join(c for c in bytes(reason).decode("latin-1")[:60] if c.isprintable())
-    return Outcome(answer.status, f"HTTP {answer.status} {said}".rstrip())
+    return Outcome(status, f"HTTP {status} {said}".rstrip())

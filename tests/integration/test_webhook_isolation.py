@@ -112,7 +112,34 @@ async def test_an_attempt_at_a_dripping_receiver_ends_at_its_time_budget(
         attempts = await until(lambda: fleet.redis.xrange(fleet.keys.webhook_attempts), 20,
                                "the first attempt's end")
         assert time.monotonic() - started < 1.5 + 3.0
-        assert b"within 1.5 s" in attempts[0][1][b"error"]
+        assert b"no answer within 1.5 s" in attempts[0][1][b"error"]
+
+
+async def test_a_2xx_whose_body_drips_counts_as_delivered_at_the_time_budget(
+        hook_settings: Any) -> None:
+    """The status is the answer: a body that never ends is cut off at the
+    budget, and the event is not posted again."""
+    async def slow_body(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 100000\r\n\r\n")
+        with contextlib.suppress(Exception):
+            while True:
+                writer.write(b"x")
+                await writer.drain()
+                await asyncio.sleep(0.5)
+
+    server = await asyncio.start_server(slow_body, "127.0.0.1", 0)
+    url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}/"
+    try:
+        async with fleet_of(hook_settings.model_copy(update={"webhook_timeout_s": 1.5})) as fleet:
+            await add(fleet, "t", url)
+            fleet.deliverer()
+            attempts = await until(lambda: fleet.redis.xrange(fleet.keys.webhook_attempts), 20,
+                                   "the attempt")
+            assert attempts[0][1][b"status"] == b"200"
+            assert await fleet.redis.zcard(fleet.keys.webhook_lane("t")) == 0
+    finally:
+        server.close()
 
 
 @contextlib.contextmanager
