@@ -236,7 +236,8 @@ class Settings(BaseSettings):
         "The longest wait between two attempts at one event."))
     webhook_timeout_s: float = Field(default=10.0, gt=0, description=(
         "Seconds one delivery attempt may take in all (connect, send, the answer's status and "
-        "its first 4 KB, the rest unread); past it, the attempt failed."))
+        "headers, then at most 4 KB of its body, the rest unread); with no status by then, the "
+        "attempt failed."))
     webhook_concurrency: int = Field(default=16, ge=1, le=1024, description=(
         "Deliveries one deliverer runs at once, so a slow receiver does not hold the others."))
     webhook_tenant_concurrency: int = Field(default=4, ge=1, le=1024, description=(
