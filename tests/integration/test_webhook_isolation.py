@@ -347,3 +347,15 @@ def test_the_gateway_refuses_an_internal_webhook_url_and_batch_metadata_with_a_4
                                            "/v1/completions", "completion_window": "24h",
                                            "metadata": {"webhook_url": internal_forms(80)[2]}})
     assert batch.status_code == 400 and batch.json()["error"]["param"] == "metadata.webhook_url"
+
+
+async def test_the_operators_own_webhook_url_may_be_internal(settings: Any,
+                                                              receiver: Receiver) -> None:
+    """TOKENFLEET_WEBHOOK_URL is the operator's: not checked against the allowlist."""
+    receiver.start()
+    async with fleet_of(settings) as fleet:  # no allowlist
+        await fleet.redis.xadd(fleet.keys.webhook_outbox, {"id": "msg_own", "type": "batch.failed",
+                                                           "data": "{}", "tenant": "acme"})
+        fleet.deliverer(webhook_url=receiver.url)
+        got = await receiver.until(lambda r: len(r) == 1, 10, "the event")
+        assert got[0].id == "msg_own"
