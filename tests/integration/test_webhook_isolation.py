@@ -74,7 +74,6 @@ async def stalling_receivers() -> AsyncIterator[tuple[str, str, list[int]]]:
             server.close()
 
 
-@pytest.mark.slow
 async def test_another_tenants_webhook_arrives_within_5s_while_64_receivers_hang_or_drip(
         hook_settings: Any, receiver: Receiver) -> None:
     """The issue's case: 64 receivers of one tenant hold their attempts as long
@@ -201,7 +200,6 @@ async def test_a_300_mb_answer_is_not_read_and_memory_does_not_grow(hook_setting
         server.close()
 
 
-@pytest.mark.slow
 async def test_a_flood_of_2000_events_neither_delays_another_tenant_nor_passes_its_caps(
         hook_settings: Any, receiver: Receiver) -> None:
     """A 2,000-line batch with a webhook_url per line, its receiver failing:
