@@ -25,6 +25,7 @@ from tokenfleet.batch_records import (
     get_batch,
 )
 from tokenfleet.files import create_file, max_line_bytes, store_name
+from tokenfleet.protocol import check_webhook_destination
 from tokenfleet.shared.errors import InvalidRequest
 from tokenfleet.shared.file_store import FileStore, open_store, read_lines
 from tokenfleet.shared.schemas import GenerationRequest
@@ -83,6 +84,9 @@ async def submit_batch(client: Any, requests: Iterable[Request] | AsyncIterable[
                        metadata: dict[str, str] | None = None, tenant: str | None = None,
                        store: FileStore | None = None) -> Batch:
     """Stream ``requests`` into the store as a batch's input, then create the batch."""
+    if metadata and isinstance(metadata.get("webhook_url"), str):
+        check_webhook_destination(metadata["webhook_url"], client.settings,
+                                  "metadata.webhook_url")
     store = store or open_store(client.settings.files_url)
     source = _aiter(requests)
     first = await anext(source, None)

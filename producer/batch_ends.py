@@ -136,7 +136,7 @@ async def ended(client: AsyncFleetClient, store: FileStore, batch_id: str,
     if record is not None and record.batch.status in ENDED:
         metadata = record.batch.metadata or {}
         await add_event(client.redis, keys, f"batch.{record.batch.status}", {"id": batch_id},
-                        url=metadata.get("webhook_url"))
+                        url=metadata.get("webhook_url"), tenant=record.tenant)
         await client.redis.delete(keys.batch_running(batch_id), keys.batch_done(batch_id),
                                   keys.batch_dups(batch_id))
         await asyncio.to_thread(batch_output.delete_parts, store, batch_id, record.parts)

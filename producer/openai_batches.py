@@ -36,6 +36,7 @@ from tokenfleet.openai_compat import invalid
 from tokenfleet.openai_errors import BATCH_NOT_FOUND, INVALID_VALUE, TOO_LARGE
 from tokenfleet.shared.file_store import open_store
 from tokenfleet.tenant_indexes import index_by_tenant
+from tokenfleet.shared.webhook_destination import destination_problem
 
 log = logging.getLogger("tokenfleet.batches")
 # A creation names a file and a few fields: its metadata is the most of it.
@@ -84,6 +85,11 @@ async def create(request: Request) -> Response:
         ask = CreateBatch.model_validate_json(bytes(body))
     except ValidationError as exc:
         return invalid(exc)
+    hook = ask.metadata.get("webhook_url") if isinstance(ask.metadata, dict) else None
+    problem = destination_problem(hook, client.settings) if isinstance(hook, str) else None
+    if problem:  # checked before anything is made: the batch's end could never land
+        return INVALID_VALUE.response(problem.replace("webhook_url", "metadata.webhook_url", 1),
+                                      param="metadata.webhook_url")
     tenant = _tenant(request)
     file = await get_file(client.redis, client.keys, ask.input_file_id, tenant)
     if file is None:

@@ -214,4 +214,7 @@ def fleet_refusal(exc: Exception, path: str) -> tuple[Refusal, str, str | None]:
         param = "model"
     elif name == "PriorityNotAllowed":
         param = "priority"
+    elif name == "InvalidRequest" and any(
+            e.get("loc") == ["webhook_url"] for e in getattr(exc, "errors", None) or []):
+        param = "webhook_url"  # a destination submit refused (webhook_destination)
     return refusal, message, param

@@ -38,6 +38,7 @@ from tokenfleet.shared.scripts import Arg, ScriptCall
 from tokenfleet.shared.serialization import dumps, end_event, parse_event
 from tokenfleet.shared.settings import Settings
 from tokenfleet.shared.structured import from_response_format
+from tokenfleet.shared.webhook_destination import destination_problem
 
 SAMPLING_FIELDS = frozenset(SamplingParams.model_fields)
 REQUEST_FIELDS = frozenset(GenerationRequest.model_fields) - {"prompt", "sampling"}
@@ -112,6 +113,16 @@ def _validated(data: dict[str, Any], settings: Settings) -> GenerationRequest:
         raise InvalidRequest.from_validation(exc) from exc
 
 
+def check_webhook_destination(url: str, settings: Settings, field: str = "webhook_url"
+                              ) -> None:
+    """``InvalidRequest`` naming ``field`` when ``url`` may not be a webhook's
+    destination (``webhook_destination``: this process's allowlist, so it is
+    checked here, where the request is submitted, not in the wire type)."""
+    problem = destination_problem(url, settings)
+    if problem:
+        raise InvalidRequest(problem, [{"loc": [field], "msg": problem, "type": "value_error"}])
+
+
 @dataclass(frozen=True)
 class Submission:
     job_id: str
@@ -140,6 +151,8 @@ def submission(request: GenerationRequest, keys: Keys, settings: Settings,
     carry."""
     if request.prompt_token_ids is not None:
         prompt_tokens = len(request.prompt_token_ids)  # counted as given
+    if request.webhook_url is not None:
+        check_webhook_destination(request.webhook_url, settings)
     queue = pick_partition(request, partitions, turn)
     job_id = new_job_id(queue, uuid.uuid4().hex)
     deadline_at = now + request.deadline_s if request.deadline_s else None

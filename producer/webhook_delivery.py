@@ -4,61 +4,77 @@ Every gateway runs one (``tokenfleet webhooks deliver`` runs one alone). It
 reads the outbox streams as the consumer group ``deliverers``: the fleet's
 (``Keys.webhook_outbox``: batch events) and each queue's (``Keys.job_webhooks``:
 job events, added by the script that ends the job). Each event is posted,
-signed (``tokenfleet.webhook_signing``), to its own URL or else
-``TOKENFLEET_WEBHOOK_URL``.
+signed with its tenant's key (``tokenfleet.webhook_signing``), to its own URL or
+else ``TOKENFLEET_WEBHOOK_URL``.
 
-- A 2xx answer acknowledges and deletes the entry. Any other answer, a timeout
-  or a refused connection schedules the next attempt: 1 s doubling up to 5 min
-  (jittered), for ``webhook_retry_s`` after the first failure; then the event
-  goes to the dead letters (``Keys.webhook_dead``) with its last error.
-- Nothing of that lives in a deliverer's memory. The entry stays pending in the
-  group until it is delivered; its next attempt is a member of a sorted set
-  (``Keys.webhook_schedule``) any deliverer takes when due (ZREM decides who);
-  its attempts so far are a hash (``Keys.webhook_event``) an operator can read,
-  and every attempt is a line of a capped stream (``Keys.webhook_attempts``).
-  An entry a deliverer read and then died with, before scheduling anything,
-  goes idle in the group and another takes it over (XAUTOCLAIM), as workers
-  reclaim a dead worker's jobs.
-- At most ``webhook_concurrency`` posts run at once, each bounded by
-  ``webhook_timeout_s``, so one slow receiver does not hold the others.
+- **Lanes.** An event read from an outbox is moved at once into its tenant's
+  lane (``webhook_lanes``) and deleted from the stream. Deliverers take
+  the tenants' lanes in turn, one event each round, and run at most
+  ``webhook_tenant_concurrency`` attempts of one tenant at once: a tenant with
+  2,000 events, or 64 receivers that hang, holds a few slots, and another
+  tenant's event goes out at the next free one. Within a lane, new events and
+  due retries go by due time. A lane holds at most ``webhook_tenant_queued``
+  events; one more is a dead letter at once.
+- **Attempts.** A 2xx answer deletes the event. Any other answer, a timeout or a
+  refused connection schedules the next attempt in the lane: 1 s doubling up to
+  5 min (jittered), for ``webhook_retry_s`` after the first failure; then the
+  event goes to its tenant's dead letters (``Keys.webhook_dead_of``, capped at
+  ``webhook_tenant_dead``) with its last error. A destination that is not
+  allowed (``webhook_destination``) is a dead letter at once. Each attempt is
+  bounded in time and answer size (``webhook_connect``).
+- **Nothing lives in a deliverer's memory.** Taking an event leases it
+  (``webhook_take.lua`` moves its score to the lease's end), so an event whose
+  deliverer dies mid-attempt comes due again; every attempt is a line of a
+  capped stream (``Keys.webhook_attempts``). An entry a deliverer read and then
+  died with, before it reached a lane, stays pending in the group and another
+  takes it over (XAUTOCLAIM), as workers reclaim a dead worker's jobs.
 
 Delivery is at least once: a deliverer that dies after the receiver answered
-and before the acknowledgement posts that event again; the receiver drops the
-repeat by its ``webhook-id``.
+and before recording it posts that event again; the receiver drops the repeat
+by its ``webhook-id``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
+import ipaddress
 import logging
 import os
 import random
 import socket
 import time
 from collections import Counter
-from dataclasses import dataclass
 from typing import Any
 
-import httpx
+import httpcore
 from redis.exceptions import RedisError, ResponseError
 
 from tokenfleet.shared.keys import Keys
 from tokenfleet.shared.settings import Settings
+from tokenfleet.shared.webhook_destination import policy_of, url_problem
 from tokenfleet.shared.webhook_outbox import webhook_url_problem
-from tokenfleet.webhook_signing import body, event_time, headers, secret_key
+from tokenfleet.webhook_connect import Outcome, connection_pool, post
+from tokenfleet.webhook_lanes import Event, Lanes, as_text
+from tokenfleet.webhook_signing import body, event_time, headers, secret_key, tenant_key
 
 log = logging.getLogger("tokenfleet.webhooks")
 
 GROUP = "deliverers"
 # How often the list of queue outboxes is read again (a queue new to the fleet).
 DISCOVER_S = 5.0
-# Lines the attempts stream keeps (approximately: MAXLEN ~).
-ATTEMPTS_KEPT = 10_000
-# Longest error text stored with an attempt.
-MAX_ERROR = 300
+# Entries read from one outbox at a time, and the most reads of one outbox in a
+# pass (moving an event to its lane is quick; the loop then starts attempts).
+INTAKE = 256
+INTAKE_ROUNDS = 8
+# An attempt's lease outlasts its time budget by this much: only a deliverer
+# that died (or a loop stalled that long) lets another take the event meanwhile.
+LEASE_MARGIN_S = 30.0
 # How long stop() waits for the loop to end its turn before cancelling it.
 STOP_S = 5.0
+# Every address: the operator's own TOKENFLEET_WEBHOOK_URL may be internal.
+ANYWHERE = ((ipaddress.ip_network("0.0.0.0/0"), None), (ipaddress.ip_network("::/0"), None))
 
 
 def consumer_name() -> str:
@@ -74,48 +90,12 @@ def backoff_s(failures: int, first_s: float, max_s: float) -> float:
     return wait * random.uniform(0.5, 1.0)
 
 
-@dataclass(frozen=True)
-class Event:
-    """One outbox entry: where it is (stream and entry id) and what it holds."""
-
-    stream: str
-    entry_id: str
-    id: str
-    type: str
-    data: str
-    url: str | None
-
-    @classmethod
-    def of(cls, stream: str, entry_id: Any, fields: dict[Any, Any]) -> Event:
-        text = {_s(k): _s(v) for k, v in fields.items()}
-        return cls(stream, _s(entry_id), text.get("id") or f"msg_{_s(entry_id)}",
-                   text.get("type", ""), text.get("data", "null"), text.get("url") or None)
-
-    @property
-    def member(self) -> str:
-        """Its member in the schedule: the entry id first (it holds no space)."""
-        return f"{self.entry_id} {self.stream}"
-
-
-@dataclass(frozen=True)
-class Outcome:
-    """One attempt: the receiver's HTTP status, or why there was none."""
-
-    status: int | None
-    error: str
-
-    @property
-    def delivered(self) -> bool:
-        return self.status is not None and 200 <= self.status < 300
-
-
 class Deliverer:
     """Delivers webhook events from the outboxes until ``stop()``.
 
-    ``claim_idle_s``: how long a read entry may sit untouched (no attempt
-    running, none scheduled) before another deliverer takes it over; longer
-    than an attempt (``webhook_timeout_s``). ``poll_s``: the wait between two
-    looks at the outboxes when nothing is due; ``discover_s``: between two
+    ``claim_idle_s``: how long a read entry may sit untouched (not moved to a
+    lane) before another deliverer takes it over. ``poll_s``: the wait between
+    two looks at the lanes when nothing is due; ``discover_s``: between two
     listings of the queues' outboxes (a queue's first job event waits for one).
     """
 
@@ -126,16 +106,21 @@ class Deliverer:
         self.consumer = consumer or consumer_name()
         self.claim_idle_s = claim_idle_s or max(60.0, 3 * settings.webhook_timeout_s)
         self.poll_s, self.discover_s = poll_s, discover_s
+        self.lease_s = settings.webhook_timeout_s + LEASE_MARGIN_S
         self._key = secret_key(settings.webhook_secret) if settings.webhook_secret else None
-        self._http: httpx.AsyncClient | None = None
+        self._policy = policy_of(settings)
+        self.lanes = Lanes(redis, keys, settings)
+        self._pools: dict[bool, httpcore.AsyncConnectionPool] = {}
         self._streams: list[str] = []
         self._grouped: set[str] = set()
         self._discovered = self._reclaimed = float("-inf")
-        self._running: dict[str, asyncio.Task[None]] = {}  # member -> its attempt
+        self._running: dict[str, asyncio.Task[None]] = {}  # event id -> its attempt
+        self._events: dict[str, Event] = {}  # event id -> the event being posted
+        self._per_tenant: Counter[str] = Counter()  # attempts running, by tenant
         self._freed = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._stopping = False
-        self._turn = 0  # which outbox _read_new reads first
+        self._turn = 0  # which tenant's lane the next pass takes from first
         self._warned: set[str] = set()
         # Attempts by outcome, for the gateway's metrics: delivered, failed
         # (retried later), dead (given up), dropped (no URL to post to).
@@ -151,8 +136,8 @@ class Deliverer:
         return self
 
     async def stop(self) -> None:
-        """Stop reading; attempts under way are cancelled (their entries stay
-        pending, or scheduled, for this or another deliverer to finish)."""
+        """Stop reading; attempts under way are cancelled, and their events
+        made due again at once for this or another deliverer."""
         self._stopping = True
         self._freed.set()
         if self._task is not None:
@@ -164,11 +149,15 @@ class Deliverer:
                 self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
+        cut = list(self._events.values())
         for task in list(self._running.values()):
             task.cancel()
         await asyncio.gather(*self._running.values(), return_exceptions=True)
-        if self._http is not None:
-            await self._http.aclose()
+        if cut:  # else each would wait for its lease to end
+            with contextlib.suppress(RedisError, OSError):
+                await self.lanes.hand_back(cut)
+        for pool in self._pools.values():
+            await pool.aclose()
 
     async def run(self) -> None:
         backoff = 0.1
@@ -195,25 +184,25 @@ class Deliverer:
     # -- one pass ---------------------------------------------------------------------
 
     async def once(self) -> bool:
-        """Start what is due: reclaimed entries, scheduled retries, new events,
-        as far as free slots allow; True when any started."""
+        """Move new (and reclaimed) outbox entries to their lanes, then start
+        what is due, the tenants in turn, as far as free slots allow; True when
+        anything moved or started."""
         now = time.monotonic()
         full = now - self._discovered >= self.discover_s
         if full or self.keys.webhook_outbox not in self._grouped:
             await self._discover(full)
             if full:
                 self._discovered = now
-        started = 0
+        moved = 0
         if now - self._reclaimed >= self.claim_idle_s / 2:
             self._reclaimed = now
-            started += await self._reclaim()
-        started += await self._due()
-        started += await self._read_new()
-        return started > 0
+            moved += await self._reclaim()
+        moved += await self._read_new()
+        return moved + await self._dispatch() > 0
 
     @property
     def _free(self) -> int:
-        return self.settings.webhook_concurrency - len(self._running)
+        return int(self.settings.webhook_concurrency) - len(self._running)
 
     async def _discover(self, full: bool) -> None:
         """Join the group of each outbox that exists (the fleet's, and with
@@ -223,7 +212,7 @@ class Deliverer:
         if full:
             async for key in self.redis.scan_iter(match=self.keys.job_webhooks_pattern(),
                                                   count=500):
-                streams.add(_s(key))
+                streams.add(as_text(key))
         for stream in streams - self._grouped:
             try:
                 # From the start: events added before any deliverer ran are delivered.
@@ -237,183 +226,143 @@ class Deliverer:
         self._streams = sorted(self._grouped)
 
     async def _read_new(self) -> int:
-        """New events, as many as free slots take: one stream after another
-        (each on its own node of a cluster), starting one further each pass so
-        that a busy outbox does not keep the others waiting."""
-        started = 0
-        self._turn += 1
-        for i in range(len(self._streams)):
-            if self._free <= 0:
-                break
-            stream = self._streams[(self._turn + i) % len(self._streams)]
-            reply = await self.redis.xreadgroup(GROUP, self.consumer, {stream: ">"},
-                                                count=self._free)
-            for _, entries in reply or []:
-                for entry_id, fields in entries:
-                    self._begin(Event.of(stream, entry_id, fields))
-                    started += 1
-        return started
-
-    async def _due(self) -> int:
-        """Scheduled retries whose time has come: each taken by the one
-        deliverer whose ZREM removes it, then claimed in the group."""
-        if self._free <= 0:
-            return 0
-        due = await self.redis.zrangebyscore(self.keys.webhook_schedule, "-inf", time.time(),
-                                             start=0, num=self._free)
-        started = 0
-        for raw in due:
-            member = _s(raw)
-            if member in self._running or not await self.redis.zrem(
-                    self.keys.webhook_schedule, member):
-                continue  # another deliverer took it
-            entry_id, _, stream = member.partition(" ")
-            claimed = await self.redis.xclaim(stream, GROUP, self.consumer, 0, [entry_id])
-            for one_id, fields in claimed or []:
-                if fields:  # an entry deleted meanwhile comes back empty
-                    self._begin(Event.of(stream, one_id, fields))
-                    started += 1
-        return started
+        """Move new outbox entries to their tenants' lanes."""
+        moved = 0
+        for stream in self._streams:
+            for _ in range(INTAKE_ROUNDS):
+                reply = await self.redis.xreadgroup(GROUP, self.consumer, {stream: ">"},
+                                                    count=INTAKE)
+                entries = [e for _, batch in reply or [] for e in batch]
+                moved += await self.lanes.intake(stream, GROUP, entries)
+                if len(entries) < INTAKE:
+                    break
+        return moved
 
     async def _reclaim(self) -> int:
-        """Take over entries a dead deliverer read and left: idle past
-        ``claim_idle_s`` and neither scheduled nor being posted here."""
-        started = 0
+        """Take over entries a dead deliverer read and left before they reached
+        a lane: idle in the group past ``claim_idle_s``."""
+        moved = 0
         idle_ms = int(self.claim_idle_s * 1000)
         for stream in self._streams:
             cursor = "0-0"
-            while self._free > 0:
+            while True:
                 reply = await self.redis.xautoclaim(stream, GROUP, self.consumer, idle_ms,
-                                                    start_id=cursor, count=100)
-                cursor = _s(reply[0])
-                events = [Event.of(stream, entry_id, fields)
-                          for entry_id, fields in reply[1] if fields]
-                pipe = self.redis.pipeline(transaction=False)
-                for event in events:
-                    pipe.zscore(self.keys.webhook_schedule, event.member)
-                scheduled = await pipe.execute() if events else []
-                for event, when in zip(events, scheduled):
-                    if when is not None or event.member in self._running:
-                        continue  # waiting for its retry: the schedule owns it
-                    log.info("webhook deliverer: took over %s (%s) left by another", event.id,
-                             event.type)
-                    self._begin(event)
-                    started += 1
+                                                    start_id=cursor, count=INTAKE)
+                cursor = as_text(reply[0])
+                if reply[1]:
+                    log.info("webhook deliverer: took over %d event(s) of %s left by another",
+                             len(reply[1]), stream)
+                moved += await self.lanes.intake(stream, GROUP, reply[1])
                 if cursor == "0-0":
                     break
+        return moved
+
+    async def _dispatch(self) -> int:
+        """Start due events, one per tenant in each round, as far as free slots
+        and each tenant's ``webhook_tenant_concurrency`` allow. The first tenant
+        moves on by one each pass, so no tenant is always served first."""
+        if self._free <= 0:
+            return 0
+        tenants = await self.lanes.tenants()
+        if not tenants:
+            return 0
+        self._turn = (self._turn + 1) % len(tenants)
+        open_lanes = tenants[self._turn:] + tenants[:self._turn]
+        started = 0
+        while open_lanes and self._free > 0:
+            for tenant in list(open_lanes):
+                if self._free <= 0:
+                    break
+                if self._per_tenant[tenant] >= self.settings.webhook_tenant_concurrency:
+                    open_lanes.remove(tenant)
+                    continue
+                taken, event = await self.lanes.take(tenant, self.lease_s)
+                if not taken:
+                    open_lanes.remove(tenant)
+                elif event is not None and event.id not in self._running:
+                    self._begin(event)
+                    started += 1
         return started
 
     # -- one attempt --------------------------------------------------------------------
 
     def _begin(self, event: Event) -> None:
         task = asyncio.create_task(self._attempt(event), name=f"webhook {event.id}")
-        self._running[event.member] = task
-        task.add_done_callback(lambda _: self._done(event.member))
+        self._running[event.id] = task
+        self._events[event.id] = event
+        self._per_tenant[event.tenant] += 1
+        task.add_done_callback(lambda _: self._done(event))
 
-    def _done(self, member: str) -> None:
-        self._running.pop(member, None)
+    def _done(self, event: Event) -> None:
+        self._running.pop(event.id, None)
+        self._events.pop(event.id, None)
+        self._per_tenant[event.tenant] -= 1
+        if self._per_tenant[event.tenant] <= 0:
+            del self._per_tenant[event.tenant]
         self._freed.set()
 
     async def _attempt(self, event: Event) -> None:
         try:
+            own = event.url is None  # the operator's TOKENFLEET_WEBHOOK_URL: not checked
             url = event.url or self.settings.webhook_url
             if not url:
                 self._warn_once("no-url", "webhook events are dropped: none names a URL and "
                                 "TOKENFLEET_WEBHOOK_URL is not set")
                 self.outcomes["dropped"] += 1
-                await self._forget(event)
+                await self.lanes.forget(event)
                 return
-            problem = webhook_url_problem(url)
+            # Checked again here: an event queued before a check, or by an older client.
+            problem = webhook_url_problem(url) or (None if own else
+                                                   url_problem(url, self._policy))
             if problem:  # no attempt could ever land: given up at once, with the reason
-                await self._dead(event, url, 0, Outcome(None, problem))
+                self.outcomes["dead"] += 1
+                await self.lanes.dead(event, url, 0, Outcome(None, problem))
                 return
             if self._key is None:
                 self._warn_once("no-secret", "webhook events go out unsigned: set "
                                 "TOKENFLEET_WEBHOOK_SECRET so receivers can verify them")
-            payload = body(event.type, event_time(event.entry_id), event.data)
-            outcome = await self._http_post(url, payload, headers(event.id, int(time.time()),
-                                                             payload, self._key))
+            key = None if self._key is None else tenant_key(self._key, event.tenant)
+            payload = body(event.type, event_time(event.entry), event.data)
+            outcome = await post(self._pool(own), url, payload,
+                                 headers(event.id, int(time.time()), payload, key),
+                                 self.settings.webhook_timeout_s)
             await self._record(event, url, outcome)
         except asyncio.CancelledError:
             raise
-        except Exception:  # the entry stays pending: another pass or deliverer retries it
+        except Exception:  # the event stays leased in its lane: due again when that ends
             log.exception("webhook deliverer: attempt at %s failed", event.id)
 
-    async def _http_post(self, url: str, payload: bytes, head: dict[str, str]) -> Outcome:
-        if self._http is None:
-            limits = httpx.Limits(max_connections=self.settings.webhook_concurrency)
-            self._http = httpx.AsyncClient(timeout=self.settings.webhook_timeout_s,
-                                           limits=limits, follow_redirects=False)
-        try:
-            answer = await self._http.post(url, content=payload, headers=head)
-        except httpx.HTTPError as exc:
-            return Outcome(None, f"{type(exc).__name__}: {exc}"[:MAX_ERROR] or type(exc).__name__)
-        if 200 <= answer.status_code < 300:
-            return Outcome(answer.status_code, "")
-        return Outcome(answer.status_code,
-                       f"HTTP {answer.status_code}: {answer.text[:200]}"[:MAX_ERROR])
+    def _pool(self, own: bool) -> httpcore.AsyncConnectionPool:
+        """The connection pool of tenants' URLs (checked), or of the operator's own."""
+        if own not in self._pools:
+            policy = dataclasses.replace(self._policy, networks=ANYWHERE) if own \
+                else self._policy
+            self._pools[own] = connection_pool(policy, self.settings.webhook_concurrency)
+        return self._pools[own]
 
     async def _record(self, event: Event, url: str, outcome: Outcome) -> None:
-        """Store the attempt; then acknowledge, schedule the next, or give up."""
+        """Store the attempt; then delete the event, schedule the next, or give up."""
         now = time.time()
-        state = self.keys.webhook_event(event.id)
-        attempt = {"id": event.id, "type": event.type, "url": url, "at": repr(now),
-                   "status": "" if outcome.status is None else str(outcome.status),
-                   "error": outcome.error, "deliverer": self.consumer}
+        attempt = {"id": event.id, "type": event.type, "url": url, "tenant": event.tenant,
+                   "at": repr(now), "deliverer": self.consumer, "error": outcome.error,
+                   "status": "" if outcome.status is None else str(outcome.status)}
         if outcome.delivered:
             self.outcomes["delivered"] += 1
-            await self._forget(event, attempt)
+            await self.lanes.forget(event, attempt)
             return
-        failures = await self.redis.hincrby(state, "attempts", 1)
-        await self.redis.xadd(self.keys.webhook_attempts, attempt, maxlen=ATTEMPTS_KEPT,
-                              approximate=True)
-        await self.redis.hsetnx(state, "first_failed_at", repr(now))
-        first = float(_s(await self.redis.hget(state, "first_failed_at") or repr(now)))
+        failures, first = await self.lanes.failed(event, attempt, now)
         wait = backoff_s(failures, self.settings.webhook_backoff_s,
                          self.settings.webhook_backoff_max_s)
-        if now + wait > first + self.settings.webhook_retry_s:
-            await self._dead(event, url, failures, outcome)
+        # A destination not allowed is given up at once: no retry would be.
+        if outcome.refused or now + wait > first + self.settings.webhook_retry_s:
+            self.outcomes["dead"] += 1
+            await self.lanes.dead(event, url, failures, outcome)
             return
         self.outcomes["failed"] += 1
-        await self.redis.hset(state, mapping={
-            "type": event.type, "url": url, "stream": event.stream, "entry": event.entry_id,
-            "last_status": "" if outcome.status is None else str(outcome.status),
-            "last_error": outcome.error, "last_at": repr(now), "next_at": repr(now + wait)})
-        # Kept a day past the last retry, should the entry vanish without a word.
-        await self.redis.expire(state, int(self.settings.webhook_retry_s + 86_400))
-        # Scheduled last: until this lands the entry is only pending, which a
-        # crash leaves to the reclaim (an attempt early, never one lost).
-        await self.redis.zadd(self.keys.webhook_schedule, {event.member: now + wait})
-
-    async def _dead(self, event: Event, url: str, attempts: int, outcome: Outcome) -> None:
-        log.warning("webhook %s (%s) to %s given up after %d failed attempts (last: %s): "
-                    "moved to %s", event.id, event.type, url, attempts, outcome.error,
-                    self.keys.webhook_dead)
-        await self.redis.xadd(self.keys.webhook_dead, {
-            "id": event.id, "type": event.type, "data": event.data, "url": url,
-            "attempts": str(attempts), "last_status": "" if outcome.status is None
-            else str(outcome.status), "last_error": outcome.error, "at": repr(time.time()),
-            "stream": event.stream, "entry": event.entry_id})
-        await self._forget(event)
-
-    async def _forget(self, event: Event, attempt: dict[str, str] | None = None) -> None:
-        """Acknowledge and delete the entry, then its retry state (and record
-        the ``attempt`` that delivered it): one round trip. Should the cleanup
-        be lost, a retry due finds no entry, and the state's TTL ends it."""
-        pipe = self.redis.pipeline(transaction=False)
-        pipe.xack(event.stream, GROUP, event.entry_id)
-        pipe.xdel(event.stream, event.entry_id)
-        pipe.zrem(self.keys.webhook_schedule, event.member)
-        pipe.delete(self.keys.webhook_event(event.id))
-        if attempt is not None:
-            pipe.xadd(self.keys.webhook_attempts, attempt, maxlen=ATTEMPTS_KEPT, approximate=True)
-        await pipe.execute()
+        await self.lanes.retry_at(event, outcome, now, now + wait)
 
     def _warn_once(self, kind: str, message: str) -> None:
         if kind not in self._warned:
             self._warned.add(kind)
             log.warning(message)
 
-
-def _s(value: Any) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)

@@ -4,7 +4,8 @@ The body is ``{"type", "timestamp", "data"}``; the headers ``webhook-id`` (the
 event's id: the same on every attempt, so a receiver drops a repeat),
 ``webhook-timestamp`` (the attempt's time, in seconds) and ``webhook-signature``
 (``v1,<base64 HMAC-SHA256 of "<id>.<timestamp>.<body>">``). A receiver checks
-them with the ``standardwebhooks`` package (docs/webhooks.md).
+them with the ``standardwebhooks`` package (docs/webhooks.md). Each tenant's
+events are signed with that tenant's key (:func:`tenant_key`).
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ import hmac
 from datetime import UTC, datetime
 
 import orjson
+
+from tokenfleet.shared.keys import DEFAULT_TENANT
 
 SECRET_PREFIX = "whsec_"
 
@@ -30,6 +33,24 @@ def secret_key(secret: str) -> bytes:
         except binascii.Error as exc:
             raise ValueError(f"webhook secret {SECRET_PREFIX}... is not base64: {exc}") from None
     return secret.encode()
+
+
+def tenant_key(operator_key: bytes, tenant: str) -> bytes:
+    """The HMAC key of ``tenant``'s events: the operator's own for the default
+    tenant (a fleet without tenants signs as it always has), else one derived
+    from it and the tenant's name, so a receiver holding one tenant's secret
+    cannot verify, nor be replayed, another tenant's events."""
+    if tenant == DEFAULT_TENANT:
+        return operator_key
+    return hmac.new(operator_key, b"tokenfleet webhook tenant\x00" + tenant.encode(),
+                    hashlib.sha256).digest()
+
+
+def tenant_secret(secret: str, tenant: str) -> str:
+    """``tenant``'s signing secret as its receiver takes it (``whsec_<base64>``):
+    what ``tokenfleet webhooks secret --tenant NAME`` prints."""
+    key = tenant_key(secret_key(secret), tenant)
+    return SECRET_PREFIX + base64.b64encode(key).decode()
 
 
 def event_time(entry_id: str) -> str:

@@ -378,15 +378,22 @@ class Keys:
     def job_webhooks_pattern(self) -> str:
         return f"{self.namespace}:webhooks:outbox:*"
 
+    def webhook_lane(self, tenant: str) -> str:
+        """Sorted set: one tenant's events waiting for delivery (their ids),
+        scored by the time of their next attempt (new ones by their arrival; one
+        being posted by its lease's end), so a retry outlives the deliverer that
+        scheduled it and deliverers take the tenants' events in turn."""
+        return f"{self.namespace}:webhooks:lane:{tenant}"
+
     @property
-    def webhook_schedule(self) -> str:
-        """Sorted set: events waiting for their next attempt ('<entry id> <stream>'),
-        scored by its time, so a retry outlives the deliverer that scheduled it."""
-        return f"{self.namespace}:webhooks:schedule"
+    def webhook_lanes(self) -> str:
+        """Set: the tenants whose lane may hold events."""
+        return f"{self.namespace}:webhooks:lanes"
 
     def webhook_event(self, event_id: str) -> str:
-        """Hash: one undelivered event's attempts so far, last status and error,
-        next attempt time (for an operator; deleted once it is delivered)."""
+        """Hash: one undelivered event (type, data, URL, tenant) with its
+        attempts so far, last status and error, next attempt time (deleted once
+        it is delivered or given up)."""
         return f"{self.namespace}:webhooks:event:{event_id}"
 
     @property
@@ -396,8 +403,16 @@ class Keys:
 
     @property
     def webhook_dead(self) -> str:
-        """Stream: events not delivered within ``webhook_retry_s``, with their last error."""
+        """Stream: the default tenant's events not delivered within
+        ``webhook_retry_s``, with their last error (capped: ``webhook_tenant_dead``)."""
         return f"{self.namespace}:webhooks:dead"
+
+    def webhook_dead_of(self, tenant: str) -> str:
+        """Stream: a tenant's dead letters, each tenant's capped on its own."""
+        return self.webhook_dead if tenant == DEFAULT_TENANT else f"{self.webhook_dead}:{tenant}"
+
+    def webhook_dead_pattern(self) -> str:
+        return f"{self.webhook_dead}:*"
 
     def api_key(self, digest: str) -> str:
         """String: one API key's record (``ApiKey`` JSON), under the SHA-256 of

@@ -256,9 +256,24 @@ class Settings(BaseSettings):
     webhook_backoff_max_s: float = Field(default=300.0, gt=0, description=(
         "The longest wait between two attempts at one event."))
     webhook_timeout_s: float = Field(default=10.0, gt=0, description=(
-        "Seconds one delivery attempt may take (connect and answer); past it, the attempt failed."))
+        "Seconds one delivery attempt may take in all (connect, send, the answer's status and "
+        "headers, then at most 4 KB of its body, the rest unread); with no status by then, the "
+        "attempt failed."))
     webhook_concurrency: int = Field(default=16, ge=1, le=1024, description=(
         "Deliveries one deliverer runs at once, so a slow receiver does not hold the others."))
+    webhook_tenant_concurrency: int = Field(default=4, ge=1, le=1024, description=(
+        "Deliveries of one tenant's events one deliverer runs at once: a tenant whose receivers "
+        "hang holds at most this many of the webhook_concurrency slots."))
+    webhook_tenant_queued: int = Field(default=1000, ge=1, description=(
+        "Events of one tenant waiting for delivery (new or retrying); one more goes straight "
+        "to that tenant's dead letters."))
+    webhook_tenant_dead: int = Field(default=1000, ge=1, description=(
+        "Dead letters kept per tenant (<ns>:webhooks:dead, <ns>:webhooks:dead:<tenant>); the "
+        "oldest go first."))
+    webhook_allow: str = Field(default="", description=(
+        "Internal webhook receivers allowed, comma-separated: CIDRs (10.1.0.0/16) and host[:port] "
+        "(hooks.internal:8080, 127.0.0.1:9009). Else a webhook may not go to a loopback, "
+        "private, link-local, multicast or unspecified address, nor to the fleet's Redis host."))
 
     # Reliability.
     max_attempts: int = Field(default=3, ge=1, description=(
@@ -295,6 +310,14 @@ class Settings(BaseSettings):
         "Seconds a finished job's record and token log stay readable."))
     idempotency_ttl_s: int = Field(default=24 * 3600, ge=1, description=(
         "Seconds an idempotency key keeps naming its job."))
+
+    @field_validator("webhook_allow")
+    @classmethod
+    def _webhook_allow(cls, value: str) -> str:
+        from tokenfleet.shared.webhook_destination import parse_allow
+
+        parse_allow(value)  # a ValueError names the entry
+        return value
 
     @field_validator("tenant_weights")
     @classmethod

@@ -23,21 +23,26 @@ class _Adds(Protocol):
     def xadd(self, name: str, fields: dict[str, str]) -> Awaitable[Any] | Any: ...
 
 
-def event_fields(type: str, data: dict[str, Any], url: str | None = None) -> dict[str, str]:
+def event_fields(type: str, data: dict[str, Any], url: str | None = None,
+                 tenant: str | None = None) -> dict[str, str]:
     """The stream entry of one event: its id (the ``webhook-id`` every attempt
-    carries), its type (``batch.completed``, ...), its JSON payload and, when it
-    has one, the URL it goes to (else the fleet's ``TOKENFLEET_WEBHOOK_URL``)."""
+    carries), its type (``batch.completed``, ...), its JSON payload, when it
+    has one the URL it goes to (else the fleet's ``TOKENFLEET_WEBHOOK_URL``),
+    and whose it is (its tenant's delivery lane, caps and signing secret; none:
+    the default tenant's)."""
     fields = {"id": f"msg_{uuid.uuid4().hex}", "type": type,
               "data": json.dumps(data, separators=(",", ":"))}
     if url:
         fields["url"] = url
+    if tenant:
+        fields["tenant"] = tenant
     return fields
 
 
 async def add_event(client: _Adds, keys: Keys, type: str, data: dict[str, Any],
-                    url: str | None = None) -> None:
+                    url: str | None = None, tenant: str | None = None) -> None:
     """Queue one event for delivery (async Redis client)."""
-    await client.xadd(keys.webhook_outbox, event_fields(type, data, url))
+    await client.xadd(keys.webhook_outbox, event_fields(type, data, url, tenant))
 
 
 def webhook_url_problem(url: str) -> str | None:
@@ -55,4 +60,7 @@ def webhook_url_problem(url: str) -> str | None:
                 f"got {url[:80]!r}")
     if any(c.isspace() or ord(c) < 32 for c in url):
         return "webhook_url must not hold spaces or control characters"
+    if "@" in parts.netloc:  # it would be sent as Basic auth, to wherever the host points
+        return ("webhook_url must not hold credentials (user:password@); a receiver checks "
+                "the webhook-signature header instead")
     return None

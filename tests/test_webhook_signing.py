@@ -6,11 +6,14 @@ import base64
 import time
 
 import orjson
+import pytest
 from standardwebhooks import Webhook
+from standardwebhooks.webhooks import WebhookVerificationError
 
 from tokenfleet.shared.webhook_outbox import webhook_url_problem
 from tokenfleet.webhook_delivery import backoff_s
-from tokenfleet.webhook_signing import body, event_time, headers, secret_key
+from tokenfleet.webhook_signing import (body, event_time, headers, secret_key, tenant_key,
+                                       tenant_secret)
 
 
 def test_a_request_signed_with_a_whsec_secret_verifies_with_standardwebhooks() -> None:
@@ -39,5 +42,25 @@ def test_a_webhook_url_is_an_absolute_http_or_https_url_with_a_host() -> None:
     assert webhook_url_problem("https://backend.example.com/hooks?x=1") is None
     assert webhook_url_problem("http://10.0.0.7:8080/") is None
     for bad in ("ftp://example.com/", "/relative", "https://", "http://a b/", "http://h:x/",
+                "http://user:secret@example.com/",
                 "https://example.com/" + "a" * 2100):
         assert webhook_url_problem(bad), bad
+
+
+def test_one_tenants_signature_does_not_verify_with_anothers_secret() -> None:
+    """A tenant can not replay its own signed event to another tenant's receiver."""
+    operator = "whsec_" + base64.b64encode(b"the operator's own secret, 32 b.").decode()
+    payload = body("job.completed", event_time("1796154002517-0"), '{"id":"q:1"}')
+    signed = headers("msg_1", int(time.time()), payload,
+                     tenant_key(secret_key(operator), "acme"))
+    assert Webhook(tenant_secret(operator, "acme")).verify(payload, signed)
+    for other in (tenant_secret(operator, "globex"), operator):
+        with pytest.raises(WebhookVerificationError):
+            Webhook(other).verify(payload, signed)
+    assert tenant_secret(operator, "acme") != tenant_secret(operator, "globex")
+
+
+def test_the_default_tenant_signs_with_the_operators_secret_as_before() -> None:
+    operator = "whsec_" + base64.b64encode(b"0123456789abcdef0123456789abcdef").decode()
+    assert tenant_key(secret_key(operator), "default") == secret_key(operator)
+    assert tenant_secret(operator, "default") == operator

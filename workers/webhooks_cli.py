@@ -53,30 +53,31 @@ async def _deliver() -> None:
 @click.option("--json", "as_json", is_flag=True, help="machine-readable output")
 @redis_option
 def list_events(as_json: bool, redis_url: str | None) -> None:
-    """Events waiting for their next attempt, and the dead letters."""
+    """Events waiting for their next attempt (each tenant's lane), and the dead letters."""
     from tokenfleet.workers.keys_cli import _client
 
     with _client(redis_url) as client:
         r, keys = client.redis, client.keys
         waiting = []
-        for raw, next_at in r.zrange(keys.webhook_schedule, 0, 99, withscores=True):
-            entry_id, _, stream = raw.decode().partition(" ")
-            fields = r.xrange(stream, entry_id, entry_id)
-            event_id = fields[0][1].get(b"id", b"").decode() if fields else ""
-            state = {k.decode(): v.decode() for k, v in
-                     r.hgetall(keys.webhook_event(event_id)).items()} if event_id else {}
-            waiting.append({"id": event_id, "next_at": next_at, **state})
+        for tenant in sorted(t.decode() for t in r.smembers(keys.webhook_lanes)):
+            for raw, next_at in r.zrange(keys.webhook_lane(tenant), 0, 99, withscores=True):
+                state = {k.decode(): v.decode() for k, v in
+                         r.hgetall(keys.webhook_event(raw.decode())).items()}
+                state.pop("data", None)
+                waiting.append({"id": raw.decode(), "tenant": tenant, "next_at": next_at,
+                                **state})
         dead = [{k.decode(): v.decode() for k, v in fields.items()}
-                for _, fields in r.xrevrange(keys.webhook_dead, count=100)]
+                for stream in _dead_lists(r, keys)
+                for _, fields in r.xrevrange(stream, count=100)]
     if as_json:
         click.echo(json.dumps({"waiting": waiting, "dead": dead}, indent=2))
         return
-    click.echo(f"waiting for a retry: {len(waiting)}")
+    click.echo(f"waiting for an attempt: {len(waiting)}")
     for one in waiting:
-        click.echo(_line(one, "attempts", "last_error"))
-    click.echo(f"dead letters ({keys.webhook_dead}): {len(dead)}")
+        click.echo(_line(one, "tenant", "attempts", "last_error"))
+    click.echo(f"dead letters ({keys.webhook_dead}[:<tenant>]): {len(dead)}")
     for one in dead:
-        click.echo(_line(one, "attempts", "last_error"))
+        click.echo(_line(one, "tenant", "attempts", "last_error"))
 
 
 @webhooks.command()
@@ -94,20 +95,48 @@ def retry(event_ids: tuple[str, ...], every: bool, redis_url: str | None) -> Non
     with _client(redis_url) as client:
         r, keys = client.redis, client.keys
         again = 0
-        for entry_id, raw in r.xrange(keys.webhook_dead):
-            fields = {k.decode(): v.decode() for k, v in raw.items()}
-            if not every and fields.get("id") not in wanted:
-                continue
-            event = {k: fields[k] for k in ("id", "type", "data", "url") if fields.get(k)}
-            r.xadd(keys.webhook_outbox, event)  # first: a crash here leaves a copy, never none
-            r.xdel(keys.webhook_dead, entry_id)
-            wanted.discard(fields.get("id", ""))
-            again += 1
+        for stream in _dead_lists(r, keys):
+            for entry_id, raw in r.xrange(stream):
+                fields = {k.decode(): v.decode() for k, v in raw.items()}
+                if not every and fields.get("id") not in wanted:
+                    continue
+                event = {k: fields[k] for k in ("id", "type", "data", "url", "tenant")
+                         if fields.get(k)}
+                r.xadd(keys.webhook_outbox, event)  # first: a crash here leaves a copy, never none
+                r.xdel(stream, entry_id)
+                wanted.discard(fields.get("id", ""))
+                again += 1
     click.echo(f"sent {again} dead letter(s) again")
     if wanted:
         from tokenfleet.workers.cli import JobFailed
 
         raise JobFailed(f"no dead letter with id {', '.join(sorted(wanted))}")
+
+
+@webhooks.command()
+@click.option("--tenant", required=True, help="the tenant whose receiver verifies with it")
+def secret(tenant: str) -> None:
+    """Print TENANT's signing secret (whsec_...) for its receiver: derived from
+    TOKENFLEET_WEBHOOK_SECRET and the tenant's name; the default tenant's is
+    TOKENFLEET_WEBHOOK_SECRET itself."""
+    from tokenfleet.shared.keys import TENANT_NAME_RULE, is_tenant_name
+    from tokenfleet.shared.settings import Settings
+    from tokenfleet.webhook_signing import tenant_secret
+
+    if not is_tenant_name(tenant):
+        raise click.BadParameter(f"must be {TENANT_NAME_RULE}", param_hint="--tenant")
+    operator = Settings().webhook_secret  # the environment as it is now
+    if not operator:
+        raise click.UsageError("TOKENFLEET_WEBHOOK_SECRET is not set: events go out unsigned, "
+                               "and there is no tenant secret to derive")
+    click.echo(tenant_secret(operator, tenant))
+
+
+def _dead_lists(r: Any, keys: Any) -> list[str]:
+    """The dead-letter streams: the default tenant's, then each other tenant's."""
+    others = sorted(k.decode() for k in r.scan_iter(match=keys.webhook_dead_pattern(),
+                                                     count=500))
+    return [keys.webhook_dead, *others]
 
 
 def _line(event: dict[str, Any], *fields: str) -> str:

@@ -5,8 +5,9 @@ loses nothing, and a deliverer that dies leaves its events to another."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import base64
+import contextlib
+import json
 import os
 import secrets
 import signal
@@ -39,6 +40,8 @@ pytestmark = pytest.mark.timeout(60)
 
 ROOT = Path(__file__).resolve().parents[2]
 SECRET = "whsec_" + base64.b64encode(secrets.token_bytes(24)).decode()
+# The operator's allowlist that lets webhooks reach the tests' own receivers.
+LOOPBACK = "127.0.0.0/8"
 
 
 @dataclass(frozen=True)
@@ -130,10 +133,11 @@ def receiver() -> Iterator[Receiver]:
 
 @pytest.fixture
 def hook_settings(settings: Any) -> Any:
-    """Retries in tens of milliseconds: the schedule of 1 s doubling to 5 min, shrunk."""
+    """Retries in tens of milliseconds: the schedule of 1 s doubling to 5 min,
+    shrunk; the test's receivers, on loopback, allowed."""
     return settings.model_copy(update={"webhook_secret": SECRET, "webhook_backoff_s": 0.05,
                                        "webhook_backoff_max_s": 0.2,
-                                       "webhook_timeout_s": 2.0})
+                                       "webhook_timeout_s": 2.0, "webhook_allow": LOOPBACK})
 
 
 class Fleet:
@@ -164,12 +168,18 @@ async def fleet_of(settings: Any) -> AsyncIterator[Fleet]:
 
 
 async def outbox_empty(fleet: Fleet, stream: str) -> bool:
-    """Every event of ``stream`` acknowledged and deleted (by the group it has)."""
+    """Every event of ``stream`` acknowledged and deleted (by the group it has),
+    and every tenant's lane empty: each event delivered, dropped or given up."""
     try:
         pending = await fleet.redis.xpending(stream, GROUP)
     except ResponseError:  # no group yet: no deliverer has read it
         return False
-    return await fleet.redis.xlen(stream) == 0 and pending["pending"] == 0
+    if await fleet.redis.xlen(stream) or pending["pending"]:
+        return False
+    for tenant in await fleet.redis.smembers(fleet.keys.webhook_lanes):
+        if await fleet.redis.zcard(fleet.keys.webhook_lane(tenant.decode())):
+            return False
+    return True
 
 
 async def test_an_event_arrives_signed_verifiable_with_standardwebhooks(
@@ -285,7 +295,15 @@ async def test_a_receiver_down_then_answering_503_then_up_loses_no_event(
         for x in got:
             assert x.verified()["data"]["id"].startswith("batch_")
         await until(lambda: outbox_empty(fleet, fleet.keys.webhook_outbox), 5, "an empty outbox")
-        assert await fleet.redis.zcard(fleet.keys.webhook_schedule) == 0
+        assert await fleet.redis.zcard(fleet.keys.webhook_lane("default")) == 0
+
+
+async def _scheduled(fleet: Fleet) -> bool:
+    """An event of the default tenant waits in its lane for a retry (its time past the lease's)."""
+    lane = await fleet.redis.zrange(fleet.keys.webhook_lane("default"), 0, -1, withscores=True)
+    state = [await fleet.redis.hget(fleet.keys.webhook_event(m.decode()), "next_at")
+             for m, _ in lane]
+    return bool(lane) and all(state)
 
 
 async def _failed_twice(fleet: Fleet, events: int) -> bool:
@@ -346,18 +364,24 @@ async def test_a_deliverer_killed_mid_retry_leaves_the_retry_to_another(
                         url=receiver.url)
         s = fleet.settings
         env = {**os.environ, "TOKENFLEET_REDIS_URL": s.redis_url, "TOKENFLEET_NAMESPACE": s.namespace,
-               "TOKENFLEET_WEBHOOK_SECRET": SECRET, "TOKENFLEET_WEBHOOK_BACKOFF_S": "1"}
+               "TOKENFLEET_WEBHOOK_SECRET": SECRET, "TOKENFLEET_WEBHOOK_BACKOFF_S": "1",
+               "TOKENFLEET_WEBHOOK_ALLOW": LOOPBACK}
         proc = subprocess.Popen([sys.executable, "-m", "tokenfleet.workers.cli", "webhooks",
                                  "deliver"], cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
                                 stderr=subprocess.PIPE)
         try:
             await receiver.until(lambda r: len(r) == 1, 30, "the first attempt (answered 503)")
-            await until(lambda: fleet.redis.zcard(fleet.keys.webhook_schedule), 5, "the retry's slot")
+            await until(lambda: _scheduled(fleet), 5, "the retry's time in the lane")
         finally:
             proc.send_signal(signal.SIGKILL)
             await asyncio.to_thread(proc.wait, 10)
         state = await fleet.redis.hgetall(fleet.keys.webhook_event(receiver.received[0].id))
         assert state[b"attempts"] == b"1" and state[b"last_status"] == b"503"
+        listed = CliRunner().invoke(main, ["webhooks", "list", "--json"], env={
+            "TOKENFLEET_REDIS_URL": s.redis_url, "TOKENFLEET_NAMESPACE": s.namespace})
+        [waiting] = json.loads(listed.output)["waiting"]
+        assert waiting["id"] == receiver.received[0].id and waiting["tenant"] == "default"
+        assert waiting["last_error"] == "HTTP 503 Service Unavailable"  # no byte of the body
         fleet.deliverer("d2")
         got = await receiver.until(lambda r: len(r) == 2, 10, "the retry, from d2")
         assert got[1].status == 200 and got[1].id == got[0].id
@@ -371,7 +395,7 @@ def test_the_gateway_delivers_the_end_of_a_completion_that_named_a_webhook_url(
     deliverer the gateway runs; a bad one is a 400 naming it."""
     receiver.start()
     start_worker()
-    http = gateway(webhook_secret=SECRET)
+    http = gateway(webhook_secret=SECRET, webhook_allow=LOOPBACK)
     bad = http.post("/v1/completions", json={"model": "default", "prompt": "Hi",
                                               "webhook_url": "ftp://example.com/hook"})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "webhook_url"
