@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -61,3 +62,18 @@ def test_served_model_name_is_another_name_for_queue() -> None:
     lines = out.stderr.strip().splitlines()
     assert out.returncode == 2 and len(lines) == 1, out.stderr
     assert "TOKENFLEET_QUEUE='a b'" in lines[0], lines
+
+
+def test_submit_without_a_model_takes_the_one_served_queue_and_asks_among_several(
+        settings: Any, r: Any) -> None:
+    from gateway_server import pin_live_worker
+
+    env = {"TOKENFLEET_REDIS_URL": settings.redis_url, "TOKENFLEET_NAMESPACE": settings.namespace}
+    pin_live_worker(r, settings.namespace, "tiny")
+    one = tokenfleet("submit", "Hi", "--max-new-tokens", "2", **env)
+    assert one.returncode == 0 and one.stdout.startswith("tiny:"), one.stderr
+    pin_live_worker(r, settings.namespace, "other", name="idle2@test")
+    two = tokenfleet("submit", "Hi", "--max-new-tokens", "2", **env)
+    lines = two.stderr.strip().splitlines()
+    assert two.returncode == 3 and len(lines) == 1, two.stderr
+    assert "(other, tiny)" in lines[0] and "--model NAME" in lines[0], lines
