@@ -130,9 +130,11 @@ class Terminals:
 
 @pytest.fixture
 def terminals(tmp_path: Path) -> Iterator[Terminals]:
-    if shutil.which("redis-server") is None or shutil.which("curl") is None:
-        pytest.fail("Getting started needs redis-server and curl: `apt-get install "
-                    "redis-server curl` (.ci/run does this)")
+    if shutil.which("redis-server") is None:
+        pytest.fail("redis-server is not installed: `apt-get install redis-server` "
+                    "(.ci/run does this)")
+    if shutil.which("curl") is None:
+        pytest.skip("Getting started lists the models with curl: `apt-get install curl`")
     opened = Terminals(tmp_path)
     yield opened
     opened.close()
