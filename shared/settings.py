@@ -9,11 +9,12 @@ from __future__ import annotations
 from functools import lru_cache
 from typing import Annotated, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, ValidationInfo, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from tokenfleet.shared.file_store import default_files_url
 from tokenfleet.shared.keys import QUEUE_NAME_RULE, is_partition_name
+from tokenfleet.shared.served_name import served_name
 
 MAX_BATCH_LIMIT = 4096  # the largest max_batch a worker takes
 
@@ -32,9 +33,12 @@ class Settings(BaseSettings):
     model: str = Field(default="tiny", description=(
         "What a worker serves: a built-in model (tiny, llama-86m, ...), a Hugging Face directory "
         "or a hub id."))
-    queue: str = Field(default="default", description=(
-        "The queue a worker serves: the model= that clients submit to; of a queue with "
-        "partitions, one of them ('<queue>#<p>')."))
+    # Unset (""): the model's name (shared/served_name.py), as vLLM serves a
+    # model under its name unless --served-model-name says otherwise.
+    queue: str = Field(default="", validate_default=True, description=(
+        "The queue a worker serves: the model= that clients submit to; unset, the model's name "
+        "(tiny, a directory's base name, a Hub id's name); of a queue with partitions, one of "
+        "them ('<queue>#<p>')."))
     device: str = Field(default="cpu", description=(
         "The torch device a worker runs on: cpu, or cuda (the GPUs pinned for its process)."))
     dtype: str = Field(default="auto", description=(
@@ -329,7 +333,9 @@ class Settings(BaseSettings):
 
     @field_validator("queue")
     @classmethod
-    def _queue_name(cls, value: str) -> str:
+    def _queue_name(cls, value: str, info: ValidationInfo) -> str:
+        if not value:  # model is declared first: validated before the queue
+            return served_name(str(info.data.get("model", "tiny")))
         if not is_partition_name(value):
             raise ValueError(f"queue must be {QUEUE_NAME_RULE}, or one of its partitions "
                              f"('<queue>#<p>'), got {value!r}")

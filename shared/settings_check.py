@@ -65,7 +65,9 @@ def describe(exc: ValidationError) -> str:
             continue
         value = error.get("input")
         shown = repr(value) if isinstance(value, str | int | float) else "its value"
-        if error.get("type") == "value_error":  # a validator's own sentence
+        if error.get("type") == "value_error" and value == "":  # unset: a default derived
+            said[field] = error["msg"].removeprefix("Value error, ")
+        elif error.get("type") == "value_error":  # a validator's own sentence
             said[field] = f"{env_name(field)}={shown}: {error['msg'].removeprefix('Value error, ')}"
         else:
             said[field] = f"{env_name(field)}={shown} is not valid: it takes {accepted(field)}"

@@ -105,7 +105,9 @@ def namespace() -> str:
 def settings(redis_url: str, namespace: str, request: pytest.FixtureRequest) -> Any:
     from tokenfleet.shared.settings import Settings
 
-    settings = Settings(redis_url=redis_url, namespace=namespace, block_ms=20,
+    # The tests' queue is named, not the model's name (a worker's default),
+    # so that the tests submit to it without naming a model.
+    settings = Settings(redis_url=redis_url, namespace=namespace, queue="default", block_ms=20,
                         heartbeat_s=0.5, max_batch=16, max_batch_tokens=262_144, prefetch=4)
     partitions = request.config.getoption("--partitions")
     if partitions > 1:  # before any client or worker reads the queue's partitions
@@ -190,6 +192,7 @@ class CeleryWorker:
         self.node = node
         env = {**os.environ, "TOKENFLEET_REDIS_URL": settings.redis_url,
                "TOKENFLEET_NAMESPACE": settings.namespace, "TOKENFLEET_MODEL": model,
+               "TOKENFLEET_QUEUE": settings.queue,
                "TOKENFLEET_BLOCK_MS": "20", "TOKENFLEET_HEARTBEAT_S": "0.5",
                "TOKENFLEET_TORCH_THREADS": "1", "PYTHONUNBUFFERED": "1", **extra_env}
         from tokenfleet.workers.pinning import celery_command

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -214,6 +215,20 @@ def wait_until(condition: Callable[[], Any], timeout: float, what: str,
         if time.monotonic() >= deadline:
             raise TimeoutError(f"timed out after {timeout}s waiting for {what}")
         time.sleep(interval)
+
+
+def stop_groups(procs: list[subprocess.Popen[Any]], timeout: float = 30) -> None:
+    """Stop processes started with ``start_new_session``, each with its children,
+    in the order given (a server others use last): SIGTERM, as Ctrl-C's drain
+    would, then SIGKILL if the group outlives ``timeout``."""
+    for proc in procs:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=10)
 
 
 class RedisServer:

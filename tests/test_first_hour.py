@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 import redis
 
-from helpers import wait_until
+from helpers import stop_groups, wait_until
 
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
@@ -68,15 +68,7 @@ class HostWorkers:
         return proc
 
     def close(self) -> None:
-        for proc in self.procs:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGTERM)
-        for proc in self.procs:
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(timeout=10)
+        stop_groups(self.procs)
 
 
 @pytest.fixture

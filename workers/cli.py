@@ -145,9 +145,10 @@ def _batch_size(ctx: click.Context, param: click.Parameter, value: str | None) -
 @click.option("--model", default=None,
               help="a built-in model ('tiny', 'llama-86m', ...: README, \"Built-in models\"), a "
                    "Hugging Face model directory, or hf:<org>/<name> from the Hugging Face Hub")
-@click.option("--queue", default=None,
+@click.option("--queue", "--served-model-name", "queue", default=None,
               help="the queue this worker serves: what clients pass as model= (default: "
-                   "$TOKENFLEET_QUEUE or 'default')")
+                   "$TOKENFLEET_QUEUE, else the model's name: 'tiny', a directory's base name, "
+                   "a Hub id's name)")
 @click.option("--name", default=None,
               help="worker name base; each process is <name>-gpu<i>@<host> or <name>-cpu@<host> "
                    "(default: the queue)")
@@ -252,8 +253,10 @@ def _check_names(nodes: list[str]) -> None:
 @click.option("--top-k", type=int, default=None)
 @click.option("--seed", type=int, default=None)
 @click.option("--stop", multiple=True, help="a stop string (repeatable)")
-@click.option("--model", "queue", default="default", show_default=True,
-              help="the queue a worker serves (see `tokenfleet status`)")
+@click.option("--model", "queue", default=None,
+              help="the queue to submit to: the model= a worker serves (`tokenfleet status` "
+                   "lists them; default: the one queue live workers serve, else the queue of "
+                   "$TOKENFLEET_QUEUE or $TOKENFLEET_MODEL)")
 @click.option("--priority", type=click.Choice(PRIORITIES), default="normal",
               show_default=True)
 @click.option("--queue-ahead", is_flag=True,
@@ -264,9 +267,9 @@ def _check_names(nodes: list[str]) -> None:
 @click.option("--timeout", default=300.0, show_default=True,
               help="seconds --wait / --stream wait for the end")
 @redis_option
-def submit(prompt: str | None, prompt_file: Any, queue: str, priority: str, queue_ahead: bool,
-           stream: bool, wait: bool, as_json: bool, timeout: float, redis_url: str | None,
-           **sampling: Any) -> None:
+def submit(prompt: str | None, prompt_file: Any, queue: str | None, priority: str,
+           queue_ahead: bool, stream: bool, wait: bool, as_json: bool, timeout: float,
+           redis_url: str | None, **sampling: Any) -> None:
     """Enqueue one job; print its id, or its tokens (--stream), or its result (--wait).
 
     PROMPT '-' reads the prompt from standard input. Exit codes: 0 done, 1 the
@@ -286,9 +289,8 @@ def submit(prompt: str | None, prompt_file: Any, queue: str, priority: str, queu
     _apply_env(redis_url=redis_url)
     with FleetClient() as client:
         try:
-            job_id = client.submit(text, model=queue, priority=priority,
-                                   require_worker=not queue_ahead,
-                                   **sampling)
+            job_id = client.submit(text, model=queue or _default_queue(client),
+                                   priority=priority, require_worker=not queue_ahead, **sampling)
         except InvalidRequest as exc:
             raise Refused(f"invalid request: {said(exc)}") from None
         except RedisError:
@@ -317,6 +319,19 @@ def submit(prompt: str | None, prompt_file: Any, queue: str, priority: str, queu
     if stream:
         reason = state.finish_reason.value if state.finish_reason else "-"
         click.echo(f"[{state.status.value}: {reason}, {len(state.token_ids)} tokens]", err=True)
+
+
+def _default_queue(client: Any) -> str:
+    """The queue of a submit that names none: the one queue live workers serve,
+    as vLLM answers a request that names no model with the model it serves;
+    with none live, the one a worker started with this environment would serve
+    (its model's name, or TOKENFLEET_QUEUE). Among several it does not guess:
+    a job for a model nobody asked for is worse than a refusal."""
+    served = client.served_queues()
+    if len(served) > 1:
+        raise Refused(f"live workers serve {len(served)} queues ({', '.join(served)}): name "
+                      "one with --model NAME")
+    return str(served[0]) if served else str(client.settings.queue)
 
 
 def _prompt_text(prompt: str | None, prompt_file: Any) -> str:

@@ -88,8 +88,8 @@ def _given(url: str) -> Iterator[str]:
 
 def _stream_all(client: FleetClient, prompts: list[str], max_new_tokens: int,
                 temperature: float, console: Console) -> dict[str, str]:
-    job_ids = [client.submit(p, max_new_tokens=max_new_tokens, temperature=temperature,
-                             require_worker=False)
+    job_ids = [client.submit(p, model=client.settings.queue, max_new_tokens=max_new_tokens,
+                             temperature=temperature, require_worker=False)
                for p in prompts]
     texts = {j: "" for j in job_ids}
     done: set[str] = set()

@@ -23,7 +23,7 @@ __all__ = ["env_name", "type_text", "render_table", "on_page_markdown"]
 
 def default_text(value: Any) -> str:
     """A default as it would be written in the environment."""
-    if value is None:
+    if value is None or value == "":
         return "unset"
     if isinstance(value, bool):
         return "`true`" if value else "`false`"

@@ -81,7 +81,7 @@ def test_redis_restart_mid_run_every_accepted_job_finishes(
 ) -> None:
     from tokenfleet.shared.settings import Settings
 
-    settings = Settings(redis_url=aof_redis.url, namespace=namespace)
+    settings = Settings(queue="default", redis_url=aof_redis.url, namespace=namespace)
     client = FleetClient(settings=settings)
     r = redis_client(aof_redis.url)
     keys = Keys(namespace)

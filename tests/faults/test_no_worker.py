@@ -428,7 +428,7 @@ def test_a_connection_that_was_up_is_still_retried_through_a_restart(
     """Fail-fast is for the first connect only: a dropped connection rides out a restart."""
     from tokenfleet.shared.settings import Settings
 
-    settings = Settings(redis_url=aof_redis.url, namespace="restart")
+    settings = Settings(queue="default", redis_url=aof_redis.url, namespace="restart")
     with FleetClient(settings=settings) as c:
         job_id = c.submit("hi", require_worker=False)
         with down_for_a_second(aof_redis, report):

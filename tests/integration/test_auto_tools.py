@@ -40,7 +40,7 @@ def stack(redis_url: str, loaded_tiny: Any) -> Iterator[tuple[Settings, openai.O
     from tokenfleet.workers.scheduler import Scheduler
     from tokenfleet.workers.service import Worker
 
-    settings = Settings(redis_url=redis_url, namespace=f"t{uuid.uuid4().hex[:10]}",
+    settings = Settings(queue="default", redis_url=redis_url, namespace=f"t{uuid.uuid4().hex[:10]}",
                         block_ms=20, heartbeat_s=0.5, max_batch=8, prefetch=8,
                         max_batch_tokens=8192)
     _, tiny = loaded_tiny

@@ -46,7 +46,7 @@ def fleet(redis_url: str, loaded_tiny: tuple[Any, Any],
     from tokenfleet.workers.service import Worker
 
     files = tmp_path_factory.mktemp("files")
-    settings = Settings(redis_url=redis_url, namespace=f"t{uuid.uuid4().hex[:10]}",
+    settings = Settings(queue="default", redis_url=redis_url, namespace=f"t{uuid.uuid4().hex[:10]}",
                         block_ms=20, heartbeat_s=0.5, max_batch=16, max_batch_tokens=65_536,
                         prefetch=4, files_url=f"file://{files}",
                         gateway_webhooks=False)  # the events stay in the outbox, to be read

@@ -39,7 +39,7 @@ def fleet(redis_url: str, loaded_tiny: tuple[Any, Any]) -> Iterator[dict[str, An
     from tokenfleet.workers.runner import HFRunner
     from tokenfleet.workers.service import Worker
 
-    settings = Settings(redis_url=redis_url, namespace=f"t{uuid.uuid4().hex[:10]}",
+    settings = Settings(queue="default", redis_url=redis_url, namespace=f"t{uuid.uuid4().hex[:10]}",
                         block_ms=20, heartbeat_s=0.5, max_batch=8, max_batch_tokens=65_536,
                         prefetch=4)
     r = redis_client(redis_url)

@@ -66,7 +66,7 @@ class Served:
 @pytest.fixture(scope="module")
 def served(redis_url: str, loaded_tiny: tuple[Any, Any]) -> Iterator[Served]:
     """A worker on the tiny model and a gateway, on a namespace of the module's own."""
-    settings = Settings(redis_url=redis_url, namespace=f"t{uuid.uuid4().hex[:10]}",
+    settings = Settings(queue="default", redis_url=redis_url, namespace=f"t{uuid.uuid4().hex[:10]}",
                         block_ms=20, heartbeat_s=0.5, max_batch=8, max_batch_tokens=65_536,
                         prefetch=4)
     out = Served(settings, loaded_tiny)

@@ -84,7 +84,7 @@ def tls_url(tmp_path: Path) -> Iterator[str]:
 
 
 def run_one_job(url: str, namespace: str, celery_workers: Any) -> None:
-    settings = Settings(redis_url=url, namespace=namespace)
+    settings = Settings(queue="default", redis_url=url, namespace=namespace)
     celery_workers("cpu@secure", TOKENFLEET_REDIS_URL=url, wait=False)
     with FleetClient(settings=settings) as client:
         # The worker is still starting: queue ahead of it.

@@ -42,7 +42,7 @@ def stack(redis_url: str, loaded_tiny: Any) -> Iterator[tuple[Settings, openai.O
     from tokenfleet.workers.build import grammars, hf_engine
     from tokenfleet.workers.runner import HFRunner
 
-    settings = Settings(redis_url=redis_url, namespace=f"t{uuid.uuid4().hex[:10]}",
+    settings = Settings(queue="default", redis_url=redis_url, namespace=f"t{uuid.uuid4().hex[:10]}",
                         block_ms=20, heartbeat_s=0.5, max_batch=64, prefetch=64,
                         max_batch_tokens=262_144)
     model, tokenizer = loaded_tiny

@@ -29,7 +29,7 @@ TOOL = {"type": "function", "function": {"name": "pick", "parameters": SCHEMA}}
 def oa(redis_url: str, tiny_dir: Path) -> Iterator[openai.OpenAI]:
     from tokenfleet.workers.vllm_engine import VLLMEngine
 
-    settings = Settings(redis_url=redis_url, namespace=f"t{uuid.uuid4().hex[:10]}",
+    settings = Settings(queue="default", redis_url=redis_url, namespace=f"t{uuid.uuid4().hex[:10]}",
                         block_ms=20, heartbeat_s=0.5, prefetch=64, model=str(tiny_dir),
                         max_batch=64, max_batch_tokens=64 * 1024,
                         vllm_cpu_kv_cache_bytes=64 << 20)

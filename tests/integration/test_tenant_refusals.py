@@ -30,7 +30,7 @@ IDLE = "idle"  # a queue a live worker seems to serve but never reads: its jobs 
 @pytest.fixture(scope="module")
 def fleet(redis_url: str) -> Iterator[dict[str, Any]]:
     """One gateway asking for keys, the idle queue, and a key maker."""
-    settings = Settings(redis_url=redis_url, namespace=f"t{uuid.uuid4().hex[:10]}")
+    settings = Settings(queue="default", redis_url=redis_url, namespace=f"t{uuid.uuid4().hex[:10]}")
     r = redis_client(redis_url)
     keys = Keys(settings.namespace)
     pin_live_worker(r, settings.namespace, IDLE)

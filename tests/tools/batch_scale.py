@@ -73,6 +73,7 @@ def fleet(max_batch: int, step_ms: float, window: int) -> Iterator[Fleet]:
                           "TOKENFLEET_GATEWAY_AUTH": "off"})
     worker = CeleryProc("tokenfleet.workers.app", "sim@scale", {
         **common, "TOKENFLEET_ENGINE": "gpu-sim", "TOKENFLEET_MODEL": "tiny",
+        "TOKENFLEET_QUEUE": "default",
         "TOKENFLEET_MAX_BATCH": str(max_batch), "TOKENFLEET_GPU_SIM_STEP_MS": str(step_ms),
         "TOKENFLEET_HEARTBEAT_S": "0.5", "TOKENFLEET_TORCH_THREADS": "1"})
     try:

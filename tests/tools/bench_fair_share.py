@@ -37,7 +37,7 @@ class Fleet:
         self.keys = Keys(self.namespace)
         self.r = redis.Redis.from_url(url)
         env = {"TOKENFLEET_REDIS_URL": url, "TOKENFLEET_NAMESPACE": self.namespace,
-               "TOKENFLEET_FAIR_SHARE": "1" if fair else "0",
+               "TOKENFLEET_FAIR_SHARE": "1" if fair else "0", "TOKENFLEET_QUEUE": "default",
                "TOKENFLEET_MAX_BATCH": str(args.max_batch), "TOKENFLEET_HEARTBEAT_S": "0.5",
                "TOKENFLEET_RESULT_TTL_S": "300", "TOKENFLEET_TORCH_THREADS": "1",
                "CUDA_VISIBLE_DEVICES": ""}

@@ -90,7 +90,8 @@ def pinning(model: str, say: Any) -> dict[str, Any]:
     watch = MemoryWatch()
     with log.open("w") as sink:
         worker = subprocess.Popen([sys.executable, "-m", "tokenfleet.workers.cli", "worker",
-                                   "--model", model, "--loglevel", "INFO"],
+                                   "--model", model, "--queue", "default",
+                                   "--loglevel", "INFO"],
                                   env=env, stdout=sink, stderr=subprocess.STDOUT)
     try:
         client = FleetClient(redis.url, namespace="gpucheck")

@@ -65,7 +65,7 @@ def fleet_tokens_per_s(loaded: tuple[Any, Any], jobs: list[Job], batch: int,
 
     model, tok = loaded
     settings = Settings(redis_url=redis_url, namespace=f"bench{uuid.uuid4().hex[:8]}",
-                        max_batch=batch, max_batch_tokens=batch * 1024, block_ms=20,
+                        queue="default", max_batch=batch, max_batch_tokens=batch * 1024, block_ms=20,
                         cpu_packed_linear=False)
     runner = model_runner(settings, model, tok)
     worker = Worker(settings, hf_engine(settings, runner, runner.eos_token_ids,

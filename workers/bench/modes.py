@@ -65,6 +65,7 @@ class BenchEnv:
         return {
             "TOKENFLEET_REDIS_URL": self.redis_url, "TOKENFLEET_NAMESPACE": namespace,
             "TOKENFLEET_MODEL": model, "TOKENFLEET_DEVICE": self.device,
+            "TOKENFLEET_QUEUE": "default",  # the queue the bench's clients submit to
             "TOKENFLEET_DTYPE": self.dtype,
             "TOKENFLEET_TORCH_THREADS": str(self.threads),
             "TOKENFLEET_MAX_BATCH": str(max_batch), "TOKENFLEET_HEARTBEAT_S": "0.5",
