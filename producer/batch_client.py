@@ -6,7 +6,8 @@ client never holds them all), then the batch is recorded; a batch driver runs
 it: every gateway runs one, and ``tokenfleet batch drive`` runs one without a
 gateway. Requests are dicts as a batch file's lines hold them (``custom_id``
 and ``body``; ``method`` and ``url`` may be left out) or ``GenerationRequest``s
-(their custom_id is ``request-<n>``, n counting from 0).
+(their custom_id is ``request-<n>``, n counting from 0), each field kept
+(``openai_body``; one a body cannot carry is refused, naming it).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from tokenfleet.protocol import check_webhook_destination
 from tokenfleet.shared.errors import InvalidRequest
 from tokenfleet.shared.file_store import FileStore, open_store, read_lines
 from tokenfleet.shared.schemas import GenerationRequest
+from tokenfleet.shared.structured import StructuredOutput
 
 Request = dict[str, Any] | GenerationRequest
 Order = Literal["input", "finished"]
@@ -52,21 +54,69 @@ def endpoint_of(request: Request) -> str:
 
 
 def openai_body(request: GenerationRequest) -> dict[str, Any]:
-    """A ``GenerationRequest`` as the OpenAI request its endpoint takes."""
+    """A ``GenerationRequest`` as the OpenAI request its endpoint takes: every
+    field the endpoint maps back to the same request. ``InvalidRequest`` names
+    a field the endpoint's body cannot carry, rather than leave it out; the
+    batch sets ``priority``, ``tenant``, ``idempotency_key`` and the deadline
+    (its window) of each line itself."""
+    chat = request.messages is not None
     body: dict[str, Any] = {"model": request.model}
-    if request.messages is not None:
+    if chat:
         body["messages"] = [m if isinstance(m, dict) else m.model_dump(exclude_none=True)
-                            for m in request.messages]
+                            for m in request.messages or ()]
     elif request.prompt_token_ids is not None:
         body["prompt"] = list(request.prompt_token_ids)
     else:
         body["prompt"] = request.prompt
+    if request.suffix is not None:
+        body["suffix"] = request.suffix
     sampling = request.sampling.model_dump(exclude_defaults=True)
     sampling["max_new_tokens"] = request.sampling.max_new_tokens
     for name, value in sampling.items():
         if name in SAMPLING and value is not None:
             body[SAMPLING[name]] = value
+    if request.sampling.logit_bias:
+        body["logit_bias"] = {str(k): v for k, v in request.sampling.logit_bias.items()}
+    logprobs = request.sampling.logprobs
+    if logprobs is not None:
+        body.update({"logprobs": True, "top_logprobs": logprobs} if chat
+                    else {"logprobs": logprobs})
+    body.update(_metadata(request.metadata, chat))
+    if request.webhook_url is not None:
+        body["webhook_url"] = request.webhook_url
+    if request.structured_output is not None:
+        body.update(_structured(request.structured_output))
+    if request.tools is not None:  # a request with tools is a chat
+        body["tools"] = request.tools
     return body
+
+
+def _metadata(metadata: dict[str, Any], chat: bool) -> dict[str, Any]:
+    """The request's metadata as the endpoint's fields: ``user`` on both; the
+    rest in a chat's ``metadata`` (OpenAI's, strings only)."""
+    user = metadata.get("user")
+    rest = {k: v for k, v in metadata.items() if k != "user"}
+    if user is not None and not isinstance(user, str):
+        raise InvalidRequest("metadata: 'user' must be a string (OpenAI's user)")
+    if rest and not (chat and all(isinstance(v, str) for v in rest.values())):
+        where = "a chat carries metadata of strings only" if chat else (
+            "a completion carries only metadata['user'] (OpenAI's user)")
+        raise InvalidRequest(f"metadata: {where}; got {', '.join(sorted(rest))[:200]}")
+    out: dict[str, Any] = {} if user is None else {"user": user}
+    return {**out, "metadata": rest} if rest else out
+
+
+def _structured(spec: StructuredOutput) -> dict[str, Any]:
+    """A spec as the field the endpoints read it from: OpenAI's
+    ``response_format`` for JSON (a schema keeps its name), vLLM's
+    ``structured_outputs`` for the rest."""
+    if spec.kind == "json_object":
+        return {"response_format": {"type": "json_object"}}
+    if spec.kind == "json_schema":
+        named = {} if spec.name is None else {"name": spec.name}
+        return {"response_format": {"type": "json_schema",
+                                    "json_schema": {**named, "schema": spec.json_schema}}}
+    return {"structured_outputs": {spec.kind: getattr(spec, spec.kind)}}
 
 
 def line_of(index: int, request: Request, endpoint: str) -> bytes:

@@ -30,12 +30,9 @@ One step of a batch:
 
 A tenant's batches share one window: at most ``TOKENFLEET_BATCH_WINDOW`` of
 its lines are queued or running at once, all its batches together. A step of
-one batch that fails touches no other: a batch whose input file is gone ends
-``failed`` (``file_not_found``) at once; any other error is logged (a WARNING
-naming the batch) and the batch is tried again later, each time later, and
-ends ``failed`` after ``MAX_FAILED_STEPS`` failures in a row, so that a batch
-cancelled or past its window always ends. Only Redis out of reach stops a
-step of every batch (tried again at the idle pace).
+one batch that fails touches no other (``tokenfleet.batch_failures``: tried
+again later, or ended ``failed``); only Redis out of reach stops a step of
+every batch (tried again at the idle pace).
 """
 
 from __future__ import annotations
@@ -56,6 +53,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from tokenfleet import batch_ends, batch_lines, batch_output
 from tokenfleet.aio import AsyncFleetClient
+from tokenfleet.batch_failures import InputGone, StepFailures, input_gone
 from tokenfleet.batch_input import skipped, take, validated
 from tokenfleet.batch_lines import LineError, Parsed
 from tokenfleet.batch_records import BatchError, BatchRecord, read_record
@@ -90,11 +88,6 @@ PART_LINES = 1000
 # hold the result. Redis then holds the lines of the last minute, not the
 # whole batch (a token log is about three quarters of a done line's bytes).
 DONE_TTL_S = 60
-# A batch whose step failed is tried again after STEP_S, then twice as long
-# each failure more (at most RETRY_MAX_S), and ends failed after this many
-# failures in a row: about four minutes of an error that does not go away.
-MAX_FAILED_STEPS = 10
-RETRY_MAX_S = 60.0
 # A line longer than this is parsed in a thread: a JSON parse grows with the
 # line (a line is at most a request's payload limit and 64 KiB).
 PARSE_ON_LOOP_BYTES = 64 << 10
@@ -103,10 +96,6 @@ PARSE_ON_LOOP_BYTES = 64 << 10
 UNREACHABLE = (RedisConnectionError, RedisTimeoutError, ConnectionError)
 
 Made = Completion | Chat
-
-
-class InputGone(Exception):
-    """The batch's input file is no longer in the store (deleted)."""
 
 
 @dataclass
@@ -141,8 +130,7 @@ class BatchDriver:
         # Each tenant's lines queued or running, read at its first batch of a
         # step and kept up to date through the step.
         self._used: dict[str, int] = {}
-        # A batch whose steps failed: how many in a row, and when it is tried again.
-        self._failures: dict[str, tuple[int, float]] = {}
+        self._failures = StepFailures(step_s)
         # Counts for the gateway's metrics: lines queued as jobs, and lines
         # whose ended job was written to the output or error file.
         self.lines_fed = self.lines_collected = 0
@@ -206,13 +194,10 @@ class BatchDriver:
         for batch_id in list(self._feeding):
             if batch_id not in active:
                 del self._feeding[batch_id]
-        for batch_id in list(self._failures):
-            if batch_id not in active:
-                del self._failures[batch_id]
+        self._failures.keep_only(active)
         self._used.clear()
-        now = time.monotonic()
         for batch_id in sorted(active):
-            if self._failures.get(batch_id, (0, 0.0))[1] > now:
+            if self._failures.resting(batch_id):
                 continue  # failed lately: tried again at its time
             leased = await batch_lease(self.keys, batch_id, owner=self.name,
                                        ttl_ms=self.lease_ms).run_async(self.redis)
@@ -223,43 +208,15 @@ class BatchDriver:
                 await self.step_batch(batch_id)
             except UNREACHABLE:
                 raise
-            except InputGone:
-                await self._input_gone(batch_id)
             except Exception as exc:  # this batch's own: the others go on
-                await self._step_failed(batch_id, exc)
+                self._feeding.pop(batch_id, None)  # rebuilt from the records at the next try
+                error = (input_gone(batch_id, exc) if isinstance(exc, InputGone)
+                         else self._failures.failed(batch_id, exc))
+                if error is not None:
+                    await batch_ends.abandon(self.client, self.store, batch_id, error)
             else:
-                self._failures.pop(batch_id, None)
+                self._failures.succeeded(batch_id)
         return bool(active)
-
-    async def _input_gone(self, batch_id: str) -> None:
-        self._feeding.pop(batch_id, None)
-        record = await read_record(self.redis, self.keys, batch_id)
-        file_id = record.batch.input_file_id if record is not None else "?"
-        log.warning("batch %s: its input file %s is gone; the batch ends failed "
-                    "(file_not_found)", batch_id, file_id)
-        await batch_ends.abandon(self.client, self.store, batch_id, BatchError(
-            code="file_not_found", param="input_file_id",
-            message=f"the input file {file_id} cannot be read: it was deleted while the batch "
-                    "ran"))
-
-    async def _step_failed(self, batch_id: str, exc: Exception) -> None:
-        """One more failed step of the batch: tried again later, or, after
-        ``MAX_FAILED_STEPS`` in a row, ended failed (its keys let go)."""
-        self._feeding.pop(batch_id, None)  # rebuilt from the records at the next try
-        failures = self._failures.get(batch_id, (0, 0.0))[0] + 1
-        why = f"{type(exc).__name__}: {str(exc)[:200]}"
-        if failures < MAX_FAILED_STEPS:
-            wait = min(self.step_s * 2 ** (failures - 1), RETRY_MAX_S)
-            self._failures[batch_id] = (failures, time.monotonic() + wait)
-            log.warning("batch %s: step failed (%s); tried again in %.1f s (failure %d of %d)",
-                        batch_id, why, wait, failures, MAX_FAILED_STEPS, exc_info=exc)
-            return
-        self._failures.pop(batch_id, None)
-        log.warning("batch %s: step failed %d times in a row (%s); the batch ends failed",
-                    batch_id, failures, why, exc_info=exc)
-        await batch_ends.abandon(self.client, self.store, batch_id, BatchError(
-            code="batch_failed", message=f"the batch could not go on: its step failed "
-                                         f"{failures} times in a row (last: {why})"))
 
     async def step_batch(self, batch_id: str) -> None:
         record = await read_record(self.redis, self.keys, batch_id)

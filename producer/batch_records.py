@@ -200,9 +200,11 @@ async def _opened(client: Any, keys: Keys, batch_id: str, tenant: str, limit: in
     for member in members:
         pipe.hmget(keys.batch(member), "status", "created_at")
         pipe.sismember(keys.active_batches, member)
-    replies = await pipe.execute()
+    # A record that is not a hash any more (an error in its place) is stale too.
+    replies = await pipe.execute(raise_on_error=False)
     stale = []
-    for member, (status, created_at), active in zip(members, replies[::2], replies[1::2]):
+    for member, fields, active in zip(members, replies[::2], replies[1::2]):
+        status, created_at = (None, None) if isinstance(fields, Exception) else fields
         if (status is None or orjson.loads(status) in ENDED
                 or (not active and int(created_at or 0) < time.time() - CREATION_S)):
             stale.append(member)

@@ -20,7 +20,7 @@ import pytest
 import redis
 from redis.exceptions import RedisError
 
-from tokenfleet import batch_driver, batch_records
+from tokenfleet import batch_failures, batch_records
 from tokenfleet.aio import AsyncFleetClient
 from tokenfleet.batch_driver import BatchDriver
 from tokenfleet.batch_records import Batch, cancel_batch, read_record
@@ -154,7 +154,7 @@ def test_a_batch_whose_step_keeps_failing_ends_failed_and_the_others_complete(
     fleet: tuple[Any, DirectoryStore], r: redis.Redis, ordered_ids: None,
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    monkeypatch.setattr(batch_driver, "MAX_FAILED_STEPS", 3, raising=False)
+    monkeypatch.setattr(batch_failures, "MAX_FAILED_STEPS", 3)
     settings, store = fleet
 
     async def scenario() -> None:

@@ -19,6 +19,7 @@ import pytest
 import redis
 
 from tokenfleet.aio import AsyncFleetClient
+from tokenfleet.batch_records import create_batch
 from tokenfleet.shared.api_keys import create_key, new_key
 from tokenfleet.shared.keys import Keys, level_queue
 from tokenfleet.shared.schemas import ApiKey
@@ -221,3 +222,24 @@ def test_records_made_before_the_tenants_indexes_are_listed_once_indexed(
     assert [f.id for f in acme.files.list().data] == file_ids
     assert {b.id for b in acme.batches.list().data} == set(batch_ids)
     assert found["other"].files.list().data == []
+
+
+def test_batches_that_never_left_the_open_count_are_cleared_by_a_creation_at_the_limit(
+    settings: Settings, r: redis.Redis
+) -> None:
+    keys = Keys(settings.namespace)
+    # An ended batch whose driver stopped before it left the count, and a
+    # record that is no hash any more: neither may hold a place.
+    r.hset(keys.batch("batch_ended"), mapping={"status": '"completed"', "created_at": "1"})
+    r.set(keys.batch("batch_hostile"), "not a hash")
+    r.sadd(keys.tenant_open_batches("acme"), "batch_ended", "batch_hostile")
+
+    async def create() -> str:
+        async with AsyncFleetClient(settings=settings) as client:
+            made = await create_batch(client.redis, client.keys, input_file_id="file-x",
+                                      endpoint="/v1/completions", completion_window="24h",
+                                      metadata=None, tenant="acme", max_open=2)
+            return made.id
+
+    made = asyncio.run(create())
+    assert r.smembers(keys.tenant_open_batches("acme")) == {made.encode()}
