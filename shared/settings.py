@@ -283,7 +283,9 @@ class Settings(BaseSettings):
     max_attempts: int = Field(default=3, ge=1, description=(
         "How many times a job may be started before it ends failed and goes to the dead letters."))
     claim_idle_s: float = Field(default=30.0, gt=0, description=(
-        "Seconds a job of a dead consumer stays pending before another worker reclaims it."))
+        "Seconds any pending job may stay untouched before another worker reclaims it, whoever "
+        "holds it (a worker whose heartbeat says live but which stopped renewing its jobs); a "
+        "dead worker's jobs are taken as soon as its liveness lapses."))
     heartbeat_s: float = Field(default=2.0, gt=0, description=(
         "Seconds between a worker's heartbeats, which also keep its running jobs from being "
         "reclaimed."))

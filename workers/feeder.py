@@ -291,7 +291,7 @@ class Feeder:
         crashed worker's streams stall only until its liveness lapses. A
         worker frozen, not dead, that wakes after its entries were taken is
         fenced by the new attempt (start.lua): its late writes change nothing.
-        A worker lists itself before it reads (``WorkerService.start``), so a
+        A worker lists itself before it reads (``Worker.start``), so a
         live one's entries are never taken for a dead one's; even so an entry
         is taken only once idle for a heartbeat period, the least time a live
         consumer's could have been untouched.

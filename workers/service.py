@@ -255,8 +255,9 @@ class Worker:
         from its streamed tokens) and leaves the fleet. An engine thread that
         has not ended ``JOIN_S`` after it was told to may still run its jobs and
         write for them: then none is handed back (their entries stay pending,
-        and once the heartbeat no longer renews them they are reclaimed as a
-        dead worker's after ``claim_idle_s``), and the log says so.
+        and once this worker has left the served set a live worker of the queue
+        takes them as a dead worker's, fencing any late write), and the log
+        says so.
 
         Any thread but the engine's may call it, more than once: a later call
         returns when the first has finished.
@@ -290,11 +291,12 @@ class Worker:
         else:
             log.error("the engine thread did not end within %.0fs of the stop (a step that does "
                       "not return?): it may still run its %d job(s), so none is handed back; "
-                      "their entries are reclaimed as a dead worker's after claim_idle_s (%.0fs)",
-                      JOIN_S, len(self.engine.unfinished()), self.settings.claim_idle_s)
+                      "a live worker of the queue takes their entries as a dead worker's once "
+                      "this one has left", JOIN_S, len(self.engine.unfinished()))
         if not feeder_ended:
             log.warning("a feeder did not end within %.0fs: entries it reads now stay "
-                        "pending and are reclaimed after claim_idle_s", grace + JOIN_S)
+                        "pending, for a live worker of the queue to take once this one has "
+                        "left", grace + JOIN_S)
         self._leave()
 
     def _drain(self, grace: float) -> None:
