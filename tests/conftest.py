@@ -229,8 +229,10 @@ def celery_workers(settings: Any, tiny_dir: Path, r: redis.Redis) -> Iterator[Ca
         worker = CeleryWorker(settings, node, model or str(tiny_dir), env)
         procs.append(worker)
         if wait:
+            # Generous: on a loaded machine the imports and the model's load alone
+            # take a minute or more.
             wait_until(lambda: r.exists(keys.worker(node)) or worker.proc.poll() is not None,
-                       timeout=60, what=f"celery worker {node} to send its first heartbeat")
+                       timeout=180, what=f"celery worker {node} to send its first heartbeat")
             assert worker.proc.poll() is None, worker.output()
         return worker
 

@@ -30,7 +30,8 @@ from tokenfleet import FleetClient
 from tokenfleet.shared.keys import GROUP, Keys
 from tokenfleet.shared.schemas import JobStatus
 
-from helpers import RedisClusterServers, direct_greedy, follow_all, stream_fault, wait_until
+from helpers import RedisClusterServers, direct_greedy, follow_all, stream_fault
+from placed_kill import frozen_mid_job
 
 pytestmark = [pytest.mark.timeout(300)]
 
@@ -72,15 +73,12 @@ def test_a_master_killed_mid_run_fails_over_and_loses_nothing(
     subprocess.run(["redis-cli", "-p", str(victim.port), "WAIT", "1", "5000"], check=True,
                    capture_output=True, timeout=10)
     consumers, seen = follow_all(settings, ids)
-    celery_workers("cpu@failover", TOKENFLEET_QUEUE=queue, TOKENFLEET_MAX_BATCH="4",
-                   TOKENFLEET_CLAIM_IDLE_S="2")
-
-    def succeeded() -> int:
-        return sum(1 for j in ids if client.status(j).status is JobStatus.SUCCEEDED)
-
-    wait_until(lambda: succeeded() >= 4, timeout=120, what="4 jobs to finish before the kill")
-    in_flight = r.xpending(keys.queue(queue), GROUP)["pending"]
-    victim.kill()
+    worker = celery_workers("cpu@failover", TOKENFLEET_QUEUE=queue, TOKENFLEET_MAX_BATCH="4",
+                            TOKENFLEET_CLAIM_IDLE_S="2")
+    # The worker frozen while it runs a job, the master dies under it.
+    with frozen_mid_job(worker.proc, r, keys, "cpu@failover", ids):
+        in_flight = r.xpending(keys.queue(queue), GROUP)["pending"]
+        victim.kill()
     states = [client.wait(j, timeout=180) for j in ids]
     consumers.join(timeout=60)
 
