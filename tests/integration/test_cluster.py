@@ -59,6 +59,7 @@ def test_the_queues_live_on_different_masters(r: Any, settings: Any) -> None:
     assert len(slots) == 1
 
 
+@pytest.mark.slow
 def test_kill_9_on_a_cluster_with_two_queues_loses_nothing_and_runs_nothing_twice(
     settings: Any, client: FleetClient, celery_workers: Any, r: Any, loaded_tiny: Any,
 ) -> None:
@@ -97,6 +98,7 @@ def test_kill_9_on_a_cluster_with_two_queues_loses_nothing_and_runs_nothing_twic
         assert stream_fault(seen[state.id], state) == "", state.id
 
 
+@pytest.mark.slow
 def test_the_client_and_status_on_a_cluster(
     settings: Any, client: FleetClient, start_worker: Any, r: Any,
 ) -> None:
@@ -135,6 +137,7 @@ def test_the_client_and_status_on_a_cluster(
     assert [w["name"] for w in report["workers"]] == ["w1@cluster"]
 
 
+@pytest.mark.slow
 def test_the_gateway_on_a_cluster(gateway: Any, start_worker: Any) -> None:
     start_worker("w1@gateway")
     http = gateway()

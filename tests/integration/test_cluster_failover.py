@@ -56,6 +56,7 @@ def master_port(r: Any, key: str) -> int:
     return int(r.get_node_from_key(key).port)
 
 
+@pytest.mark.slow
 def test_a_master_killed_mid_run_fails_over_and_loses_nothing(
     cluster: RedisClusterServers, settings: Any, client: FleetClient, celery_workers: Any,
     r: Any, loaded_tiny: Any,
@@ -91,6 +92,7 @@ def test_a_master_killed_mid_run_fails_over_and_loses_nothing(
         assert stream_fault(seen[state.id], state) == "", state.id
 
 
+@pytest.mark.slow
 async def test_a_subscription_whose_node_dies_moves_to_another_node() -> None:
     # An async client's streams share one pub/sub connection, to a node picked
     # at random: when that node dies, the subscriptions move to a live one

@@ -213,6 +213,7 @@ def test_a_queue_of_one_partition_keeps_its_names() -> None:
     assert len({pick_partition(same, 3) for _ in range(5)}) == 1
 
 
+@pytest.mark.slow
 def test_kill_9_of_a_partitions_worker_loses_nothing_and_runs_nothing_twice(
     settings: Any, client: FleetClient, r: Any, start_worker: Any, celery_workers: Any,
     loaded_tiny: Any,
@@ -243,6 +244,7 @@ def test_kill_9_of_a_partitions_worker_loses_nothing_and_runs_nothing_twice(
     assert tally.ends_not_once(ids) == {} and tally.duplicated == 0
 
 
+@pytest.mark.slow
 def test_kill_9_of_a_worker_of_every_partition_loses_nothing_and_runs_nothing_twice(
     settings: Any, client: FleetClient, r: Any, start_worker: Any, celery_workers: Any,
     loaded_tiny: Any,
