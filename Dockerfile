@@ -70,7 +70,7 @@ ARG TORCH_VERSION=2.13.0
 ARG TORCH_INDEX=https://download.pytorch.org/whl/cpu
 RUN pip install --no-cache-dir --index-url "$TORCH_INDEX" "torch==${TORCH_VERSION}"
 COPY pyproject.toml ./
-RUN python /opt/requirements.py pyproject.toml worker > /tmp/requirements.txt \
+RUN python /opt/requirements.py pyproject.toml worker structured > /tmp/requirements.txt \
     && pip install --no-cache-dir -r /tmp/requirements.txt
 COPY --from=source /app ./
 RUN pip install --no-cache-dir --no-deps . && rm -rf build \
@@ -107,7 +107,7 @@ ARG TORCH_VERSION=2.13.0
 ARG TORCH_INDEX=https://download.pytorch.org/whl/cu128
 RUN pip install --no-cache-dir --index-url "$TORCH_INDEX" "torch==${TORCH_VERSION}"
 COPY pyproject.toml ./
-RUN python /opt/requirements.py pyproject.toml worker > /tmp/requirements.txt \
+RUN python /opt/requirements.py pyproject.toml worker structured > /tmp/requirements.txt \
     && pip install --no-cache-dir -r /tmp/requirements.txt
 COPY --from=source /app ./
 RUN pip install --no-cache-dir --no-deps . && rm -rf build \

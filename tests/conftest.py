@@ -35,7 +35,23 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                           "one_partition skip)")
 
 
+# The tiers (README, "Run the tests"). A bare `python -m pytest` is the unit and
+# integration tests, minutes on two cores; the tests marked with one of these run
+# in CI's further steps (.ci/run), or wherever a path or -m names them.
+LATER_TIERS = ("slow", "faults", "vllm")
+LEFT_OUT = pytest.StashKey[int]()
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if config.args_source is pytest.Config.ArgsSource.TESTPATHS and not config.option.markexpr:
+        now, later = [], []
+        for item in items:
+            later_tier = any(item.get_closest_marker(m) for m in LATER_TIERS)
+            (later if later_tier else now).append(item)
+        if later:
+            config.hook.pytest_deselected(items=later)
+            items[:] = now
+        config.stash[LEFT_OUT] = len(later)
     skips = []
     if config.getoption("--redis") == "cluster":
         skips.append(("single_redis", "single Redis only"))
@@ -46,6 +62,14 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             marker = item.get_closest_marker(name)
             if marker is not None:
                 item.add_marker(pytest.mark.skip(reason=f"{why}: {marker.args[0]}"))
+
+
+def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> None:
+    left_out = config.stash.get(LEFT_OUT, 0)
+    if left_out:
+        terminalreporter.write_line(
+            f"{left_out} tests of the slow, faults and vllm tiers left out: "
+            "python -m pytest -m 'slow or faults or vllm' runs them (.ci/run does)")
 
 
 @pytest.fixture(scope="session")
@@ -232,8 +256,10 @@ def celery_workers(settings: Any, tiny_dir: Path, r: redis.Redis) -> Iterator[Ca
         worker = CeleryWorker(settings, node, model or str(tiny_dir), env)
         procs.append(worker)
         if wait:
+            # Generous: on a loaded machine the imports and the model's load alone
+            # take a minute or more.
             wait_until(lambda: r.exists(keys.worker(node)) or worker.proc.poll() is not None,
-                       timeout=60, what=f"celery worker {node} to send its first heartbeat")
+                       timeout=180, what=f"celery worker {node} to send its first heartbeat")
             assert worker.proc.poll() is None, worker.output()
         return worker
 

@@ -72,6 +72,7 @@ def test_the_report_shows_every_column_the_ratios_and_the_same_text_share() -> N
 
 
 @pytest.mark.slow
+@pytest.mark.vllm
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed")
 @pytest.mark.skipif(os.environ.get("TOKENFLEET_TEST_VS_VLLM") != "1",
                     reason="minutes of vLLM's server starting: TOKENFLEET_TEST_VS_VLLM=1 runs it")

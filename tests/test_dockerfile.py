@@ -83,6 +83,18 @@ def test_the_gateway_and_flower_images_carry_no_torch() -> None:
         assert not names & {"torch", "transformers"}, (extras, names)
 
 
+def test_the_worker_images_serve_structured_output_and_the_demo_stays_lean(
+        targets: dict[str, Stage]) -> None:
+    # xgrammar pulls in triton (about 1 GB): the structured extra has it, the
+    # worker and demo extras do not, and the worker images install both.
+    for target in ("worker-cpu", "worker-cuda"):
+        deps = next(run for run in targets[target].all("RUN") if "requirements.py" in run)
+        assert "pyproject.toml worker structured " in deps, deps
+    assert any(line.startswith("xgrammar") for line in requirements(PROJECT, ["structured"]))
+    for extras in (["worker"], ["demo"]):
+        assert not any(line.startswith("xgrammar") for line in requirements(PROJECT, extras))
+
+
 def test_requirements_follow_an_extra_that_names_others() -> None:
     assert "torch>=2.4" in requirements(PROJECT, ["bench"])  # bench = tokenfleet[worker,...]
     with pytest.raises(SystemExit, match="no extra 'gpu'"):

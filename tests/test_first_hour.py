@@ -24,6 +24,11 @@ import redis
 
 from helpers import stop_groups, wait_until
 
+# Each test runs the installed command as a user does (a worker process, a wheel
+# built and installed): seconds each, minutes together. CI runs them after the
+# README's test command (README, "Run the tests").
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
 # What an unactivated shell has on PATH: no virtual environment's bin.
@@ -93,7 +98,6 @@ def test_a_wheel_installs_one_top_level_package_with_its_data(wheel: Path) -> No
     assert not any("train_tiny" in n or "readability" in n for n in names)
 
 
-@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_the_bare_install_submits_without_torch(wheel: Path, tmp_path: Path, settings: Any,
                                                 start_worker: Any) -> None:

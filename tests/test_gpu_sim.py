@@ -127,6 +127,7 @@ def test_the_machines_own_sleep_lateness_is_told_apart_from_the_fleets() -> None
     assert 0 < sleep_late(0.002, n=3) < 1
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_the_bench_mode_reports_tokens_per_second_against_the_ideal(tmp_path: Path) -> None:
     out = tmp_path / "sim.json"

@@ -4,6 +4,7 @@ compiles off the engine thread, the mask per row, resume from a token log."""
 from __future__ import annotations
 
 import json
+import sys
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -62,6 +63,24 @@ def run(engine: HFEngine, seqs: list[Sequence]) -> dict[str, str]:
         for out in engine.step():
             texts[out.seq.job_id] = texts.get(out.seq.job_id, "") + out.text
     return texts
+
+
+def test_a_worker_without_xgrammar_refuses_a_constrained_job_naming_the_extra(
+        runner: HFRunner, loaded_tiny: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The worker extra leaves xgrammar out (the structured extra has it): such
+    # a worker still serves every other job.
+    _, tokenizer = loaded_tiny
+    monkeypatch.setitem(sys.modules, "xgrammar", None)  # import xgrammar: ImportError
+    monkeypatch.delitem(sys.modules, "tokenfleet.workers.grammar")
+    engine = HFEngine(Scheduler(8, runner.eos_token_ids, runner.max_model_len), runner)
+    engine.grammars = grammars(tokenizer, runner.vocab_size, runner.eos_token_ids)
+    assert engine.grammars is None
+    why = engine.refusal(seq(tokenizer, "constrained", SPEC))
+    assert why is not None and why.startswith(
+        f"this worker cannot constrain output to a {SPEC.label}: structured output needs "
+        'xgrammar (pip install "tokenfleet[structured]"'), why
+    assert engine.refusal(seq(tokenizer, "plain")) is None
+    assert run(engine, [seq(tokenizer, "plain", max_new_tokens=4)])["plain"]
 
 
 def test_constrained_rows_follow_the_schema_and_unconstrained_rows_are_untouched(

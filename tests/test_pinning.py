@@ -63,6 +63,7 @@ def test_each_process_is_a_solo_celery_worker_of_the_app_under_this_interpreter(
     assert "solo" in cmd and ["-n", "gpu1@h"] == cmd[cmd.index("-n"):cmd.index("-n") + 2]
 
 
+@pytest.mark.slow
 def test_pinning_reaches_torch_in_the_child(tmp_path) -> None:  # type: ignore[no-untyped-def]
     """The variable is in the child's environment before torch is imported there."""
     import os

@@ -55,6 +55,7 @@ def seq(i: int, p: SamplingParams, prompt: list[int], generated: list[int]) -> S
     return s
 
 
+@pytest.mark.slow
 @hsettings(max_examples=300, deadline=None)
 @given(rows=st.lists(row, min_size=1, max_size=6), seed=st.integers(0, 2**31))
 def test_penalties_and_bias_equal_the_reference_row_by_row(rows: list[Any], seed: int) -> None:

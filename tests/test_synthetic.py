@@ -15,6 +15,7 @@ def _sha(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_llama_86m_builds_the_same_weights_twice(tmp_path: Path) -> None:
     first = synthetic.write("llama-86m", tmp_path / "a")
@@ -23,6 +24,7 @@ def test_llama_86m_builds_the_same_weights_twice(tmp_path: Path) -> None:
         assert _sha(first / name) == _sha(second / name), name
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_llama_86m_loads_by_name_with_its_shape(tmp_path: Path,
                                                 monkeypatch: pytest.MonkeyPatch) -> None:

@@ -121,7 +121,8 @@ def grammars(tokenizer: Any, vocab_size: int, eos_token_ids: set[int]) -> Gramma
     try:
         from tokenfleet.workers.grammar import Grammars
     except ImportError:
-        log.warning("xgrammar is not installed: jobs asking for structured output are refused")
+        log.warning("xgrammar is not installed (the structured extra): jobs asking for "
+                    "structured output are refused")
         return None
     return Grammars(tokenizer, vocab_size, eos_token_ids)
 

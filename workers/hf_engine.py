@@ -99,7 +99,8 @@ class HFEngine(Engine):
             return why
         if seq.structured is not None and self.grammars is None:
             return (f"this worker cannot constrain output to a {seq.structured.label}: "
-                    "structured output needs xgrammar (pip install xgrammar)")
+                    "structured output needs xgrammar "
+                    "(pip install \"tokenfleet[structured]\" on the worker's host)")
         return None
 
     def _add(self, seq: Sequence) -> None:

@@ -28,6 +28,7 @@ import redis
 from tokenfleet.shared.keys import Keys
 
 from helpers import ChannelTally, direct_greedy, free_port, wait_until
+from placed_kill import frozen_mid_job
 
 pytestmark = [pytest.mark.faults, pytest.mark.timeout(300)]
 
@@ -158,8 +159,13 @@ def test_a_500_line_batch_completes_through_the_fault_each_line_once(
                what="100 lines to finish before the fault")
     faulted_at = time.monotonic()
     done_at_fault = done_lines(r, keys, batch.id)
+
+    def lines_jobs() -> list[str]:
+        return [j.decode() for j in r.hvals(keys.batch_running(batch.id))]
+
     if fault == "worker_kill_9":
-        worker.kill()  # its pending entries go to the next worker after claim_idle_s
+        with frozen_mid_job(worker.proc, r, keys, "cpu@first", lines_jobs):
+            worker.kill()  # its pending entries go to the next worker after claim_idle_s
         celery_workers("cpu@second", **WORKER_ENV)
     elif fault == "gateway_kill_9":
         holder = lease_holder_pid(r, keys, batch.id)
@@ -170,9 +176,10 @@ def test_a_500_line_batch_completes_through_the_fault_each_line_once(
     else:
         # Every process at once, with no grace (a power cut): no lease given
         # back, no job handed back; the next processes find what Redis holds.
-        for gateway in gateways:
-            gateway.kill()
-        worker.kill()
+        with frozen_mid_job(worker.proc, r, keys, "cpu@first", lines_jobs):
+            for gateway in gateways:
+                gateway.kill()
+            worker.kill()
         time.sleep(10)  # the outage itself: nothing of the fleet runs
         celery_workers("cpu@after", **WORKER_ENV)
         gateways = [start_gateway()]

@@ -158,6 +158,7 @@ def recipe(tmp_path: Path, settings: Any) -> Iterator[httpx.Client]:
     server.wait(timeout=20)
 
 
+@pytest.mark.slow
 def test_the_docs_fastapi_example_streams_refuses_and_cancels_a_job_whose_client_left(
     recipe: httpx.Client, start_worker: Callable[..., Any], r: redis.Redis, settings: Any,
     loaded_tiny: Any

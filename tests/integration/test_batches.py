@@ -133,6 +133,7 @@ def events(fleet: dict[str, Any], batch_id: str) -> list[str]:
             if orjson.loads(fields[b"data"]) == {"id": batch_id}]
 
 
+@pytest.mark.slow
 def test_submit_batch_runs_to_completed_with_one_output_line_per_request(
     fleet: dict[str, Any]
 ) -> None:
@@ -157,6 +158,7 @@ def test_submit_batch_runs_to_completed_with_one_output_line_per_request(
         assert client.status(line["response"]["request_id"]).priority == "batch"
 
 
+@pytest.mark.slow
 def test_the_openai_client_runs_200_lines_each_equal_to_the_single_request(
     fleet: dict[str, Any]
 ) -> None:
@@ -202,6 +204,7 @@ def test_the_openai_client_runs_200_lines_each_equal_to_the_single_request(
     assert batches["/v1/completions"].id in [b.id for b in after.data]
 
 
+@pytest.mark.slow
 def test_bad_lines_go_to_the_error_file_with_the_single_requests_message(
     fleet: dict[str, Any]
 ) -> None:
@@ -563,6 +566,7 @@ def test_a_stopped_drivers_batch_is_taken_over_and_each_line_runs_once(
     asyncio.run(main())
 
 
+@pytest.mark.slow
 def test_an_async_stream_of_generation_requests_is_a_chat_batch(fleet: dict[str, Any]) -> None:
     from tokenfleet import GenerationRequest
 

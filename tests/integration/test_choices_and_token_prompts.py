@@ -25,6 +25,7 @@ def openai_client(http: Any) -> openai.OpenAI:
                          max_retries=0, timeout=60)
 
 
+@pytest.mark.slow
 def test_n_seeded_choices_each_equal_the_single_request_with_that_choice_index(
     gateway: Any, start_worker: Any, client: FleetClient
 ) -> None:
@@ -72,6 +73,7 @@ def test_n_seeded_choices_each_equal_the_single_request_with_that_choice_index(
     assert deltas == texts
 
 
+@pytest.mark.slow
 def test_a_prompt_of_token_ids_gives_the_text_of_the_same_prompt_as_a_string(
     gateway: Any, start_worker: Any, client: FleetClient, loaded_tiny: Any
 ) -> None:
@@ -143,6 +145,7 @@ FIELDS = [
 ]
 
 
+@pytest.mark.slow
 def test_each_field_is_honoured_or_refused_by_name_with_its_reason(
     gateway: Any, start_worker: Any, r: redis.Redis, settings: Any
 ) -> None:

@@ -23,6 +23,7 @@ def connections_made(client: FleetClient) -> int:
     return int(client.redis.connection_pool._created_connections)
 
 
+@pytest.mark.slow
 def test_waits_and_streams_one_after_another_open_no_new_connection(
         client: FleetClient, start_worker: Any) -> None:
     start_worker()

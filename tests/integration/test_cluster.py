@@ -18,13 +18,14 @@ from typing import Any
 import pytest
 
 from tokenfleet import FleetClient
-from tokenfleet.shared.keys import GROUP, Keys
+from tokenfleet.shared.keys import Keys
 from tokenfleet.shared.schemas import JobStatus
 from tokenfleet.shared.serialization import loads
 
 from gateway_server import gateway  # noqa: F401  (a fixture)
 from helpers import (ChannelTally, RedisClusterServers, direct_greedy, follow_all, stream_fault,
                      wait_until)
+from placed_kill import frozen_mid_job
 
 pytestmark = [pytest.mark.timeout(300)]
 
@@ -58,6 +59,7 @@ def test_the_queues_live_on_different_masters(r: Any, settings: Any) -> None:
     assert len(slots) == 1
 
 
+@pytest.mark.slow
 def test_kill_9_on_a_cluster_with_two_queues_loses_nothing_and_runs_nothing_twice(
     settings: Any, client: FleetClient, celery_workers: Any, r: Any, loaded_tiny: Any,
 ) -> None:
@@ -74,13 +76,8 @@ def test_kill_9_on_a_cluster_with_two_queues_loses_nothing_and_runs_nothing_twic
     celery_workers("cpu@other", TOKENFLEET_QUEUE="other", **slow)
     first = celery_workers("cpu@first", TOKENFLEET_QUEUE="default", **slow)
 
-    def succeeded(queue: str) -> int:
-        return sum(1 for j in ids[queue] if r.hget(keys.job(j), "status") == b"succeeded")
-
-    wait_until(lambda: succeeded("default") >= 4, timeout=120,
-               what="4 jobs of queue default to finish before the kill")
-    in_flight = r.xpending(keys.queue("default"), GROUP)["pending"]
-    first.kill()  # SIGKILL: its pending entries stay with cpu@first
+    with frozen_mid_job(first.proc, r, keys, "cpu@first", ids["default"]) as in_flight:
+        first.kill()  # SIGKILL: its pending entries stay with cpu@first
     celery_workers("cpu@second", TOKENFLEET_QUEUE="default", **slow)
     states = {q: [client.wait(j, timeout=180) for j in ids[q]] for q in QUEUES}
     consumers.join(timeout=60)
@@ -91,8 +88,8 @@ def test_kill_9_on_a_cluster_with_two_queues_loses_nothing_and_runs_nothing_twic
         assert [s.status for s in states[q]] == [JobStatus.SUCCEEDED] * 40, q
         assert [s.text for s in states[q]] == direct_greedy(loaded_tiny, jobs[q]), q
     every_state = [s for q in QUEUES for s in states[q]]
-    assert in_flight > 0 and any(s.attempts > 1 for s in states["default"]), \
-        "the kill hit no job in flight"
+    assert all(s.attempts == 2 for j, s in zip(ids["default"], states["default"])
+               if j in in_flight), in_flight
     assert all(s.attempts == 1 for s in states["other"])  # the other queue's worker never noticed
     assert tally.ends_not_once(every) == {}  # each end published once
     assert tally.duplicated == 0
@@ -101,6 +98,7 @@ def test_kill_9_on_a_cluster_with_two_queues_loses_nothing_and_runs_nothing_twic
         assert stream_fault(seen[state.id], state) == "", state.id
 
 
+@pytest.mark.slow
 def test_the_client_and_status_on_a_cluster(
     settings: Any, client: FleetClient, start_worker: Any, r: Any,
 ) -> None:
@@ -139,6 +137,7 @@ def test_the_client_and_status_on_a_cluster(
     assert [w["name"] for w in report["workers"]] == ["w1@cluster"]
 
 
+@pytest.mark.slow
 def test_the_gateway_on_a_cluster(gateway: Any, start_worker: Any) -> None:
     start_worker("w1@gateway")
     http = gateway()

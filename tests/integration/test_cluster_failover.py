@@ -30,7 +30,8 @@ from tokenfleet import FleetClient
 from tokenfleet.shared.keys import GROUP, Keys
 from tokenfleet.shared.schemas import JobStatus
 
-from helpers import RedisClusterServers, direct_greedy, follow_all, stream_fault, wait_until
+from helpers import RedisClusterServers, direct_greedy, follow_all, stream_fault
+from placed_kill import frozen_mid_job
 
 pytestmark = [pytest.mark.timeout(300)]
 
@@ -55,6 +56,7 @@ def master_port(r: Any, key: str) -> int:
     return int(r.get_node_from_key(key).port)
 
 
+@pytest.mark.slow
 def test_a_master_killed_mid_run_fails_over_and_loses_nothing(
     cluster: RedisClusterServers, settings: Any, client: FleetClient, celery_workers: Any,
     r: Any, loaded_tiny: Any,
@@ -72,15 +74,12 @@ def test_a_master_killed_mid_run_fails_over_and_loses_nothing(
     subprocess.run(["redis-cli", "-p", str(victim.port), "WAIT", "1", "5000"], check=True,
                    capture_output=True, timeout=10)
     consumers, seen = follow_all(settings, ids)
-    celery_workers("cpu@failover", TOKENFLEET_QUEUE=queue, TOKENFLEET_MAX_BATCH="4",
-                   TOKENFLEET_CLAIM_IDLE_S="2")
-
-    def succeeded() -> int:
-        return sum(1 for j in ids if client.status(j).status is JobStatus.SUCCEEDED)
-
-    wait_until(lambda: succeeded() >= 4, timeout=120, what="4 jobs to finish before the kill")
-    in_flight = r.xpending(keys.queue(queue), GROUP)["pending"]
-    victim.kill()
+    worker = celery_workers("cpu@failover", TOKENFLEET_QUEUE=queue, TOKENFLEET_MAX_BATCH="4",
+                            TOKENFLEET_CLAIM_IDLE_S="2")
+    # The worker frozen while it runs a job, the master dies under it.
+    with frozen_mid_job(worker.proc, r, keys, "cpu@failover", ids):
+        in_flight = r.xpending(keys.queue(queue), GROUP)["pending"]
+        victim.kill()
     states = [client.wait(j, timeout=180) for j in ids]
     consumers.join(timeout=60)
 
@@ -93,6 +92,7 @@ def test_a_master_killed_mid_run_fails_over_and_loses_nothing(
         assert stream_fault(seen[state.id], state) == "", state.id
 
 
+@pytest.mark.slow
 async def test_a_subscription_whose_node_dies_moves_to_another_node() -> None:
     # An async client's streams share one pub/sub connection, to a node picked
     # at random: when that node dies, the subscriptions move to a live one

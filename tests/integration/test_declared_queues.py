@@ -83,6 +83,7 @@ async def submit_async(settings: Any) -> str:
         return await c.submit("from asyncio", model=POOL, max_new_tokens=1)
 
 
+@pytest.mark.slow
 def test_a_declared_queue_takes_jobs_with_no_worker_and_a_worker_drains_its_backlog(
     client: FleetClient, settings: Any, start_worker: Any, exporter: int
 ) -> None:

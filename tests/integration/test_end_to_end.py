@@ -28,6 +28,7 @@ def greedy_reference(model: Any, tok: Any, prompt: str, n: int) -> str:
     return tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True)  # type: ignore[no-any-return]
 
 
+@pytest.mark.slow
 def test_64_mixed_jobs_all_succeed_in_one_shared_batch(
     client: FleetClient, celery_workers: Any, r: redis.Redis, settings: Any
 ) -> None:
@@ -55,6 +56,7 @@ def test_64_mixed_jobs_all_succeed_in_one_shared_batch(
     assert worker.stop() == 0
 
 
+@pytest.mark.slow
 def test_greedy_text_equals_transformers_generate(
     client: FleetClient, start_worker: Any, loaded_tiny: tuple[Any, Any]
 ) -> None:
@@ -70,6 +72,7 @@ def test_greedy_text_equals_transformers_generate(
         assert state.finish_reason is not None and state.num_prompt_tokens == len(tok(prompt)["input_ids"])
 
 
+@pytest.mark.slow
 def test_stream_concatenates_to_the_final_text_even_when_subscribing_late(
     client: FleetClient, start_worker: Any, r: redis.Redis, settings: Any
 ) -> None:
@@ -100,6 +103,7 @@ def test_stream_concatenates_to_the_final_text_even_when_subscribing_late(
     assert logged_tokens(r, keys, late_id) == (state.token_ids, 0, True)
 
 
+@pytest.mark.slow
 def test_two_worker_processes_split_a_burst_and_no_job_runs_twice(
     client: FleetClient, celery_workers: Any, r: redis.Redis, settings: Any
 ) -> None:

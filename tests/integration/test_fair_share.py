@@ -57,6 +57,7 @@ def ttft_p50(client: FleetClient, job_ids: list[str]) -> float:
                              if s.first_token_at and s.created_at)
 
 
+@pytest.mark.slow
 def test_a_tenant_after_a_flood_finishes_first_at_near_its_own_speed(
         settings: Any, celery_workers: Any, r: redis.Redis) -> None:
     keys = Keys(settings.namespace)

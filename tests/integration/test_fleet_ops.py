@@ -99,6 +99,7 @@ def celery_cli(settings: Any, *args: str) -> str:
     return out.stdout
 
 
+@pytest.mark.slow
 def test_remote_control_inspects_drains_and_resumes_a_worker(
     settings: Any, client: FleetClient, celery_workers: Any, r: redis.Redis
 ) -> None:
@@ -114,6 +115,7 @@ def test_remote_control_inspects_drains_and_resumes_a_worker(
     assert client.wait(held, timeout=60).status is JobStatus.SUCCEEDED
 
 
+@pytest.mark.slow
 def test_three_workers_two_models_share_the_load_and_status_shows_them_all(
     settings: Any, client: FleetClient, celery_workers: Any, tiny_dir: Path
 ) -> None:
@@ -143,6 +145,7 @@ def test_three_workers_two_models_share_the_load_and_status_shows_them_all(
     assert {s.worker for s in states[24:]} == {"cpu@host3"}
 
 
+@pytest.mark.slow
 def test_flower_lists_the_workers(settings: Any, celery_workers: Any) -> None:
     import httpx
 

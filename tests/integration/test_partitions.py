@@ -30,12 +30,13 @@ import redis
 
 from tokenfleet import FleetClient
 from tokenfleet.shared.declared import queue_partitions, set_partitions
-from tokenfleet.shared.keys import GROUP, Keys, job_model, partitions_of
+from tokenfleet.shared.keys import Keys, job_model, partitions_of
 from tokenfleet.shared.schemas import JobStatus
 from tokenfleet.shared.serialization import loads
 
 from helpers import (ChannelTally, RedisClusterServers, RedisServer, direct_greedy,
                      wait_until)
+from placed_kill import frozen_mid_job
 
 pytestmark = [pytest.mark.timeout(240)]
 
@@ -212,6 +213,7 @@ def test_a_queue_of_one_partition_keeps_its_names() -> None:
     assert len({pick_partition(same, 3) for _ in range(5)}) == 1
 
 
+@pytest.mark.slow
 def test_kill_9_of_a_partitions_worker_loses_nothing_and_runs_nothing_twice(
     settings: Any, client: FleetClient, r: Any, start_worker: Any, celery_workers: Any,
     loaded_tiny: Any,
@@ -229,26 +231,20 @@ def test_kill_9_of_a_partitions_worker_loses_nothing_and_runs_nothing_twice(
     victim = celery_workers("cpu@victim", TOKENFLEET_QUEUE=first, TOKENFLEET_MAX_BATCH="4")
     start_worker("other@parts", queue=second)
 
-    def succeeded() -> int:
-        return sum(1 for j in ids if job_model(j) == first
-                   and r.hget(keys.job(j), "status") == b"succeeded")
-
-    wait_until(lambda: succeeded() >= 2, timeout=120,
-               what=f"2 jobs of {first} to finish before the kill")
-    in_flight = r.xpending(keys.queue(first), GROUP)["pending"]
-    victim.kill()  # SIGKILL: its pending entries stay with cpu@victim
+    with frozen_mid_job(victim.proc, r, keys, "cpu@victim", ids) as in_flight:
+        victim.kill()  # SIGKILL: its pending entries stay with cpu@victim
     start_worker("next@parts", queue=first, claim_idle_s=2)
     states = [client.wait(j, timeout=120) for j in ids]
     tally.wait_ended(ids, timeout=30)
     tally.close()
     assert [s.text for s in states] == direct_greedy(loaded_tiny, jobs)
     assert all(whole(r, keys, j, s) for j, s in zip(ids, states))
-    assert in_flight > 0 and any(s.attempts > 1 for j, s in zip(ids, states)
-                                 if job_model(j) == first), "the kill hit no job in flight"
+    assert all(s.attempts == 2 for j, s in zip(ids, states) if j in in_flight), in_flight
     assert all(s.attempts == 1 for j, s in zip(ids, states) if job_model(j) == second)
     assert tally.ends_not_once(ids) == {} and tally.duplicated == 0
 
 
+@pytest.mark.slow
 def test_kill_9_of_a_worker_of_every_partition_loses_nothing_and_runs_nothing_twice(
     settings: Any, client: FleetClient, r: Any, start_worker: Any, celery_workers: Any,
     loaded_tiny: Any,
@@ -263,14 +259,11 @@ def test_kill_9_of_a_worker_of_every_partition_loses_nothing_and_runs_nothing_tw
     tally = ChannelTally(settings.redis_url, keys, ids)
     victim = celery_workers("cpu@victim", TOKENFLEET_QUEUE="every", TOKENFLEET_MAX_BATCH="6")
 
-    def in_flight() -> dict[str, int]:
-        return {p: r.xpending(keys.queue(p), GROUP)["pending"]
-                for p in partitions_of("every", 2)}
+    def of_both(running: list[str]) -> bool:
+        return {job_model(j) for j in running} == set(partitions_of("every", 2))
 
-    wait_until(lambda: sum(1 for j in ids if r.hget(keys.job(j), "status") == b"succeeded")
-               >= 2 and all(in_flight().values()), timeout=120,
-               what="jobs of both partitions in flight, 2 finished, before the kill")
-    victim.kill()  # SIGKILL: its pending entries in both partitions stay with cpu@victim
+    with frozen_mid_job(victim.proc, r, keys, "cpu@victim", ids, enough=of_both):
+        victim.kill()  # SIGKILL: its pending entries in both partitions stay with cpu@victim
     start_worker("next@every", queue="every", claim_idle_s=2)
     states = [client.wait(j, timeout=120) for j in ids]
     tally.wait_ended(ids, timeout=30)

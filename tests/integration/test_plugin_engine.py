@@ -20,6 +20,7 @@ pytestmark = pytest.mark.timeout(180)
 PROMPTS = ["hello world", "def f(x):", "Redis streams keep"]
 
 
+@pytest.mark.slow
 def test_an_engine_registered_by_entry_point_serves_jobs(
     client: FleetClient, celery_workers: Any, tmp_path: Path
 ) -> None:
@@ -42,6 +43,7 @@ def test_an_engine_registered_by_entry_point_serves_jobs(
     assert worker.stop() == 0
 
 
+@pytest.mark.slow
 def test_a_worker_named_to_an_engine_not_installed_exits_naming_the_installed_ones(
     celery_workers: Any,
 ) -> None:

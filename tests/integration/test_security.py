@@ -94,6 +94,7 @@ def run_one_job(url: str, namespace: str, celery_workers: Any) -> None:
         assert state.status is JobStatus.SUCCEEDED and state.worker == "cpu@secure"
 
 
+@pytest.mark.slow
 def test_an_acl_user_url_works_for_clients_and_celery_workers(
     acl_url: str, namespace: str, celery_workers: Any
 ) -> None:
@@ -103,6 +104,7 @@ def test_an_acl_user_url_works_for_clients_and_celery_workers(
         FleetClient(settings=Settings(redis_url=wrong, namespace=namespace)).submit("x")
 
 
+@pytest.mark.slow
 def test_a_rediss_url_works_for_clients_and_celery_workers(
     tls_url: str, namespace: str, celery_workers: Any
 ) -> None:

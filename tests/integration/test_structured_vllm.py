@@ -20,7 +20,7 @@ from tokenfleet.shared.settings import Settings  # noqa: E402
 
 from structured_helpers import HI, SCHEMA, fifty_schema_answers, serving  # noqa: E402
 
-pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(300), pytest.mark.slow]
 
 TOOL = {"type": "function", "function": {"name": "pick", "parameters": SCHEMA}}
 
