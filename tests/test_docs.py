@@ -60,7 +60,8 @@ def test_readme_is_a_front_page() -> None:
 
 def test_readme_runs_the_test_command_ci_runs() -> None:
     ci = (ROOT / ".ci" / "run").read_text()
-    command = next(line for line in ci.splitlines() if line.startswith("python3 -m venv"))
+    command = next(line for line in ci.splitlines()
+                   if line.startswith("python3 -m venv") and "pytest" in line)
     readme_command = command.removesuffix(" || exit 1")
     assert readme_command in README.read_text().splitlines()
 
