@@ -317,9 +317,9 @@ class Deliverer:
     async def _attempt(self, event: Event) -> None:
         try:
             url = event.url or self.settings.webhook_url
-            if not url:
-                self._warn_once("no-url", "webhook events are dropped: none names a URL and "
-                                "TOKENFLEET_WEBHOOK_URL is not set")
+            if not url:  # no webhook was asked for (a batch's end in a fleet without any)
+                log.debug("webhook event %s (%s) dropped: it names no URL and "
+                          "TOKENFLEET_WEBHOOK_URL is not set", event.id, event.type)
                 self.outcomes["dropped"] += 1
                 await self._forget(event)
                 return
@@ -394,6 +394,7 @@ class Deliverer:
             "attempts": str(attempts), "last_status": "" if outcome.status is None
             else str(outcome.status), "last_error": outcome.error, "at": repr(time.time()),
             "stream": event.stream, "entry": event.entry_id})
+        self.outcomes["dead"] += 1
         await self._forget(event)
 
     async def _forget(self, event: Event, attempt: dict[str, str] | None = None) -> None:
