@@ -26,6 +26,9 @@ from tokenfleet.shared.schemas import (
 )
 from tokenfleet.shared.serialization import end_event, loads
 
+# The window of a worker's rate when its stats do not say (an older worker's).
+RATE_WINDOW_S = 10.0
+
 
 def fleet_status(client: Any) -> dict[str, Any]:
     """Read every queue's depth and group state and every live worker's heartbeat.
@@ -68,7 +71,13 @@ def fleet_status(client: Any) -> dict[str, Any]:
     return {
         "queues": queues,
         "workers": workers,
-        "tokens_per_s": round(sum(float(w["stats"].get("tokens_per_s", 0)) for w in workers), 2),
+        # A worker that stopped beating (killed) keeps its last rate in its hash
+        # until it expires: only the live ones' count.
+        "tokens_per_s": round(sum(float(w["stats"].get("tokens_per_s", 0)) for w in workers
+                                  if _live(w, now)), 2),
+        # The window the workers take their rates over (their stats say).
+        "rate_window_s": max((float(w["stats"].get("rate_window_s", RATE_WINDOW_S))
+                              for w in workers), default=RATE_WINDOW_S),
         "at": now,
     }
 
@@ -298,7 +307,8 @@ def tables(report: dict[str, Any]) -> list[Table]:
                         jobs, f"{w['age_s']:.1f}s ago" + ("" if w.get("live", True) else ", dead")])
     return [("queues", ["queue", f"depth ({'/'.join(PRIORITIES)})", "lag", "pending", "oldest wait",
                         "backlog tokens", "dead letters", "workers"], queues),
-            ("workers", ["node", "device", "model", "queue", "batch", "peak", "tokens/s", "jobs",
+            ("workers", ["node", "device", "model", "queue", "batch", "peak",
+                         f"tokens/s (last {report['rate_window_s']:g} s)", "jobs",
                          "heartbeat"], workers)]
 
 
@@ -319,7 +329,7 @@ def plain(report: dict[str, Any]) -> str:
         for row in [columns, *rows]:
             lines.append("  ".join(v.ljust(w) for v, w in zip(row, widths)).rstrip())
         lines.append("")
-    lines.append(f"fleet throughput: {report['tokens_per_s']:.1f} tokens/s")
+    lines.append(throughput(report))
     return "\n".join(lines) + "\n"
 
 
@@ -337,4 +347,10 @@ def view(report: dict[str, Any]) -> Any:
             table.add_row(*("[red]none[/red]" if column == "workers" and value == "none"
                             else value for column, value in zip(columns, row)))
         shown.append(table)
-    return Group(*shown, Text(f"fleet throughput: {report['tokens_per_s']:.1f} tokens/s"))
+    return Group(*shown, Text(throughput(report)))
+
+
+def throughput(report: dict[str, Any]) -> str:
+    """The fleet's line: its rate, with the window it is taken over."""
+    return (f"fleet throughput over the last {report['rate_window_s']:g} s: "
+            f"{report['tokens_per_s']:.1f} tokens/s")

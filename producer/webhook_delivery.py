@@ -305,9 +305,9 @@ class Deliverer:
         try:
             own = event.url is None  # the operator's TOKENFLEET_WEBHOOK_URL: not checked
             url = event.url or self.settings.webhook_url
-            if not url:
-                self._warn_once("no-url", "webhook events are dropped: none names a URL and "
-                                "TOKENFLEET_WEBHOOK_URL is not set")
+            if not url:  # no webhook was asked for (a batch's end in a fleet without any)
+                log.debug("webhook event %s (%s) dropped: it names no URL and "
+                          "TOKENFLEET_WEBHOOK_URL is not set", event.id, event.type)
                 self.outcomes["dropped"] += 1
                 await self.lanes.forget(event)
                 return

@@ -4,6 +4,7 @@ tests/test_health.py."""
 
 from __future__ import annotations
 
+import pytest
 from prometheus_client import CollectorRegistry, Counter, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -63,3 +64,20 @@ def test_queue_depth_counts_waiting_jobs_and_running_ones_are_counted_apart() ->
     assert got[("tokenfleet_running_jobs", (("priority", "normal"), ("queue", "q")))] == 50
     assert got[("tokenfleet_queue_depth", (("priority", "high"), ("queue", "q")))] == 4
     assert got[("tokenfleet_running_jobs", (("priority", "high"), ("queue", "q")))] == 3
+
+
+def test_a_workers_rate_is_over_the_last_ten_seconds_and_reads_0_once_idle_that_long(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from tokenfleet.workers import stats as stats_module
+
+    now = [1000.0]
+    monkeypatch.setattr(stats_module.time, "monotonic", lambda: now[0])
+    stats = WorkerStats()
+    for second in range(5):  # 5 s of 100 tokens a second, then nothing
+        now[0] = 1000.0 + second
+        stats._recent.append((now[0], 100))
+    now[0] = 1005.0
+    assert stats.tokens_per_s() == pytest.approx(50.0)  # 500 tokens over the last 10 s
+    assert stats.as_dict()["rate_window_s"] == 10.0
+    now[0] = 1014.5  # the burst's last step was 10.5 s ago: an idle worker
+    assert stats.tokens_per_s() == 0.0

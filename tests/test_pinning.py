@@ -59,8 +59,11 @@ def test_each_process_is_a_solo_celery_worker_of_the_app_under_this_interpreter(
     import sys
 
     cmd = celery_command("gpu1@h")
-    assert cmd[:7] == [sys.executable, "-m", "celery", "-A", "tokenfleet.workers.app", "worker", "-P"]
+    assert cmd[:8] == [sys.executable, "-m", "celery", "-A", "tokenfleet.workers.app", "--quiet",
+                       "worker", "-P"]
     assert "solo" in cmd and ["-n", "gpu1@h"] == cmd[cmd.index("-n"):cmd.index("-n") + 2]
+    # Celery's banner and its own lines only when asked for.
+    assert "--quiet" not in celery_command("gpu1@h", "DEBUG")
 
 
 @pytest.mark.slow

@@ -64,4 +64,5 @@ app.conf.update(
 )
 app.steps["worker"].add(EngineStep)
 
+import tokenfleet.workers.celery_quiet  # noqa: E402,F401  (Celery's output; a quick exit)
 import tokenfleet.workers.control  # noqa: E402,F401  (registers the inspect/control commands)

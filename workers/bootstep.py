@@ -10,6 +10,7 @@ from celery import bootsteps
 from celery.exceptions import ImproperlyConfigured, WorkerShutdown
 
 from tokenfleet.shared.settings import Settings, get_settings
+from tokenfleet.workers.celery_quiet import stop_quietly
 
 if TYPE_CHECKING:
     from tokenfleet.workers.health import StatusServer
@@ -78,6 +79,7 @@ class EngineStep(bootsteps.StartStopStep):
         if parent.hub is None:
             raise ImproperlyConfigured("the tokenfleet engine needs Celery's event loop: "
                                        "a Redis broker and the solo pool (-P solo)")
+        stop_quietly(parent)  # Celery installed its signal handlers before the steps start
         settings = get_settings()
         # The probes answer from before the model loads: live, not ready yet.
         status = StatusServer(Health(settings.liveness_s))

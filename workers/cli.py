@@ -213,7 +213,12 @@ def worker(gpus: str | None, name: str | None, loglevel: str, metrics_port: int 
                    f"model={settings.queue!r}), model {settings.model}", err=True)
     supervisor = Supervisor(children, max_restarts=max_restarts,
                             say=lambda line: click.echo(f"tokenfleet worker: {line}", err=True))
-    sys.exit(supervisor.run())
+    code = supervisor.run()
+    # Every child has ended: nothing is left to clean up, and the interpreter's
+    # teardown of what checking the model imported (torch) took seconds.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _check_model(model: str) -> None:

@@ -105,6 +105,8 @@ def celery_command(node: str, loglevel: str = "INFO") -> list[str]:
     ``celery`` is first on PATH: a venv's ``tokenfleet`` started by its full
     path, as systemd or supervisor do, finds its own Celery and its own code.
     """
-    return [sys.executable, "-m", "celery", "-A", "tokenfleet.workers.app", "worker",
+    # Celery's banner and its own lines only at DEBUG (tokenfleet.workers.celery_quiet).
+    quiet = [] if loglevel.upper() == "DEBUG" else ["--quiet"]
+    return [sys.executable, "-m", "celery", "-A", "tokenfleet.workers.app", *quiet, "worker",
             "-P", "solo", "-c", "1", "-n", node, "--without-mingle", "--without-gossip",
             "-l", loglevel]

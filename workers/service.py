@@ -221,8 +221,12 @@ class Worker:
                 thread.start()
         self.health.set(Phase.SERVING)
         parts = f", partitions {', '.join(self.partitions)}" if len(self.partitions) > 1 else ""
-        log.info("worker %s serving queue %r (max batch %d, prefetch %d%s)",
-                 self.name, self.queue, self.max_batch, self.settings.prefetch, parts)
+        port = self.settings.metrics_port
+        metrics = (f"metrics http://0.0.0.0:{port}/metrics" if port and self.status.serving
+                   else "no metrics port (--metrics-port)")
+        log.info("worker %s started: queue %r, model %s, engine %s, %s (max batch %d, "
+                 "prefetch %d%s)", self.name, self.queue, self.settings.model,
+                 self.settings.engine, metrics, self.max_batch, self.settings.prefetch, parts)
 
     def _serve_partitions(self) -> None:
         """The partitions this worker serves, a feeder for each: every one of a
@@ -268,6 +272,7 @@ class Worker:
                 self._stop(self.settings.drain_grace_s if grace_s is None else grace_s)
 
     def _stop(self, grace: float) -> None:
+        started = time.monotonic()
         self.health.set(Phase.DRAINING)  # not ready from now on: a probe sees the drain
         self._stop_intake.set()
         # The feeders hand over what they have already read, then end.
@@ -286,8 +291,9 @@ class Worker:
                 log.warning("the %s thread did not end within %.0fs", thread.name, JOIN_S)
         if self._own_status:
             self.status.close()
+        handed = 0
         if engine_ended:
-            self._hand_back_all()
+            handed = self._hand_back_all()
         else:
             log.error("the engine thread did not end within %.0fs of the stop (a step that does "
                       "not return?): it may still run its %d job(s), so none is handed back; "
@@ -298,6 +304,9 @@ class Worker:
                         "pending, for a live worker of the queue to take once this one has "
                         "left", grace + JOIN_S)
         self._leave()
+        finished = sum(self.engine.stats.jobs.values())
+        log.info("worker %s stopped: %d job(s) finished here, %d handed back to the queue; "
+                 "the stop took %.1f s", self.name, finished, handed, time.monotonic() - started)
 
     def _drain(self, grace: float) -> None:
         """Let the engine run until it has no work, its loop has ended, or
@@ -310,10 +319,11 @@ class Worker:
             self._wake.set()
             self._idle.wait(min(0.5, max(0.0, deadline - time.monotonic())))
 
-    def _hand_back_all(self) -> None:
+    def _hand_back_all(self) -> int:
         """Hand back every job not ended here: the engine's, a failure's
         suspects, and those of the step whose writes Redis never stored
-        (``_sent``: their ends too). Only once the engine thread has ended."""
+        (``_sent``: their ends too). Only once the engine thread has ended.
+        Returns how many went back."""
         failure = self._failure
         suspects = failure.suspects if failure is not None else []
         handed_over = [*self._drain_steps(), *self._unhanded]
@@ -322,21 +332,24 @@ class Worker:
         # The jobs of a step that failed may have caused it (on a GPU a bad
         # input can trip a device-side assert): theirs counts as an attempt.
         # requeue.lua skips the jobs that are no longer this worker's.
-        self._hand_back(left, frozenset(s.job_id for s in suspects))
+        handed = self._hand_back(left, frozenset(s.job_id for s in suspects))
         for seq in left:
             self.engine.drop(seq.job_id)
         self._held.clear()
+        return handed
 
-    def _hand_back(self, seqs: Iterable[Sequence], suspects: frozenset[str] = frozenset()) -> None:
+    def _hand_back(self, seqs: Iterable[Sequence], suspects: frozenset[str] = frozenset()) -> int:
+        """Hand ``seqs`` back to the queue; how many went back."""
         left = list({id(s): s for s in seqs}.values())
         if not left:
-            return
+            return 0
         try:
-            handed = self.publisher.hand_back(left, suspects)
-            log.info("handed %d unfinished job(s) back to the queue", handed)
+            handed: int = self.publisher.hand_back(left, suspects)
         except RedisError as exc:
             # Redis refuses: the entries stay pending and are reclaimed later.
             log.warning("could not hand jobs back (%s); they will be reclaimed", exc)
+            return 0
+        return handed
 
     def _leave(self) -> None:
         """Take this worker out of the fleet's view (its heartbeat and the served set)."""
@@ -381,7 +394,7 @@ class Worker:
         """Engine thread: hand back the jobs preempted before the last step."""
         if self._preempted:
             seqs, self._preempted = self._preempted, []
-            self._hand_back(seqs)
+            log.info("handed %d preempted job(s) back to the queue", self._hand_back(seqs))
 
     def cancel(self, job_id: str) -> None:
         self.engine.abort(job_id, FinishReason.CANCELLED)

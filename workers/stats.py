@@ -10,6 +10,10 @@ from dataclasses import dataclass, field
 from tokenfleet.shared.keys import level_tenant
 from tokenfleet.workers.sequence import SeqOutput
 
+# The window of the rate a worker reports (its heartbeat, ``tokenfleet status``).
+RATE_WINDOW_S = 10.0
+RECENT_STEPS = 256  # the steps kept for it
+
 
 @dataclass
 class WorkerStats:
@@ -27,7 +31,8 @@ class WorkerStats:
     store_retries: int = 0  # times Redis refused a step's writes and they were sent again
     preempted: int = 0  # batch-level jobs handed back for live jobs (workers/preemption.py)
     started_at: float = field(default_factory=time.time)
-    _recent: deque[tuple[float, int]] = field(default_factory=lambda: deque(maxlen=256))
+    _recent: deque[tuple[float, int]] = field(
+        default_factory=lambda: deque(maxlen=RECENT_STEPS))
 
     def record(self, outputs: list[SeqOutput], seconds: float = 0.0, batch: int = 0,
                prefill: bool = False) -> None:
@@ -60,14 +65,17 @@ class WorkerStats:
         self.tokens += made
         self._recent.append((time.monotonic(), made))
 
-    def tokens_per_s(self, window_s: float = 10.0) -> float:
+    def tokens_per_s(self, window_s: float = RATE_WINDOW_S) -> float:
+        """Tokens made over the last ``window_s`` seconds, a second: 0 once the
+        worker made none for that long, not the pace of its last burst."""
         now = time.monotonic()
         # list() copies in one call: the engine thread appends while another reads.
-        recent = [(t, n) for t, n in list(self._recent) if now - t <= window_s]
-        if len(recent) < 2:
-            return 0.0
-        span = max(now - recent[0][0], 1e-3)
-        return sum(n for _, n in recent) / span
+        steps = list(self._recent)
+        made = sum(n for t, n in steps if now - t <= window_s)
+        # The last RECENT_STEPS steps are kept: at many steps a second they cover
+        # less than the window, and the rate is over what they cover.
+        covered = now - steps[0][0] if len(steps) == RECENT_STEPS else window_s
+        return made / max(min(window_s, covered), 1e-3)
 
     def as_dict(self) -> dict[str, object]:
         return {
@@ -82,5 +90,6 @@ class WorkerStats:
             "store_retries": self.store_retries,
             "preempted": self.preempted,
             "tokens_per_s": round(self.tokens_per_s(), 2),
+            "rate_window_s": RATE_WINDOW_S,  # what tokenfleet status labels the rate with
             "started_at": self.started_at,
         }

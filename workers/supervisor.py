@@ -12,7 +12,11 @@ after the first backoff and not counted: a few poison jobs in a row must not
 cost the host its workers. A child that exits with ``CONFIG_EXIT_CODE`` failed
 for a reason a restart cannot fix (a model that is not there): it is given up
 on at once, and the parent exits with 2, as for any other setup mistake.
-SIGTERM / SIGINT are passed on to every child (Celery's warm shutdown drains).
+SIGTERM / SIGINT are passed on to every child (Celery's warm shutdown drains; a
+second SIGINT stops it cold), SIGHUP (a closed terminal) as SIGTERM. Each child
+runs in a process group of its own, so a Ctrl-C in the terminal reaches it once,
+through the parent, not twice (once from the terminal): a second SIGINT would
+have made the first Ctrl-C a cold stop.
 """
 
 from __future__ import annotations
@@ -28,9 +32,15 @@ from typing import Any
 from tokenfleet.workers import exit_codes
 
 POLL_S = 0.2  # how often the parent looks at its children
+STOPPING_POLL_S = 0.02  # ... once they are told to stop: the exit follows theirs at once
 JOB_FAULT_EXIT_CODE = exit_codes.JOB_FAULT
 CONFIG_EXIT_CODE = exit_codes.CONFIG  # a child's configuration is wrong
 SETUP_EXIT_CODE = exit_codes.SETUP  # the parent's code then
+
+
+def _in_own_group(cmd: list[str], env: dict[str, str]) -> subprocess.Popen[bytes]:
+    """A child in a process group of its own: a terminal's signals reach only the parent."""
+    return subprocess.Popen(cmd, env=env, process_group=0)
 
 
 @dataclass
@@ -54,19 +64,19 @@ class Supervisor:
         window_s: float = 300.0,
         max_backoff_s: float = 30.0,
         say: Callable[[str], None] = print,
-        popen: Callable[..., Any] = subprocess.Popen,
+        popen: Callable[..., Any] | None = None,
     ) -> None:
         self.children = children
         self.max_restarts = max_restarts
         self.window_s = window_s
         self.max_backoff_s = max_backoff_s
         self.say = say
-        self.popen = popen
+        self.popen = popen or _in_own_group
         self.stopping = False
 
     def run(self) -> int:
         """Run until every child has ended; the exit code for the parent."""
-        for sig in (signal.SIGTERM, signal.SIGINT):
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             signal.signal(sig, self._forward)
         for child in self.children:
             self._start(child)
@@ -74,7 +84,7 @@ class Supervisor:
             now = time.monotonic()
             for child in self.children:
                 self._watch(child, now)
-            time.sleep(POLL_S)
+            time.sleep(STOPPING_POLL_S if self.stopping else POLL_S)
         return max((c.code for c in self.children), default=0)
 
     def _start(self, child: Child) -> None:
@@ -125,6 +135,8 @@ class Supervisor:
 
     def _forward(self, signum: int, _frame: Any) -> None:
         self.stopping = True
+        if signum == signal.SIGHUP:
+            signum = signal.SIGTERM
         for child in self.children:
             if child.proc is not None and child.proc.poll() is None:
                 child.proc.send_signal(signum)

@@ -8,6 +8,7 @@ import asyncio
 import base64
 import contextlib
 import json
+import logging
 import os
 import secrets
 import signal
@@ -212,15 +213,20 @@ async def test_a_raw_secret_signs_with_its_own_bytes(
 
 
 async def test_an_event_with_no_url_is_dropped_and_one_with_a_bad_url_is_a_dead_letter(
-        hook_settings: Any) -> None:
+        hook_settings: Any, caplog: pytest.LogCaptureFixture) -> None:
     async with fleet_of(hook_settings) as fleet:
         await add_event(fleet.redis, fleet.keys, "batch.completed", {"id": "batch_3"})
         await add_event(fleet.redis, fleet.keys, "batch.failed", {"id": "batch_4"},
                         url="ftp://example.com/hook")
-        fleet.deliverer(webhook_url="")
+        deliverer = fleet.deliverer(webhook_url="")
         await until(lambda: outbox_empty(fleet, fleet.keys.webhook_outbox), 5, "the drop")
         [(_, dead)] = await fleet.redis.xrange(fleet.keys.webhook_dead)
         assert dead[b"data"] == b'{"id":"batch_4"}' and b"http" in dead[b"last_error"]
+        assert deliverer.outcomes == {"dropped": 1, "dead": 1}  # the gateway's metrics
+    # No webhook was asked for (no URL anywhere): nothing to warn about, as after
+    # every batch of a fleet that uses no webhooks.
+    assert not [r for r in caplog.records
+                if r.levelno >= logging.WARNING and "dropped" in r.getMessage()]
 
 
 async def test_a_job_webhook_arrives_once_when_the_job_completes(
