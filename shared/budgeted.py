@@ -7,7 +7,7 @@ the time grows with the count. A thread could be abandoned but not stopped:
 it would burn a core for as long as the compile runs, and the next schema
 another. A child ends at the budget and takes its memory with it.
 
-One server process per ``Children`` (a plain interpreter, ``python -c
+One server process per process and preload (a plain interpreter, ``python -c
 SERVER``: nothing of the parent is re-run in it, as ``multiprocessing`` would
 re-import a script without a ``__main__`` guard) imports xgrammar once, then
 forks a runner for each child asked for: a fork of a single-threaded process
@@ -23,6 +23,7 @@ tokens goes first.
 
 from __future__ import annotations
 
+import atexit
 import faulthandler
 import importlib
 import os
@@ -39,8 +40,8 @@ from typing import Any
 
 import orjson
 
-# Imported by the server before it forks any runner.
-PRELOAD = ("tokenfleet.shared.structured", "tokenfleet.shared.grammar_check", "xgrammar")
+# Imported by the server before it forks any runner, unless told others.
+PRELOAD = ("xgrammar", "tokenfleet.shared.grammar_check")
 # How long the server may take to start or a task to get ready (imports, a
 # vocabulary read) before it is treated as hung: a bound, not the work's budget.
 SETUP_S = 120.0
@@ -51,7 +52,8 @@ NICENESS = 5
 # Idle runners kept for the next task; more are let go when they finish.
 IDLE_KEPT = 4
 _HEADER = struct.Struct(">I")
-SERVER = "import sys; from tokenfleet.shared.budgeted import server; server(int(sys.argv[1]))"
+SERVER = ("import sys; from tokenfleet.shared.budgeted import server; "
+          "server(int(sys.argv[1]), sys.argv[2:])")
 
 
 class OverBudget(Exception):
@@ -66,11 +68,10 @@ class ChildFailed(Exception):
 class Children:
     """Runners forked from one preloaded server, each running one task at a time."""
 
-    def __init__(self) -> None:
+    def __init__(self, preload: tuple[str, ...] = PRELOAD) -> None:
+        self._server = _server(preload)
         self._idle: list[_Runner] = []
         self._lock = threading.Lock()
-        self._server_lock = threading.Lock()
-        self._server: tuple[subprocess.Popen[bytes], socket.socket] | None = None
 
     def run(self, task: Callable[..., Any], args: list[Any], budget_s: float) -> Any:
         """``task(ready, *args)`` in a runner: its JSON answer, ``OverBudget``
@@ -101,50 +102,89 @@ class Children:
                 runner.close()
 
     def close(self) -> None:
-        """Let the idle runners and the server go (each ends on its pipe's end)."""
+        """Let the idle runners go (each ends on its pipe's end); the server
+        stays for the process's other users, and ends with the process."""
         with self._lock:
             idle, self._idle = self._idle, []
         for runner in idle:
             runner.close()
-        with self._server_lock:
-            if self._server is not None:
-                self._server[1].close()
-                self._server[0].wait()
-                self._server = None
 
     def _fork(self) -> _Runner:
         tasks_r, tasks_w = os.pipe()
         answers_r, answers_w = os.pipe()
         try:
-            with self._server_lock:
-                for attempt in range(2):  # a server that died is started again, once
-                    proc, sock = self._started()
-                    try:
-                        socket.send_fds(sock, [b"fork"], [tasks_r, answers_w])
-                        if sock.recv(16):  # the runner's pid: it exists
-                            break
-                    except OSError:
-                        pass
-                    sock.close()
-                    proc.wait()
-                    self._server = None
-                    if attempt:
-                        raise ChildFailed("the compile server did not start a runner")
+            self._server.fork(tasks_r, answers_w)
         finally:
             os.close(tasks_r)
             os.close(answers_w)
         return _Runner(tasks_w, answers_r)
 
+
+class _Server:
+    """The process that forks runners: one per process and preload, started on
+    first use, started again if it died."""
+
+    def __init__(self, preload: tuple[str, ...]) -> None:
+        self._preload = preload
+        self._lock = threading.Lock()
+        self._running: tuple[subprocess.Popen[bytes], socket.socket] | None = None
+
+    def fork(self, tasks: int, answers: int) -> None:
+        """A runner reading ``tasks`` and writing ``answers`` (the parent closes its copies)."""
+        with self._lock:
+            for attempt in range(2):  # a server that died is started again, once
+                proc, sock = self._started()
+                try:
+                    socket.send_fds(sock, [b"fork"], [tasks, answers])
+                    if sock.recv(16):  # the runner's pid: it exists
+                        return
+                except OSError:
+                    pass
+                sock.close()
+                proc.wait()
+                self._running = None
+        raise ChildFailed("the compile server did not start a runner")
+
+    def stop(self) -> None:
+        """End the server (it ends on its socket's end); its runners end on theirs."""
+        with self._lock:
+            if self._running is not None:
+                proc, sock = self._running
+                sock.close()
+                try:
+                    proc.wait(timeout=5)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
+                self._running = None
+
     def _started(self) -> tuple[subprocess.Popen[bytes], socket.socket]:
-        if self._server is None:
+        if self._running is None:
             ours, theirs = socket.socketpair()
-            proc = subprocess.Popen([sys.executable, "-c", SERVER, str(theirs.fileno())],
+            proc = subprocess.Popen([sys.executable, "-c", SERVER, str(theirs.fileno()),
+                                     *self._preload],
                                     pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL)
             theirs.close()
             # Waiting for its imports is setup: the first fork's answer waits for them.
             ours.settimeout(SETUP_S)
-            self._server = (proc, ours)
-        return self._server
+            self._running = (proc, ours)
+        return self._running
+
+
+_servers: dict[tuple[str, ...], _Server] = {}  # one per preload: a process's children share it
+_servers_lock = threading.Lock()
+
+
+def _server(preload: tuple[str, ...]) -> _Server:
+    with _servers_lock:
+        return _servers.setdefault(preload, _Server(preload))
+
+
+@atexit.register
+def _stop_servers() -> None:
+    with _servers_lock:
+        for server in _servers.values():
+            server.stop()
 
 
 class _Runner:
@@ -197,11 +237,11 @@ def _read_exactly(fd: int, size: int) -> bytes | None:
     return bytes(data)
 
 
-def server(fd: int) -> None:
-    """The server: import what tasks need, then fork a runner for each pair of
-    pipes sent on the socket ``fd``, until the socket ends."""
+def server(fd: int, preload: list[str]) -> None:
+    """The server: import what tasks need (``preload``), then fork a runner for
+    each pair of pipes sent on the socket ``fd``, until the socket ends."""
     os.nice(NICENESS)
-    for name in PRELOAD:
+    for name in preload:
         try:
             importlib.import_module(name)
         except ImportError:  # xgrammar is optional: its tasks then fail with a sentence

@@ -22,7 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from tokenfleet.shared import budgeted
-from tokenfleet.shared.structured import StructuredOutput, source_problem
+from tokenfleet.shared.structured import StructuredOutput, python_problem, source_problem
 
 # Answers kept per process (a digest and a sentence each: a few hundred bytes).
 ANSWERS_KEPT = 4096
@@ -78,7 +78,7 @@ class GrammarCheck:
     def _compile(self, spec: StructuredOutput, budget_s: float) -> Answer:
         how, source = spec.ebnf_or_source()
         if not self._xgrammar:
-            error = source_problem(how, source)
+            error = python_problem(how, source)
             return None if error is None else ("error", error)
         with self._slots:
             try:

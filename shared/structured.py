@@ -93,19 +93,14 @@ class StructuredOutput(BaseModel):
 
 
 def source_problem(how: str, source: str) -> str | None:
-    """Why ``source`` (of ``ebnf_or_source``) cannot be compiled, or None. With
-    xgrammar: its own compiler's error (no tokenizer needed); without it: only
-    what Python can tell (a regular expression that does not parse). It can take
-    long (``tokenfleet.shared.grammar_check`` runs it within a budget)."""
+    """Why ``source`` (of ``ebnf_or_source``) cannot be compiled, or None, by
+    xgrammar's own compiler (no tokenizer needed); without xgrammar, what
+    ``python_problem`` finds. It can take long: ``tokenfleet.shared.grammar_check``
+    runs it in a child process, within a budget."""
     try:
         import xgrammar
     except ImportError:
-        if how == "regex":
-            try:
-                re.compile(source)
-            except re.error as exc:
-                return str(exc)
-        return None
+        return python_problem(how, source)
     try:
         if how == "json":
             xgrammar.Grammar.from_json_schema(source)
@@ -115,6 +110,17 @@ def source_problem(how: str, source: str) -> str | None:
             xgrammar.Grammar.from_ebnf(source)
     except Exception as exc:  # xgrammar raises RuntimeError with its parser's message
         return first_line(exc)
+    return None
+
+
+def python_problem(how: str, source: str) -> str | None:
+    """What Python alone can tell, quickly: a regular expression that does not
+    parse (``re`` never expands a repetition count)."""
+    if how == "regex":
+        try:
+            re.compile(source)
+        except re.error as exc:
+            return str(exc)
     return None
 
 

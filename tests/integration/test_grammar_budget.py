@@ -4,6 +4,7 @@ real redis-server (no model: the queue's worker is pinned, nothing runs)."""
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -112,3 +113,72 @@ def test_a_key_whose_rpm_is_spent_gets_its_429_at_once_without_compiling(
         took = time.monotonic() - started
         assert refused.status_code == 429, refused.text
         assert took < 1.0, f"the 429 took {took:.1f} s: the schema was compiled first"
+
+
+def test_a_worker_fails_a_schema_over_its_budget_while_other_streams_keep_their_pace(
+    settings: Any, loaded_tiny: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from tokenfleet import FleetClient, JobStatus
+    from tokenfleet.workers.build import grammars, hf_engine
+    from tokenfleet.workers.runner import HFRunner
+    from tokenfleet.workers.service import Worker
+
+    worker_settings = settings.model_copy(update={"grammar_compile_s": BUDGET_S})
+    model, tokenizer = loaded_tiny
+    runner = HFRunner(model, tokenizer)
+    engine = hf_engine(worker_settings, runner, runner.eos_token_ids, runner.max_model_len)
+    engine.grammars = grammars(tokenizer, runner.vocab_size, runner.eos_token_ids,
+                               worker_settings)
+    worker = Worker(worker_settings, engine, tokenizer, name="w@grammar")
+    worker.start()
+    # The client as the bare install (no xgrammar): the worker alone compiles.
+    with monkeypatch.context() as hidden:
+        hidden.setitem(sys.modules, "xgrammar", None)
+        client = FleetClient(settings=settings)
+    try:
+        small = {"type": "object", "properties": {"ok": {"type": "boolean"}},
+                 "required": ["ok"], "additionalProperties": False}
+        warm = client.wait(client.submit("x", json_schema=small, max_new_tokens=16,
+                                         require_worker=False), timeout=120)
+        assert warm.status is JobStatus.SUCCEEDED, warm.error  # the compile server is up
+        gaps: list[float] = []
+        done = threading.Event()
+
+        def plain_streams() -> None:
+            while not done.is_set():
+                job_id = client.submit("Once upon a time", max_new_tokens=32)
+                last = None  # from its first token: the wait in the queue is not a gap
+                for _ in client.stream(job_id, timeout=60):
+                    now = time.monotonic()
+                    if last is not None:
+                        gaps.append(now - last)
+                    last = now
+
+        streamer = threading.Thread(target=plain_streams)
+        streamer.start()
+        while not gaps:  # a plain job streams before the schemas arrive
+            time.sleep(0.01)
+        try:
+            started = time.monotonic()
+            ids = [client.submit("x", json_schema=pathological(n), max_new_tokens=8)
+                   for n in range(8_100, 8_104)]
+            ended = [client.wait(job_id, timeout=60) for job_id in ids]
+            took = time.monotonic() - started
+        finally:
+            done.set()
+            streamer.join()
+        for state in ended:
+            assert state.status is JobStatus.FAILED, state
+            assert "TOKENFLEET_GRAMMAR_COMPILE_S" in str(state.error), state.error
+        assert took < 4 * BUDGET_S + 10, took  # each held to its budget, none to its compile
+        assert len(gaps) > 20 and max(gaps) < 0.5, (len(gaps), sorted(gaps)[-5:])
+        # Refused once, refused at once: the same schema is not compiled again.
+        again = time.monotonic()
+        state = client.wait(client.submit("x", json_schema=pathological(8_100),
+                                          max_new_tokens=8), timeout=60)
+        assert state.status is JobStatus.FAILED and time.monotonic() - again < BUDGET_S
+    finally:
+        client.close()
+        worker.stop(grace_s=0)
+        assert engine.grammars is not None
+        engine.grammars.close()
