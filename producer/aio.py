@@ -37,6 +37,7 @@ from tokenfleet.protocol import (
     is_end_payload,
     no_worker,
     parse_state,
+    refuse_uncompilable,
     require_worker_for,
     served_queues,
     submission,
@@ -45,7 +46,8 @@ from tokenfleet.protocol import (
 )
 from tokenfleet.shared.client_scripts import CancelVerdict
 from tokenfleet.shared.clock import FleetClock
-from tokenfleet.shared.errors import JobNotFound, TokenfleetError
+from tokenfleet.shared.errors import JobNotFound, NoWorker, TokenfleetError
+from tokenfleet.shared.grammar_check import GrammarCheck
 from tokenfleet.shared.keys import Keys
 from tokenfleet.shared.liveness import live_since
 from tokenfleet.shared.redis_conn import connect_async
@@ -86,6 +88,7 @@ class AsyncFleetClient:
         self.clock = FleetClock()
         self._tenants = KnownTenants()  # of each queue, for submit's depth
         self._partitions = QueuePartitions()  # of each queue, where a job goes
+        self._grammars = GrammarCheck()  # whether a structured output compiles
 
     async def __aenter__(self) -> AsyncFleetClient:
         return self
@@ -98,6 +101,7 @@ class AsyncFleetClient:
             await asyncio.gather(*self._background, return_exceptions=True)
         await self._subscriptions.close()
         await self.redis.aclose()
+        self._grammars.close()
 
     async def submit(self, prompt: str | GenerationRequest | None = None, /, *,
                      require_worker: bool | None = None,
@@ -108,6 +112,11 @@ class AsyncFleetClient:
         ``LimitExceeded`` (``PromptTooLong``: the prompt's tokens counted here
         where the queue's model is on this machine)."""
         request = build_request(prompt, kwargs, self.settings, tenant)
+        if request.structured_output is not None:
+            # Off the loop, within TOKENFLEET_GRAMMAR_COMPILE_S: a schema can take
+            # seconds to compile. At the gateway this runs after the key's limits.
+            refuse_uncompilable(await self._grammars.aproblem(
+                request.structured_output, self.settings.grammar_compile_s))
         if prompt_tokens is None and worth_counting(request, self.settings):
             queue = await served(self, request.model)
             if queue is not None:  # tokenizing a long prompt takes a while: off the loop

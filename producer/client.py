@@ -33,6 +33,7 @@ from tokenfleet.protocol import (
     is_end,
     no_worker,
     parse_state,
+    refuse_uncompilable,
     require_worker_for,
     served_queues,
     submission,
@@ -41,7 +42,8 @@ from tokenfleet.protocol import (
 )
 from tokenfleet.shared.client_scripts import CancelVerdict
 from tokenfleet.shared.clock import FleetClock
-from tokenfleet.shared.errors import JobNotFound, TokenfleetError
+from tokenfleet.shared.errors import JobNotFound, NoWorker, TokenfleetError
+from tokenfleet.shared.grammar_check import GrammarCheck
 from tokenfleet.shared.file_store import open_store
 from tokenfleet.shared.keys import Keys, partitions_of
 from tokenfleet.shared.liveness import live_since
@@ -76,6 +78,7 @@ class FleetClient:
         self.clock = FleetClock()
         self._tenants = KnownTenants()  # of each queue, for submit's depth
         self._partitions = QueuePartitions()  # of each queue, where a job goes
+        self._grammars = GrammarCheck()  # whether a structured output compiles
 
     def __enter__(self) -> FleetClient:
         return self
@@ -86,6 +89,7 @@ class FleetClient:
     def close(self) -> None:
         self._pubsubs.close()
         self.redis.close()
+        self._grammars.close()
 
     def submit(self, prompt: str | GenerationRequest | None = None, /, *,
                require_worker: bool | None = None, prompt_tokens: int | None = None,
@@ -124,6 +128,9 @@ class FleetClient:
         or ``job.expired`` (docs/webhooks.md).
         """
         request = build_request(prompt, kwargs, self.settings, tenant)
+        if request.structured_output is not None:  # within TOKENFLEET_GRAMMAR_COMPILE_S
+            refuse_uncompilable(self._grammars.problem(request.structured_output,
+                                                       self.settings.grammar_compile_s))
         if prompt_tokens is None:
             prompt_tokens = self._count_prompt_tokens(request)
         now = self.clock.read(self.redis)

@@ -36,9 +36,8 @@ from pydantic import (
 from tokenfleet import sse
 from tokenfleet.aio import AsyncFleetClient
 from tokenfleet.gateway_metrics import first_token
-from tokenfleet.key_limits import submit_as_caller
 from tokenfleet.openai_answer import chunks, finish, logged, succeeded, usage
-from tokenfleet.openai_compat import PARAMS, Sampling, invalid, refusal
+from tokenfleet.openai_compat import PARAMS, Sampling, invalid, refusal, submit_constrained
 from tokenfleet.openai_errors import INVALID_VALUE, NO_CHAT_TEMPLATE, UNSUPPORTED
 from tokenfleet.openai_logprobs import chat_logprobs
 from tokenfleet.openai_structured import Refused, ToolCall, asks_auto, requested, tool_call
@@ -234,6 +233,7 @@ class Chat:
     n: int
     call: ToolCall | None
     fmt: Any
+    field: str | None = None  # the field that asked for structured output, if any
 
     def head(self, first_job_id: str) -> dict[str, Any]:
         return {"id": f"chatcmpl-{first_job_id}", "created": int(time.time()),
@@ -275,7 +275,7 @@ async def chat_request(client: AsyncFleetClient, body: bytes) -> Chat | Response
                if auto else None) or history_refusal(queue, job.model, ask.messages)
     if refused is not None:
         return refused
-    return Chat(ask, job, n, call, queue.tools if auto and queue is not None else None)
+    return Chat(ask, job, n, call, queue.tools if auto and queue is not None else None, field)
 
 
 async def chat_answer(client: AsyncFleetClient, made: Chat, job_ids: list[str],
@@ -303,8 +303,9 @@ async def chat(client: AsyncFleetClient, body: bytes, request: Request,
     made = await chat_request(client, body)
     if isinstance(made, Response):
         return made
-    # As its API key allows (the app maps the fleet's errors to statuses).
-    job_ids = await submit_as_caller(request, client, made.job, n=made.n)
+    job_ids = await submit_constrained(request, client, made.job, made.n, made.field)
+    if isinstance(job_ids, Response):
+        return job_ids
     if made.ask.stream:
         stream = {**made.head(job_ids[0]), "object": "chat.completion.chunk"}
         call = made.call

@@ -249,6 +249,7 @@ class Completion:
     ask: CompletionRequest
     job: GenerationRequest
     n: int
+    field: str | None = None  # the field that asked for structured output, if any
 
     def head(self, first_job_id: str) -> dict[str, Any]:
         return {"id": f"cmpl-{first_job_id}", "object": "text_completion",
@@ -285,7 +286,7 @@ async def completion(client: AsyncFleetClient, body: bytes) -> Completion | Resp
         queue = await served(client, job.model)
         if queue is not None and queue.fim is False:  # None: a worker that does not say
             return UNSUPPORTED.response(f"model {job.model!r} {NO_FIM}", param="suffix")
-    return Completion(ask, job, n)
+    return Completion(ask, job, n, field)
 
 
 async def completion_answer(client: AsyncFleetClient, made: Completion, job_ids: list[str],
@@ -299,13 +300,28 @@ async def completion_answer(client: AsyncFleetClient, made: Completion, job_ids:
     return {**made.head(job_ids[0]), "choices": choices, "usage": usage(states)}
 
 
+async def submit_constrained(request: Request, client: AsyncFleetClient, job: GenerationRequest,
+                             n: int, field: str | None) -> list[str] | Response:
+    """Submit the ``n`` choices of ``job`` as the request's API key allows (the
+    app maps the fleet's errors to statuses); a spec that does not compile,
+    checked after the key's limits, is refused naming ``field``, the request's
+    own name for it."""
+    try:
+        return await submit_as_caller(request, client, job, n=n)
+    except InvalidRequest as exc:
+        if field is None or [e.get("loc") for e in exc.errors] != [["structured_output"]]:
+            raise
+        return INVALID_VALUE.response(f"invalid {field!r}: {exc.errors[0]['msg']}", param=field)
+
+
 async def complete(client: AsyncFleetClient, body: bytes, request: Request,
                    keepalive_s: float) -> Response:
     made = await completion(client, body)
     if isinstance(made, Response):
         return made
-    # As its API key allows (the app maps the fleet's errors to statuses).
-    job_ids = await submit_as_caller(request, client, made.job, n=made.n)
+    job_ids = await submit_constrained(request, client, made.job, made.n, made.field)
+    if isinstance(job_ids, Response):
+        return job_ids
     if made.ask.stream:
         echo = made.echo
         opening = completion_choice(0, echo, None) if echo else None

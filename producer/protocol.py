@@ -106,6 +106,15 @@ def structured_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
     return rest
 
 
+def refuse_uncompilable(problem: str | None) -> None:
+    """``InvalidRequest`` naming ``structured_output`` for a spec that does not
+    compile (``GrammarCheck.problem``'s sentence); nothing when ``problem`` is None."""
+    if problem is not None:
+        raise InvalidRequest(f"invalid 'structured_output': {problem}",
+                             [{"loc": ["structured_output"], "msg": problem,
+                               "type": "value_error"}])
+
+
 def _validated(data: dict[str, Any], settings: Settings) -> GenerationRequest:
     try:
         return GenerationRequest.model_validate(data, context={"settings": settings})

@@ -26,7 +26,7 @@ from pydantic import (
 
 from tokenfleet.shared.keys import QUEUE_NAME_RULE, TENANT_NAME_RULE, is_queue_name, is_tenant_name
 from tokenfleet.shared.settings import Settings, get_settings
-from tokenfleet.shared.structured import StructuredOutput, compile_problem
+from tokenfleet.shared.structured import StructuredOutput
 from tokenfleet.shared.webhook_outbox import webhook_url_problem
 
 # How deep metadata may nest (orjson itself stops at 255; a bound here keeps the
@@ -203,6 +203,8 @@ class GenerationRequest(_Wire):
     # API key. The fleet shares its slots fairly among tenants with queued work
     # (docs/how-it-works.md). None: the tenant "default".
     tenant: str | None = None
+    # Its shape is checked here; whether it compiles, at submit within a budget
+    # (shared/grammar_check.py): a compile can take seconds, a validator must not.
     structured_output: StructuredOutput | None = Field(
         default=None, description="what the text must be (a JSON schema, a regex, ...)")
     # OpenAI's tools (``{"type": "function", "function": {...}}``), rendered by
@@ -230,14 +232,6 @@ class GenerationRequest(_Wire):
     @classmethod
     def _webhook_url(cls, value: str | None) -> str | None:
         problem = None if value is None else webhook_url_problem(value)
-        if problem:
-            raise ValueError(problem)
-        return value
-
-    @field_validator("structured_output")
-    @classmethod
-    def _compiles(cls, value: StructuredOutput | None) -> StructuredOutput | None:
-        problem = None if value is None else compile_problem(value)
         if problem:
             raise ValueError(problem)
         return value

@@ -139,6 +139,14 @@ class Settings(BaseSettings):
         "The most stop strings a request may carry."))
     max_metadata_bytes: int = Field(default=4096, ge=0, description=(
         "The largest metadata of a request, in bytes of JSON."))
+    grammar_compile_s: float = Field(default=2.0, gt=0.0, description=(
+        "The most seconds one structured output's grammar (a JSON schema, regex, choice list "
+        "or EBNF grammar) may take to compile: the check at submit (in a child process, "
+        "killed at the limit) and the worker's compile; over it the request is refused (a "
+        "400) or the job fails, naming this limit, and the spec is remembered as refused."))
+    grammar_cache_mb: int = Field(default=256, ge=1, description=(
+        "A worker's compiled grammars are kept up to this many MiB (the least recently used "
+        "go first); a single grammar larger than this is refused, naming the limit."))
     max_n: int = Field(default=16, ge=1, description=(
         "The most choices (n, best_of) one request may fan out to; each is a job of its own."))
     # A worker's running batch may hold at most this many tokens (prompts plus

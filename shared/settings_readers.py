@@ -53,6 +53,8 @@ READ_BY: dict[str, str] = {
     "max_stop_strings": EACH,
     "max_metadata_bytes": EACH,
     "max_n": CLIENT,
+    "grammar_compile_s": ALL,
+    "grammar_cache_mb": WORKER,
     "max_batch_tokens": WORKER,
     "gpu_memory_utilization": WORKER,
     "cpu_memory_fraction": WORKER,

@@ -4,16 +4,16 @@ or an EBNF grammar, and the check that it compiles.
 
 Every way a caller asks for it (OpenAI's ``response_format``, vLLM's
 ``structured_outputs``, a tool call, ``submit(json_schema=...)``) becomes a
-``StructuredOutput``; engines see nothing else. The check compiles the spec
-with xgrammar, without a tokenizer, so a schema that cannot be compiled is
-refused before the job is queued. A process without xgrammar (the bare client
-install: xgrammar needs torch) checks only the spec's shape, and the worker,
-which always has it, refuses what does not compile through its refusal path.
+``StructuredOutput``; engines see nothing else. The model checks the spec's
+shape and size only: compiling it can take seconds (``grammar_check`` does
+that at submit, off the caller's thread, within a budget). A process without
+xgrammar (the bare client install: xgrammar needs torch) checks only a regular
+expression's syntax, and the worker, which always has it, fails what does not
+compile with the same sentence.
 """
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import re
 from typing import Any, Literal
@@ -92,26 +92,15 @@ class StructuredOutput(BaseModel):
         return "ebnf", str(self.grammar)
 
 
-def compile_problem(spec: StructuredOutput) -> str | None:
-    """Why ``spec`` cannot be compiled, naming it, or None. With xgrammar: its
-    own compiler's error (no tokenizer needed); without it: only what Python
-    can tell (a regular expression that does not parse)."""
-    problem = _problem(*spec.ebnf_or_source())
-    return None if problem is None else f"{spec.label} cannot be compiled: {problem}"
-
-
-@functools.lru_cache(maxsize=256)
-def _problem(how: str, source: str) -> str | None:
-    # Cached: the client, the gateway and the worker each check every request.
+def source_problem(how: str, source: str) -> str | None:
+    """Why ``source`` (of ``ebnf_or_source``) cannot be compiled, or None, by
+    xgrammar's own compiler (no tokenizer needed); without xgrammar, what
+    ``python_problem`` finds. It can take long: ``tokenfleet.shared.grammar_check``
+    runs it in a child process, within a budget."""
     try:
         import xgrammar
     except ImportError:
-        if how == "regex":
-            try:
-                re.compile(source)
-            except re.error as exc:
-                return str(exc)
-        return None
+        return python_problem(how, source)
     try:
         if how == "json":
             xgrammar.Grammar.from_json_schema(source)
@@ -120,11 +109,22 @@ def _problem(how: str, source: str) -> str | None:
         else:
             xgrammar.Grammar.from_ebnf(source)
     except Exception as exc:  # xgrammar raises RuntimeError with its parser's message
-        return _first_line(exc)
+        return first_line(exc)
     return None
 
 
-def _first_line(exc: Exception) -> str:
+def python_problem(how: str, source: str) -> str | None:
+    """What Python alone can tell, quickly: a regular expression that does not
+    parse (``re`` never expands a repetition count)."""
+    if how == "regex":
+        try:
+            re.compile(source)
+        except re.error as exc:
+            return str(exc)
+    return None
+
+
+def first_line(exc: Exception) -> str:
     # xgrammar's message starts with "[time] file.cc:line: ": the reason is after it.
     text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
     return re.sub(r"^\[[^\]]*\]\s*\S+:\d+:\s*", "", text)[:300]

@@ -106,9 +106,9 @@ def test_an_unconstrained_job_runs_while_a_schema_compiles_and_the_other_waits(
     release = threading.Event()
     compile_ = Grammars._compile
 
-    def slow(self: Grammars, spec: StructuredOutput) -> Any:
+    def slow(self: Grammars, key: str, spec: StructuredOutput) -> Any:
         assert release.wait(30), "the test never released the compile"
-        return compile_(self, spec)
+        return compile_(self, key, spec)
 
     monkeypatch.setattr(Grammars, "_compile", slow)
     constrained, plain = seq(tok, "json", SPEC, seed=1), seq(tok, "plain", max_new_tokens=4)
@@ -170,3 +170,27 @@ def test_the_mask_leaves_only_what_the_grammar_allows(engine: HFEngine, loaded_t
     assert allowed and all("yes".startswith(tok.decode([t])) or "no".startswith(tok.decode([t]))
                            for t in allowed)
     assert bool((logits[0] == 0).all())  # the row that asks nothing keeps every token
+
+
+def test_the_grammar_cache_is_bounded_in_bytes_and_a_larger_grammar_is_refused(
+    runner: HFRunner, loaded_tiny: Any
+) -> None:
+    from tokenfleet.workers.grammar import GrammarRefused
+
+    _, tokenizer = loaded_tiny
+    bound = 10_000  # a few of the tiny vocabulary's grammars (about 3 KB each)
+    kept = Grammars(tokenizer, runner.vocab_size, runner.eos_token_ids, budget_s=60,
+                    cache_bytes=bound)
+    tight = Grammars(tokenizer, runner.vocab_size, runner.eos_token_ids, budget_s=60,
+                     cache_bytes=100)
+    try:
+        for i in range(8):
+            spec = StructuredOutput(kind="json_schema", json_schema={"enum": [i, "x" * i]})
+            assert kept.compile(spec).result(timeout=60) is not None
+            assert 0 < kept.cached_bytes <= bound
+        with pytest.raises(GrammarRefused, match="above this worker's limit of .* MiB "
+                                                 r"\(TOKENFLEET_GRAMMAR_CACHE_MB\)"):
+            tight.compile(SPEC).result(timeout=60)
+    finally:
+        kept.close()
+        tight.close()

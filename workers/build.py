@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from tokenfleet.shared import models
-from tokenfleet.shared.settings import Settings
+from tokenfleet.shared.settings import Settings, get_settings
 from tokenfleet.workers import budget, cpu_linear, engines
 from tokenfleet.workers.engines import BuiltEngine
 from tokenfleet.workers.health import StatusServer
@@ -111,12 +111,14 @@ def build_hf(settings: Settings) -> BuiltEngine:
         # (such jobs are refused, naming the field), no logits to mask.
         engine.reports_logprobs = False
     else:
-        engine.grammars = grammars(tokenizer, runner.vocab_size, runner.eos_token_ids)
+        engine.grammars = grammars(tokenizer, runner.vocab_size, runner.eos_token_ids, settings)
     return BuiltEngine(engine, tokenizer, settings)
 
 
-def grammars(tokenizer: Any, vocab_size: int, eos_token_ids: set[int]) -> Grammars | None:
-    """Structured output's compiler for this model, or None without xgrammar
+def grammars(tokenizer: Any, vocab_size: int, eos_token_ids: set[int],
+             settings: Settings | None = None) -> Grammars | None:
+    """Structured output's compiler for this model, within the settings' budget
+    and cache bound (the process's, unless given), or None without xgrammar
     (the engine then refuses such jobs, naming what to install)."""
     try:
         from tokenfleet.workers.grammar import Grammars
@@ -124,7 +126,9 @@ def grammars(tokenizer: Any, vocab_size: int, eos_token_ids: set[int]) -> Gramma
         log.warning("xgrammar is not installed (the structured extra): jobs asking for "
                     "structured output are refused")
         return None
-    return Grammars(tokenizer, vocab_size, eos_token_ids)
+    limits = settings or get_settings()
+    return Grammars(tokenizer, vocab_size, eos_token_ids, budget_s=limits.grammar_compile_s,
+                    cache_bytes=limits.grammar_cache_mb * 2**20)
 
 
 def model_runner(settings: Settings, model: Any, tokenizer: Any) -> HFRunner | PagedRunner:
