@@ -30,6 +30,11 @@ from tokenfleet.shared.schemas import (
 )
 from tokenfleet.shared.serialization import loads
 from tokenfleet.shared.settings import Settings
+
+# Limits no request is over: to read an entry another process's limits let through.
+UNBOUNDED = Settings.model_construct(max_prompt_chars=2**62, max_stop_strings=2**62,
+                     max_metadata_bytes=2**62, max_payload_bytes=2**62,
+                     max_new_tokens_limit=2**62)
 from tokenfleet.shared.worker_scripts import (
     Bad,
     Ended,
@@ -92,6 +97,7 @@ class Intake:
         """
         stream = self.keys.queue(queue)
         parsed: list[tuple[str, QueueEntry, bytes]] = []
+        over_limits: dict[str, str] = {}  # entry id: why its request is over this worker's limits
         for raw_id, fields in entries:
             entry_id = raw_id.decode()
             if fields is None:  # deleted while pending (a cancel): nothing left to run
@@ -99,10 +105,12 @@ class Intake:
                 continue
             try:
                 data = fields[b"data"]
-                entry = QueueEntry.model_validate_json(data)
+                entry, over = self._parse(data)
             except (KeyError, ValueError, ValidationError) as exc:
                 self.publisher.dead_letter(queue, entry_id, fields, _reason(exc))
                 continue
+            if over is not None:
+                over_limits[entry_id] = over
             if job_model(entry.job_id) != model_of(queue):
                 # Its keys would not share the queue's hash tag (keys.py): on a
                 # cluster no script could touch them together with the queue's.
@@ -121,7 +129,8 @@ class Intake:
         try:
             for (entry_id, entry, data), verdict in zip(parsed, verdicts):
                 try:
-                    outcome = self._admit(queue, entry_id, entry, data, verdict)
+                    outcome = self._admit(queue, entry_id, entry, data, verdict,
+                                          over_limits.get(entry_id))
                 except (ConnectionError, TimeoutError, OSError):
                     raise  # Redis is away: the entry stays pending, to be taken again
                 except Exception as exc:  # this entry's failure is this entry's alone
@@ -159,8 +168,21 @@ class Intake:
                         len(parsed), exc)
             return [self._start(queue, [one])[0] for one in parsed]
 
+    def _parse(self, data: bytes) -> tuple[QueueEntry, str | None]:
+        """The entry in ``data``, and why its request is over this worker's
+        limits (None when it is not). The client that queued it checked it
+        against its own settings, which may allow more than this worker's: such
+        a job is readable all the same, and fails with the reason (a
+        ``ValidationError`` is only an entry that is not a job at all)."""
+        try:
+            return QueueEntry.model_validate_json(data, context={"settings": self.settings}), None
+        except ValidationError as exc:
+            entry = QueueEntry.model_validate_json(data, context={"settings": UNBOUNDED})
+            return entry, _reason(exc)
+
     def _admit(self, queue: str, entry_id: str, entry: QueueEntry, data: bytes,
-               verdict: StartVerdict) -> Sequence | Ending | None:
+               verdict: StartVerdict, over_limits: str | None = None
+               ) -> Sequence | Ending | None:
         end = _EndingFor(queue, entry, entry_id)
         if isinstance(verdict, Missing):
             self.publisher.dead_letter(queue, entry_id, {"data": entry.model_dump_json()},
@@ -199,6 +221,9 @@ class Intake:
         if entry.deadline_at is not None and entry.deadline_at <= self.publisher.fleet_clock.now():
             return end(attempt, JobStatus.EXPIRED, FinishReason.DEADLINE,
                        EXPIRED_ERROR, logged=logged)
+        if over_limits is not None:  # the caller hears why; nothing for an operator
+            return end(attempt, JobStatus.FAILED, FinishReason.ERROR,
+                       REFUSED_BY_WORKER + over_limits, logged=logged)
         try:
             seq = self.admission.sequence(entry, entry_id, attempt)
             self.admission.resume(seq, logged.token_ids)
