@@ -264,6 +264,8 @@ def test_everyday_failures_are_one_line_with_an_exit_code(tmp_path: Path, settin
         ([tf, "status", "0" * 32], {}, 1, "no job"),
         ([tf, "batch", "submit", str(batch)], {"TOKENFLEET_FILES_URL": unwritable}, 2,
          f"the file store {unwritable} cannot be written"),
+        ([tf, "batch", "submit", str(batch), "--completion-window", "2d"],
+         {"TOKENFLEET_FILES_URL": f"file://{tmp_path}/files"}, 3, "invalid --completion-window"),
     ]
     for cmd, extra, code, words in cases:
         out = run(cmd, {**env, **extra}, timeout=60)  # the timeout catches a hang only

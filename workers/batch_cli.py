@@ -107,13 +107,18 @@ def submit(file: Path, wait: bool, output: Path | None, endpoint: str | None,
            completion_window: str, tenant: str | None, files_url: str | None,
            redis_url: str | None) -> None:
     """Upload FILE.jsonl and create a batch of its lines; prints the batch id."""
-    from tokenfleet.workers.cli import JobFailed
+    from tokenfleet.shared.errors import InvalidRequest
+    from tokenfleet.workers.cli import JobFailed, Refused
+    from tokenfleet.workers.cli_errors import said
 
     if output is not None and not wait:
         raise click.UsageError("--output needs --wait (the results exist once the batch ends)")
     endpoint = endpoint or _endpoint_of(file) or "/v1/chat/completions"
-    ended = asyncio.run(_submit(file, wait, output, endpoint, completion_window, tenant,
-                                _client(redis_url, files_url)))
+    try:
+        ended = asyncio.run(_submit(file, wait, output, endpoint, completion_window, tenant,
+                                    _client(redis_url, files_url)))
+    except InvalidRequest as exc:
+        raise Refused(said(exc)) from None
     if ended is not None and ended.status != "completed":
         raise JobFailed(_summary(ended))
 

@@ -8,11 +8,13 @@ import re
 
 from tokenfleet.shared.errors import NoWorker, TokenfleetError
 
-# A request field, as a refusal names it, and the option of `tokenfleet submit` that sets it.
+# A request field, as a refusal names it, and the option (of `tokenfleet submit`, `batch
+# submit`) that sets it.
 FLAGS = {"sampling.max_new_tokens": "--max-new-tokens", "sampling.temperature": "--temperature",
          "sampling.top_p": "--top-p", "sampling.top_k": "--top-k", "sampling.seed": "--seed",
          "sampling.stop": "--stop", "model": "--model", "priority": "--priority",
-         "prompt": "PROMPT"}
+         "prompt": "PROMPT", "completion_window": "--completion-window",
+         "endpoint": "--endpoint"}
 # The same fields named bare in a limit's sentence ("max_new_tokens is 5000, ...").
 BARE = {"max_new_tokens": "--max-new-tokens"}
 
