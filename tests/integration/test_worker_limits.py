@@ -31,7 +31,7 @@ def test_a_job_over_its_workers_own_limits_fails_with_the_reason_and_frees_its_p
 
     # The worker's environment allows 2 stop strings; the gateway's client, 8 (the default).
     for name, value in {"REDIS_URL": settings.redis_url, "NAMESPACE": settings.namespace,
-                        "BLOCK_MS": "20", "HEARTBEAT_S": "0.5", "MAX_BATCH": "8",
+                        "QUEUE": "default", "BLOCK_MS": "20", "HEARTBEAT_S": "0.5", "MAX_BATCH": "8",
                         "MAX_BATCH_TOKENS": "65536", "MAX_STOP_STRINGS": "2"}.items():
         monkeypatch.setenv(f"TOKENFLEET_{name}", value)
     get_settings.cache_clear()
