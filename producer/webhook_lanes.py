@@ -181,21 +181,28 @@ class Lanes:
         log.warning("webhook %s (%s) of tenant %r to %s given up after %d failed attempts "
                     "(last: %s): moved to %s", event.id, event.type, event.tenant, url,
                     attempts, outcome.error, self.keys.webhook_dead_of(event.tenant))
+        # The dead letter and the lane's removal go out in one round trip: a
+        # deliverer stopped in between would leave the event leased in its lane,
+        # due again when the lease ends, and tried again (by a deliverer whose
+        # allowlist may now admit it) though it is already a dead letter.
         pipe = self.redis.pipeline(transaction=False)
         self._add_dead(pipe, event, url, attempts, outcome)
+        self._take_out(pipe, event)
         await pipe.execute()
-        await self.forget(event)
 
     async def forget(self, event: Event, attempt: dict[str, str] | None = None) -> None:
         """Take the event out of its lane and delete it (and record the
         ``attempt`` that delivered it): one round trip. Should the cleanup be
         lost, the next take finds no event, and the state's TTL ends it."""
         pipe = self.redis.pipeline(transaction=False)
-        pipe.zrem(self.keys.webhook_lane(event.tenant), event.id)
-        pipe.delete(self.keys.webhook_event(event.id))
+        self._take_out(pipe, event)
         if attempt is not None:
             pipe.xadd(self.keys.webhook_attempts, attempt, maxlen=ATTEMPTS_KEPT, approximate=True)
         await pipe.execute()
+
+    def _take_out(self, pipe: Any, event: Event) -> None:
+        pipe.zrem(self.keys.webhook_lane(event.tenant), event.id)
+        pipe.delete(self.keys.webhook_event(event.id))
 
 
 def as_text(value: Any) -> str:
