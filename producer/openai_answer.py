@@ -21,8 +21,11 @@ from tokenfleet import sse
 from tokenfleet.aio import AsyncFleetClient
 from tokenfleet.openai_errors import JOB_FAILED, JOB_REFUSED, Refusal
 from tokenfleet.openai_fanout import cancel_quietly, merged_batches, wait_while_connected
+from tokenfleet.protocol import EventCursor
 from tokenfleet.shared.schemas import REFUSED_BY_WORKER, FinishReason, JobState, JobStatus, TokenEvent
 
+# Log entries read per XRANGE of a finished job's log.
+LOG_PAGE = 256
 FINISH = {FinishReason.EOS: "stop", FinishReason.STOP: "stop", FinishReason.LENGTH: "length"}
 
 Choice = Callable[[int, str, "str | None"], dict[str, Any]]
@@ -85,10 +88,46 @@ def _with(choice: dict[str, Any], event: TokenEvent, logprobs: Logprobs | None
     return choice
 
 
-async def logged(client: AsyncFleetClient, job_id: str) -> list[TokenEvent]:
-    """A finished job's token events, from its log (with their log probabilities)."""
-    async with contextlib.aclosing(client.stream_batches(job_id)) as batches:
-        return [event async for events in batches for event in events]
+async def logged(client: AsyncFleetClient, job_id: str) -> list[bytes]:
+    """A finished job's token log, its entries as written (whole: the job has
+    ended), read a page at a time so that no one reply holds the loop; parsed
+    by :func:`events`, off the loop where they are many."""
+    log, start = client.keys.out(job_id), "-"
+    out: list[bytes] = []
+    while True:
+        page = await client.redis.xrange(log, start, "+", count=LOG_PAGE)
+        out.extend(fields[b"e"] for _id, fields in page)
+        if len(page) < LOG_PAGE:
+            return out
+        start = f"({page[-1][0].decode()}"
+
+
+async def shaped(client: AsyncFleetClient, job_ids: list[str], with_logprobs: bool,
+                 body: Callable[[list[list[bytes]] | None], dict[str, Any]]) -> dict[str, Any]:
+    """``body(logs)``, the answer: with log probabilities the jobs' logs are
+    read here and ``body`` runs in a worker thread (n choices of 21 values a
+    token are seconds of Python, the event loop's otherwise); else
+    ``body(None)``, here."""
+    if not with_logprobs:
+        return body(None)
+    logs = [await logged(client, job_id) for job_id in job_ids]
+    return await asyncio.to_thread(body, logs)
+
+
+def events(log: list[bytes]) -> list[TokenEvent]:
+    """A job's token events from its log's entries, as a stream reads them (an
+    attempt's repeated tokens once)."""
+    cursor = EventCursor()
+    for payload in log:
+        cursor.feed(payload)
+    return cursor.take()
+
+
+async def json_answer(answer: dict[str, Any], heavy: bool) -> Response:
+    """``answer`` as the endpoint's JSON; a ``heavy`` one (log probabilities:
+    megabytes at the bounds) serialised off the event loop."""
+    body = await asyncio.to_thread(orjson.dumps, answer) if heavy else orjson.dumps(answer)
+    return Response(body, media_type="application/json")
 
 
 @contextlib.asynccontextmanager

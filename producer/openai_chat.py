@@ -17,12 +17,13 @@ the job's metadata; ``developer`` messages are system messages.
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass
 from typing import Any
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 from pydantic import (
     BaseModel,
     ConfigDict,
@@ -36,10 +37,10 @@ from pydantic import (
 from tokenfleet import sse
 from tokenfleet.aio import AsyncFleetClient
 from tokenfleet.gateway_metrics import first_token
-from tokenfleet.openai_answer import chunks, finish, logged, succeeded, usage
+from tokenfleet.openai_answer import chunks, events, finish, json_answer, shaped, succeeded, usage
 from tokenfleet.openai_compat import PARAMS, Sampling, invalid, refusal, submit_constrained
 from tokenfleet.openai_errors import INVALID_VALUE, NO_CHAT_TEMPLATE, UNSUPPORTED
-from tokenfleet.openai_logprobs import chat_logprobs
+from tokenfleet.openai_logprobs import chat_logprobs, over_budget
 from tokenfleet.openai_structured import Refused, ToolCall, asks_auto, requested, tool_call
 from tokenfleet.openai_tools import (
     auto_message,
@@ -264,6 +265,11 @@ async def chat_request(client: AsyncFleetClient, body: bytes) -> Chat | Response
         params = CHAT_PARAMS if ask.max_completion_tokens is not None else {
             **CHAT_PARAMS, ("sampling", "max_new_tokens"): "max_tokens"}
         return invalid(exc, {**params, ("structured_output",): field or "response_format"})
+    if ask.logprobs and not ask.stream:
+        why = over_budget(n, job.sampling.max_new_tokens, (ask.top_logprobs or 0) + 1,
+                          client.settings, "top_logprobs")
+        if why is not None:
+            return INVALID_VALUE.response(why, param="top_logprobs")
     queue = await served(client, job.model)
     if queue is not None and queue.chat is False:
         return NO_CHAT_TEMPLATE.response(
@@ -281,8 +287,16 @@ async def chat_request(client: AsyncFleetClient, body: bytes) -> Chat | Response
 async def chat_answer(client: AsyncFleetClient, made: Chat, job_ids: list[str],
                       states: list[JobState]) -> dict[str, Any]:
     """The endpoint's answer (not streamed) for the succeeded jobs of ``made``."""
+    return await shaped(client, job_ids, bool(made.ask.logprobs),
+                        functools.partial(chat_body, made, job_ids, states))
+
+
+def chat_body(made: Chat, job_ids: list[str], states: list[JobState],
+              logs: list[list[bytes]] | None) -> dict[str, Any]:
+    """The answer for the jobs' states, and their token logs' entries when the
+    request asked for log probabilities."""
     choices = []
-    for i, (state, job_id) in enumerate(zip(states, job_ids, strict=True)):
+    for i, state in enumerate(states):
         message: dict[str, Any] = {"role": "assistant", "content": state.text, "refusal": None}
         finish_reason = finish(state)
         calls = made.call.calls(state.text) if made.call is not None else None
@@ -292,8 +306,7 @@ async def chat_answer(client: AsyncFleetClient, made: Chat, job_ids: list[str],
             message.update(content=None, tool_calls=calls)
             finish_reason = "tool_calls" if finish_reason == "stop" else finish_reason
         choices.append({"index": i, "message": message, "finish_reason": finish_reason,
-                        "logprobs": (chat_logprobs(await logged(client, job_id))
-                                     if made.ask.logprobs else None)})
+                        "logprobs": None if logs is None else chat_logprobs(events(logs[i]))})
     return {**made.head(job_ids[0]), "object": "chat.completion", "choices": choices,
             "usage": usage(states)}
 
@@ -322,4 +335,5 @@ async def chat(client: AsyncFleetClient, body: bytes, request: Request,
     states = await succeeded(client, job_ids, request)
     if isinstance(states, Response):
         return states
-    return JSONResponse(await chat_answer(client, made, job_ids, states))
+    return await json_answer(await chat_answer(client, made, job_ids, states),
+                             heavy=bool(made.ask.logprobs))

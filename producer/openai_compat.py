@@ -23,6 +23,7 @@ the workers' slots are freed (``tokenfleet.openai_answer``).
 
 from __future__ import annotations
 
+import functools
 import json
 import time
 from dataclasses import dataclass
@@ -30,7 +31,7 @@ from typing import Any
 
 import orjson
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError, field_validator
 
 from tokenfleet import sse
@@ -38,9 +39,9 @@ from tokenfleet.aio import AsyncFleetClient
 from tokenfleet.gateway_metrics import first_token
 from tokenfleet.choices import check_n
 from tokenfleet.key_limits import submit_as_caller
-from tokenfleet.openai_answer import chunks, finish, logged, succeeded, usage
+from tokenfleet.openai_answer import chunks, events, finish, json_answer, shaped, succeeded, usage
 from tokenfleet.openai_errors import INVALID_JSON, INVALID_VALUE, UNRECOGNIZED, UNSUPPORTED
-from tokenfleet.openai_logprobs import MAX_COMPLETION_LOGPROBS, CompletionLogprobs
+from tokenfleet.openai_logprobs import MAX_COMPLETION_LOGPROBS, CompletionLogprobs, over_budget
 from tokenfleet.openai_structured import Refused, requested
 from tokenfleet.served import served
 from tokenfleet.shared.errors import NO_FIM, InvalidRequest, invalid_field, invalid_input
@@ -282,6 +283,11 @@ async def completion(client: AsyncFleetClient, body: bytes) -> Completion | Resp
         job = ask.generation(client.settings, structured)
     except ValidationError as exc:
         return invalid(exc, {**PARAMS, ("structured_output",): field or "response_format"})
+    if ask.logprobs is not None and not ask.stream:
+        why = over_budget(n, job.sampling.max_new_tokens, ask.logprobs + 1, client.settings,
+                          "logprobs")
+        if why is not None:
+            return INVALID_VALUE.response(why, param="logprobs")
     if job.suffix is not None:
         queue = await served(client, job.model)
         if queue is not None and queue.fim is False:  # None: a worker that does not say
@@ -292,11 +298,18 @@ async def completion(client: AsyncFleetClient, body: bytes) -> Completion | Resp
 async def completion_answer(client: AsyncFleetClient, made: Completion, job_ids: list[str],
                             states: list[JobState]) -> dict[str, Any]:
     """The endpoint's answer (not streamed) for the succeeded jobs of ``made``."""
+    return await shaped(client, job_ids, made.ask.logprobs is not None,
+                        functools.partial(completion_body, made, job_ids, states))
+
+
+def completion_body(made: Completion, job_ids: list[str], states: list[JobState],
+                    logs: list[list[bytes]] | None) -> dict[str, Any]:
+    """The answer for the jobs' states, and their token logs' entries when the
+    request asked for log probabilities."""
     choices = [completion_choice(i, made.echo + state.text, finish(state))
                for i, state in enumerate(states)]
-    if made.ask.logprobs is not None:
-        for choice, job_id in zip(choices, job_ids, strict=True):
-            choice["logprobs"] = CompletionLogprobs()(await logged(client, job_id))
+    for choice, log in zip(choices, logs, strict=True) if logs is not None else ():
+        choice["logprobs"] = CompletionLogprobs()(events(log))
     return {**made.head(job_ids[0]), "choices": choices, "usage": usage(states)}
 
 
@@ -333,7 +346,8 @@ async def complete(client: AsyncFleetClient, body: bytes, request: Request,
     states = await succeeded(client, job_ids, request)
     if isinstance(states, Response):
         return states
-    return JSONResponse(await completion_answer(client, made, job_ids, states))
+    return await json_answer(await completion_answer(client, made, job_ids, states),
+                             heavy=made.ask.logprobs is not None)
 
 
 def completion_choice(index: int, text: str, finish_reason: str | None) -> dict[str, Any]:

@@ -47,6 +47,20 @@ class CompletionLogprobs:
         return out
 
 
+def over_budget(n: int, tokens: int, per_token: int, settings: Any, param: str) -> str | None:
+    """Why an answer that is not streamed, of ``n`` choices of up to ``tokens``
+    tokens with ``per_token`` values each, may not be built (it is built whole
+    in memory: n x tokens x per_token values), or None if it may."""
+    values = n * tokens * per_token
+    limit = settings.max_logprob_values
+    if values <= limit:
+        return None
+    return (f"invalid {param!r}: {n} choices x {tokens} tokens x {per_token} log probabilities "
+            f"is {values:,} values, above this gateway's limit of {limit:,} for an answer that "
+            "is not streamed (TOKENFLEET_MAX_LOGPROB_VALUES); lower n, the token limit or "
+            f"{param}, or stream the answer")
+
+
 def chat_logprobs(events: Iterable[TokenEvent]) -> dict[str, Any]:
     """Chat's shape for a job's events, in order."""
     content = [{**_entry(lp.token, lp.logprob),

@@ -149,6 +149,12 @@ class Settings(BaseSettings):
         "go first); a single grammar larger than this is refused, naming the limit."))
     max_n: int = Field(default=16, ge=1, description=(
         "The most choices (n, best_of) one request may fan out to; each is a job of its own."))
+    max_logprob_values: int = Field(default=400_000, ge=1, description=(
+        "The most log probabilities one answer that is not streamed may hold: n x max_tokens x "
+        "(top_logprobs + 1) for chat, n x max_tokens x (logprobs + 1) for completions. A request "
+        "over it is refused with a 400 naming this limit (a stream is not held to it: each "
+        "chunk carries its own tokens' values). The default admits every request within the "
+        "other defaults (16 x 1024 x 21)."))
     # A worker's running batch may hold at most this many tokens (prompts plus
     # max_new_tokens of every running job): the bound on its KV cache. "auto":
     # what the memory budget holds.

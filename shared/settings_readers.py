@@ -53,6 +53,7 @@ READ_BY: dict[str, str] = {
     "max_stop_strings": EACH,
     "max_metadata_bytes": EACH,
     "max_n": CLIENT,
+    "max_logprob_values": GATEWAY,
     "grammar_compile_s": ALL,
     "grammar_cache_mb": WORKER,
     "max_batch_tokens": WORKER,

@@ -5,6 +5,7 @@ Import the ``gateway`` fixture into a test module (``from gateway_server import 
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import socket
 import threading
@@ -27,10 +28,21 @@ class _Server(uvicorn.Server):
     def __init__(self, config: uvicorn.Config) -> None:
         super().__init__(config)
         self.ready = threading.Event()
+        self.loop: asyncio.AbstractEventLoop | None = None  # the gateway's, once it listens
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
         await super().startup(sockets)
+        self.loop = asyncio.get_running_loop()
         self.ready.set()
+
+
+async def loop_lateness(done: threading.Event, out: list[float], tick_s: float = 0.01) -> None:
+    """How late each wake-up of a ``tick_s`` sleep is, until ``done``: the time
+    the event loop it runs on was held by something else."""
+    while not done.is_set():
+        started = time.monotonic()
+        await asyncio.sleep(tick_s)
+        out.append(time.monotonic() - started - tick_s)
 
 
 @pytest.fixture

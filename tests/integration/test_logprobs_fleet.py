@@ -4,11 +4,13 @@ worker on the tiny model and one gateway serve the module."""
 
 from __future__ import annotations
 
+import asyncio
 import socket
 import threading
 import time
 import uuid
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import httpx
@@ -18,11 +20,12 @@ import torch
 
 from tokenfleet import FleetClient, TokenEvent
 from tokenfleet.gateway import server_config
+from tokenfleet.openai_logprobs import CompletionLogprobs, chat_logprobs
 from tokenfleet.shared.schemas import JobStatus
 from tokenfleet.shared.settings import Settings
 from tokenfleet.workers.runner import HFRunner
 
-from gateway_server import _Server, sse_events
+from gateway_server import _Server, gateway, loop_lateness, sse_events  # noqa: F401 (a fixture)
 from helpers import wait_until
 
 pytestmark = pytest.mark.timeout(120)
@@ -45,6 +48,7 @@ class Served:
         self.fleet = FleetClient(settings=settings)
         self.http = httpx.Client()
         self.openai: openai.OpenAI
+        self.server: _Server
 
     def worker(self, queue: str = "default", runner: type[HFRunner] = HFRunner) -> Any:
         """A worker on the tiny model serving ``queue``, from its first heartbeat on."""
@@ -73,7 +77,7 @@ def served(redis_url: str, loaded_tiny: tuple[Any, Any]) -> Iterator[Served]:
     worker = out.worker()
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
-    server = _Server(server_config(settings, log_level="warning"))
+    server = out.server = _Server(server_config(settings, log_level="warning"))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     assert server.ready.wait(20), "the gateway did not start"
@@ -216,3 +220,106 @@ def test_limits_are_400s_naming_the_field_and_the_limit(served: Served) -> None:
         assert error["param"] == param and words in error["message"], (body, error)
     with pytest.raises(Exception, match="logprobs"):
         served.fleet.submit(PROMPT, logprobs=21)
+
+
+def test_an_answer_over_the_logprob_budget_is_refused_up_front_unless_streamed(
+    gateway: Any  # noqa: F811
+) -> None:
+    http: httpx.Client = gateway(max_logprob_values=10_000)
+    chat = {"messages": CHAT, "n": 4, "max_tokens": 128, "logprobs": True, "top_logprobs": 20}
+    completion = {"prompt": PROMPT, "n": 4, "max_tokens": 512, "logprobs": 5}
+    for path, body, param, values in (("/v1/chat/completions", chat, "top_logprobs", "10,752"),
+                                      ("/v1/completions", completion, "logprobs", "12,288")):
+        refused = http.post(path, json=body)
+        assert refused.status_code == 400, refused.text
+        error = refused.json()["error"]
+        assert error["param"] == param, error
+        assert "TOKENFLEET_MAX_LOGPROB_VALUES" in error["message"], error
+        assert values in error["message"] and "10,000" in error["message"], error
+        # Streamed, or within the budget, it goes on to the queue (which has no worker here).
+        for allowed in ({**body, "stream": True}, {**body, "n": 3}):
+            answer = http.post(path, json=allowed)
+            assert "TOKENFLEET_MAX_LOGPROB_VALUES" not in answer.text, answer.text
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_large_logprob_answers_are_built_off_the_gateways_event_loop(
+    served: Served, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """n=16 choices of 21 values a token, answered whole: they are shaped off
+    the gateway's event loop (on it, 16 x 1024 tokens held it for seconds),
+    /healthz keeps its pace, and the answers are the logged values."""
+    shaped_on_loop: list[bool] = []
+
+    def on_loop() -> bool:
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            return False
+        return True
+
+    def chat_shape(events: Any) -> dict[str, Any]:
+        shaped_on_loop.append(on_loop())
+        return chat_logprobs(events)
+
+    class CompletionShape(CompletionLogprobs):
+        def __call__(self, events: Any) -> dict[str, Any]:
+            shaped_on_loop.append(on_loop())
+            return super().__call__(events)
+
+    monkeypatch.setattr("tokenfleet.openai_chat.chat_logprobs", chat_shape)
+    monkeypatch.setattr("tokenfleet.openai_compat.CompletionLogprobs", CompletionShape)
+    chat = {"model": "default", "messages": CHAT, "max_tokens": 160, "n": 16, "logprobs": True,
+            "top_logprobs": 20, "seed": 7}
+    completion = {"model": "default", "prompt": PROMPT, "max_tokens": 160, "n": 16,
+                  "logprobs": 5, "seed": 7}
+    latencies: list[float] = []
+    lateness: list[float] = []
+    done = threading.Event()
+    assert served.server.loop is not None
+    monitor = asyncio.run_coroutine_threadsafe(loop_lateness(done, lateness),
+                                               served.server.loop)
+
+    def probe() -> None:
+        with httpx.Client(base_url=served.http.base_url, timeout=60) as own:
+            while not done.is_set():
+                started = time.monotonic()
+                assert own.get("/healthz").status_code == 200
+                latencies.append(time.monotonic() - started)
+                time.sleep(0.005)
+
+    def post(body: dict[str, Any]) -> httpx.Response:
+        path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+        with httpx.Client(base_url=served.http.base_url, timeout=540) as own:
+            return own.post(path, json=body)
+
+    prober = threading.Thread(target=probe)
+    prober.start()
+    try:
+        with ThreadPoolExecutor(3) as pool:
+            answers = list(pool.map(post, (chat, completion, chat)))
+    finally:
+        done.set()
+        prober.join()
+        monitor.result(10)
+    for answer in answers:
+        assert answer.status_code == 200, answer.text
+        assert len(answer.json()["choices"]) == 16
+    latencies.sort()
+    p99 = latencies[int(len(latencies) * 0.99) - 1]
+    print(f"healthz: {len(latencies)} probes, p50 {latencies[len(latencies) // 2] * 1e3:.1f} ms,"
+          f" p99 {p99 * 1e3:.1f} ms, max {latencies[-1] * 1e3:.1f} ms; the loop late at most "
+          f"{max(lateness) * 1e3:.0f} ms ({sum(x > 0.1 for x in lateness)} wake-ups over 100 ms)")
+    assert len(shaped_on_loop) == 3 * 16 and not any(shaped_on_loop), shaped_on_loop
+    assert len(latencies) > 50 and p99 < 0.1, (len(latencies), p99, latencies[-5:])
+    # A busy host (the worker shares this process) delays a wake-up now and then.
+    assert max(lateness) < 1.0, sorted(lateness)[-5:]
+    # The answers are the values logged for each choice's tokens.
+    chat_answer, completion_answer = answers[0].json(), answers[1].json()
+    first = chat_answer["id"].removeprefix("chatcmpl-")
+    assert chat_answer["choices"][0]["logprobs"] == chat_logprobs(
+        list(served.fleet.stream(first, timeout=30)))
+    first = completion_answer["id"].removeprefix("cmpl-")
+    assert completion_answer["choices"][0]["logprobs"] == CompletionLogprobs()(
+        list(served.fleet.stream(first, timeout=30)))
