@@ -13,7 +13,7 @@ import socket
 # needs its extra's and those of the extras it builds on.
 EXTRA_MODULES: dict[str, tuple[str, ...]] = {
     "worker": ("celery", "torch", "transformers", "huggingface_hub", "prometheus_client"),
-    "gateway": ("fastapi", "uvicorn", "python_multipart", "httpx", "prometheus_client"),
+    "gateway": ("fastapi", "uvicorn", "python_multipart", "httpx", "httpcore", "prometheus_client"),
     "exporter": ("prometheus_client",),
     "demo": ("fakeredis", "rich"),  # rich comes with the worker extra
     "bench": ("rich",),
