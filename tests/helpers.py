@@ -440,8 +440,10 @@ def url_id(job_id: str) -> str:
 
 def written_keys(r: Any, namespace: str) -> list[bytes]:
     """Every key of the namespace but the queue's partition count (``pytest
-    --partitions`` sets it before a test): what the test's requests wrote."""
+    --partitions`` sets it before a test) and the mark a gateway leaves at its
+    start (its tenants' indexes filled): what the test's requests wrote."""
     from tokenfleet.shared.keys import Keys
 
-    count = Keys(namespace).partitions("default").encode()
-    return [k for k in r.scan_iter(match=f"{namespace}:*") if k != count]
+    keys = Keys(namespace)
+    before = {keys.partitions("default").encode(), keys.tenant_indexes_done.encode()}
+    return [k for k in r.scan_iter(match=f"{namespace}:*") if k not in before]
