@@ -34,7 +34,9 @@ several gateways run in one process, as in the tests.
 
 from __future__ import annotations
 
+import re
 import time
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -42,7 +44,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.registry import Collector
-from starlette.routing import Match
+from starlette.routing import compile_path
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 PATH = "/metrics"
@@ -87,14 +89,38 @@ def route_of(scope: Scope) -> str:
     """The template of the route that serves the request (``other``: none does).
     A request answered before routing (a 401) is matched here."""
     route = scope.get("route")
-    if route is None:
-        app = scope.get("app")
-        for candidate in getattr(getattr(app, "router", None), "routes", ()):
-            match, _ = candidate.matches(scope)
-            if match is not Match.NONE:
-                route = candidate
-                break
-    return getattr(route, "path", None) or "other"
+    if route is not None:
+        return getattr(route, "path", None) or "other"
+    app = scope.get("app")
+    templates = _TEMPLATES.get(app) if app is not None else None
+    if templates is None:
+        templates = _templates(getattr(getattr(app, "router", None), "routes", ()), "")
+        if app is not None:
+            _TEMPLATES[app] = templates
+    path = scope.get("path", "")
+    return next((template for regex, template in templates if regex.match(path)), "other")
+
+
+# Each app's route templates, read once from its routes.
+_TEMPLATES: weakref.WeakKeyDictionary[Any, list[tuple[re.Pattern[str], str]]] = (
+    weakref.WeakKeyDictionary())
+
+
+def _templates(routes: Any, prefix: str) -> list[tuple[re.Pattern[str], str]]:
+    """Every route's template under ``prefix``, in routing order. A router
+    included in another is a route of its own whose ``matches`` takes any path
+    in newer FastAPI (``original_router``, matched lazily), so it is walked
+    rather than asked."""
+    found: list[tuple[re.Pattern[str], str]] = []
+    for route in routes:
+        included = getattr(route, "original_router", None)
+        if included is not None:
+            context = getattr(route, "include_context", None)
+            found += _templates(included.routes, prefix + getattr(context, "prefix", ""))
+        elif isinstance(getattr(route, "path", None), str):
+            template = prefix + route.path
+            found.append((compile_path(template)[0], template))
+    return found
 
 
 class _Timing:
