@@ -9,11 +9,11 @@ lives in ``tokenfleet.workers`` and needs the ``worker`` extra (torch, Celery).
     job_id = client.submit("Once upon a time", max_new_tokens=32)
 """
 
-from tokenfleet.aio import AsyncFleetClient
-from tokenfleet.batch_records import Batch
-from tokenfleet.client import FleetClient
-from tokenfleet.generation import AsyncGeneration, Generation
-from tokenfleet.shared.errors import (
+from tokenfleet.client.aio import AsyncFleetClient
+from tokenfleet.client.batch_records import Batch
+from tokenfleet.client.sync import FleetClient
+from tokenfleet.client.generation import AsyncGeneration, Generation
+from tokenfleet.shared.wire.errors import (
     IdempotencyConflict,
     InvalidRequest,
     JobNotFound,
@@ -33,7 +33,7 @@ from tokenfleet.shared.errors import (
     TokenRateLimited,
     WorkersGone,
 )
-from tokenfleet.shared.schemas import (
+from tokenfleet.shared.wire.schemas import (
     ChatMessage,
     EndEvent,
     FinishReason,
@@ -64,9 +64,9 @@ __all__ = [
     "LimitExceeded",
     "NoWorker",
     "OverTokenRate",
+    "PriorityNotAllowed",
     "PromptTooLong",
     "QueueFull",
-    "PriorityNotAllowed",
     "QueueNotAllowed",
     "RateLimited",
     "RedisAuthFailed",

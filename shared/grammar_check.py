@@ -22,7 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from tokenfleet.shared import budgeted
-from tokenfleet.shared.structured import StructuredOutput, python_problem, source_problem
+from tokenfleet.shared.wire.structured import StructuredOutput, python_problem, source_problem
 
 # Answers kept per process (a digest and a sentence each: a few hundred bytes).
 ANSWERS_KEPT = 4096

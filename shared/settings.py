@@ -13,8 +13,8 @@ from pydantic import Field, ValidationInfo, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from tokenfleet.shared.file_store import default_files_url
-from tokenfleet.shared.keys import QUEUE_NAME_RULE, is_partition_name
-from tokenfleet.shared.served_name import served_name
+from tokenfleet.shared.wire.keys import QUEUE_NAME_RULE, is_partition_name
+from tokenfleet.shared.wire.served_name import served_name
 
 MAX_BATCH_LIMIT = 4096  # the largest max_batch a worker takes
 
@@ -33,7 +33,7 @@ class Settings(BaseSettings):
     model: str = Field(default="tiny", description=(
         "What a worker serves: a built-in model (tiny, llama-86m, ...), a Hugging Face directory "
         "or a hub id."))
-    # Unset (""): the model's name (shared/served_name.py), as vLLM serves a
+    # Unset (""): the model's name (shared/wire/served_name.py), as vLLM serves a
     # model under its name unless --served-model-name says otherwise.
     queue: str = Field(default="", validate_default=True, description=(
         "The queue a worker serves: the model= that clients submit to; unset, the model's name "
@@ -61,7 +61,7 @@ class Settings(BaseSettings):
     # a GPU vLLM takes gpu_memory_utilization (below) of it, weights included.
     vllm_cpu_kv_cache_bytes: int = Field(default=256 << 20, ge=1 << 20, description=(
         "vLLM on the CPU backend: its KV cache in bytes, reserved in host memory at start."))
-    # The gpu-sim engine (workers/gpu_sim.py, for `tokenfleet bench --modes
+    # The gpu-sim engine (producer/bench/gpu_sim.py, for `tokenfleet bench --modes
     # gpu-sim`): how long its simulated device step holds the engine thread,
     # outside Python with the GIL released, as a GPU's forward pass does.
     gpu_sim_step_ms: float = Field(default=10.0, gt=0, description=(
@@ -119,7 +119,7 @@ class Settings(BaseSettings):
 
     # Admission limits. The four a worker publishes (queue, prompt tokens, new
     # tokens, payload) hold every submit as the strictest of the live workers'
-    # and the client's own (shared/limits.py); the others are checked on each side.
+    # and the client's own (shared/wire/limits.py); the others are checked on each side.
     max_queue: int = Field(default=10_000, ge=1, description=(
         "The most jobs that may wait or run in one queue, the live priorities counted (QueueFull "
         "past it); batch lines take only the room live jobs leave and never count against them. "
@@ -226,7 +226,7 @@ class Settings(BaseSettings):
         "batch jobs to end."))
     # The gateway's API keys (tokenfleet keys create): "auto" asks for one once
     # a key was ever made, "on" always, "off" never (a private network only).
-    # Unset, the gateway's bind address decides (tokenfleet.auth.auth_mode).
+    # Unset, the gateway's bind address decides (tokenfleet.gateway.auth.auth_mode).
     gateway_auth: Literal["auto", "on", "off"] | None = Field(default=None, description=(
         "Gateway: API keys (Authorization: Bearer). on: always; auto: once a key was ever made "
         "on the fleet (revoking every key does not open it again; a WARNING at start and every "

@@ -13,7 +13,7 @@ from collections.abc import Awaitable
 from typing import Any, Protocol
 from urllib.parse import urlsplit
 
-from tokenfleet.shared.keys import Keys
+from tokenfleet.shared.wire.keys import Keys
 
 # The longest webhook URL a job or batch may name (browsers' and proxies' common limit).
 MAX_WEBHOOK_URL = 2048

@@ -3,13 +3,11 @@ fresh namespace per test, in-process workers and Celery worker processes."""
 
 from __future__ import annotations
 
+import json
 import os
-import shutil
-import socket
 import subprocess
 import sys
 import tempfile
-import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -21,7 +19,7 @@ import redis
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).parent))
 
-from helpers import (  # noqa: E402,F401
+from helpers import (  # noqa: E402
     S3_BUCKET, MotoS3Server, RedisClusterServers, RedisServer, own_redis, s3_env, wait_until)
 
 
@@ -137,8 +135,8 @@ def settings(redis_url: str, namespace: str, request: pytest.FixtureRequest) -> 
     if partitions > 1:  # before any client or worker reads the queue's partitions
         from helpers import redis_client
 
-        from tokenfleet.shared.declared import set_partitions
-        from tokenfleet.shared.keys import Keys
+        from tokenfleet.shared.wire.declared import set_partitions
+        from tokenfleet.shared.wire.keys import Keys
 
         r = redis_client(redis_url)
         set_partitions(r, Keys.for_url(namespace, redis_url), settings.queue, partitions)
@@ -167,7 +165,7 @@ def client(settings: Any) -> Iterator[Any]:
 def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The built-in tiny model, exported the way a user would: `tokenfleet export-model`."""
     out = tmp_path_factory.mktemp("models") / "tiny"
-    subprocess.run([sys.executable, "-m", "tokenfleet.workers.cli", "export-model", "tiny", str(out)],
+    subprocess.run([sys.executable, "-m", "tokenfleet.cli.app", "export-model", "tiny", str(out)],
                    check=True, cwd=ROOT, timeout=120)
     return out
 
@@ -179,10 +177,48 @@ def loaded_tiny(tiny_dir: Path) -> tuple[Any, Any]:
     return models.load(str(tiny_dir))
 
 
+def env_value(value: Any) -> str:
+    """A setting as its environment variable spells it (pydantic-settings reads
+    JSON for anything that is not a string)."""
+    return value if isinstance(value, str) else json.dumps(value)
+
+
 @pytest.fixture
-def start_worker(settings: Any, loaded_tiny: tuple[Any, Any]) -> Iterator[Callable[..., Any]]:
-    """Start an in-process worker (the engine a Celery process runs) on the tiny model."""
-    from tokenfleet.workers.build import hf_engine
+def worker_env(settings: Any) -> Iterator[Callable[..., Any]]:
+    """A worker's settings as production makes them: the test's settings (and
+    ``overrides``) put in the environment, then read by ``get_settings()`` as a
+    Celery worker's bootstep does. The read must give back what was set: a
+    field the environment cannot carry would leave the test's worker unlike a
+    real one. The environment is the worker's alone: it is put back once read
+    (a command the test runs is a user's shell, not the worker's), and
+    ``get_settings()`` keeps what it read, as in a worker process."""
+    from tokenfleet.shared.settings import get_settings
+
+    def read(**overrides: Any) -> Any:
+        wanted = settings.model_copy(update=overrides)
+        with pytest.MonkeyPatch.context() as env:
+            for name in settings.model_fields_set | set(overrides):
+                env.setenv(f"TOKENFLEET_{name.upper()}", env_value(getattr(wanted, name)))
+            # get_settings() reads the environment once per process: each worker
+            # a test starts stands for a fresh Celery process, so it reads anew.
+            get_settings.cache_clear()
+            read_back = get_settings()
+        assert read_back == wanted, {k: (v, getattr(read_back, k)) for k, v in wanted
+                                     if getattr(read_back, k) != v}
+        return read_back
+
+    yield read
+    get_settings.cache_clear()  # no later test reads this test's worker's settings
+
+
+@pytest.fixture
+def start_worker(worker_env: Callable[..., Any],
+                 loaded_tiny: tuple[Any, Any]) -> Iterator[Callable[..., Any]]:
+    """Start an in-process worker (the engine a Celery process runs) on the tiny
+    model, its settings read from the environment as a Celery worker's are."""
+    from helpers import assert_built_as_in_production
+
+    from tokenfleet.workers.build import grammars, hf_engine
     from tokenfleet.workers.runner import HFRunner
     from tokenfleet.workers.service import Worker
 
@@ -191,10 +227,14 @@ def start_worker(settings: Any, loaded_tiny: tuple[Any, Any]) -> Iterator[Callab
     def start(name: str = "w1@test", runner: Any = None, **overrides: Any) -> Any:
         model, tokenizer = loaded_tiny
         model_runner = HFRunner(model, tokenizer)
-        worker_settings = settings.model_copy(update=overrides)
+        worker_settings = worker_env(**overrides)
         engine = hf_engine(worker_settings, runner or model_runner, model_runner.eos_token_ids,
                            model_runner.max_model_len)
+        # As workers/build.py does: structured output, where xgrammar is installed.
+        engine.grammars = grammars(tokenizer, model_runner.vocab_size,
+                                   model_runner.eos_token_ids, worker_settings)
         worker = Worker(worker_settings, engine, tokenizer, name=name)
+        assert_built_as_in_production(worker)
         worker.start()
         started.append(worker)
         # Submits require a live worker by default: wait for its first heartbeat,
@@ -207,6 +247,8 @@ def start_worker(settings: Any, loaded_tiny: tuple[Any, Any]) -> Iterator[Callab
     yield start
     for worker in started:
         worker.stop(grace_s=0)
+        if worker.engine.grammars is not None:
+            worker.engine.grammars.close()
 
 
 class CeleryWorker:
@@ -246,7 +288,7 @@ class CeleryWorker:
 
 @pytest.fixture
 def celery_workers(settings: Any, tiny_dir: Path, r: redis.Redis) -> Iterator[Callable[..., CeleryWorker]]:
-    from tokenfleet.shared.keys import Keys
+    from tokenfleet.shared.wire.keys import Keys
 
     procs: list[CeleryWorker] = []
     keys = Keys(settings.namespace)

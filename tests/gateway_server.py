@@ -18,8 +18,8 @@ import pytest
 import redis
 import uvicorn
 
-from tokenfleet.gateway import server_config
-from tokenfleet.shared.keys import Keys
+from tokenfleet.gateway.app import server_config
+from tokenfleet.shared.wire.keys import Keys
 
 
 class _Server(uvicorn.Server):

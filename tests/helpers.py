@@ -19,15 +19,16 @@ from typing import Any
 import pytest
 import redis
 
-from tokenfleet.shared.keys import job_id_in
-from tokenfleet.shared.redis_conn import connect, is_cluster
-from tokenfleet.workers.bench.procs import free_port  # noqa: F401  (the tests use it too)
+from tokenfleet.shared.wire.keys import job_id_in
+from tokenfleet.shared.redis.connect import connect, is_cluster
+from tokenfleet.bench.procs import free_port  # the tests use it too
+from tokenfleet.workers.output_processor import step
 
 
 def direct_greedy(loaded: tuple[Any, Any], jobs: list[tuple[str, int]]) -> list[str]:
     """The undisturbed run of (prompt, max_new_tokens) jobs: the same engine
     in-process, no Redis, no faults; greedy texts for a fault test to match."""
-    from tokenfleet.shared.schemas import SamplingParams
+    from tokenfleet.shared.wire.schemas import SamplingParams
     from tokenfleet.workers.detokenizer import TextStream
     from tokenfleet.workers.hf_engine import HFEngine
     from tokenfleet.workers.runner import HFRunner
@@ -43,7 +44,7 @@ def direct_greedy(loaded: tuple[Any, Any], jobs: list[tuple[str, int]]) -> list[
     for s in seqs:
         engine.add(s)
     while engine.has_work:
-        engine.step()
+        step(engine)
     return [s.text.text for s in seqs]
 
 
@@ -71,7 +72,7 @@ def follow_all(settings: Any, job_ids: list[str]) -> tuple[threading.Thread, dic
 
 def logged_count(r: redis.Redis, keys: Any, job_id: str) -> int:
     """How many tokens the job's log holds: its top token entry's id."""
-    from tokenfleet.shared.worker_scripts import LOG_BAND
+    from tokenfleet.shared.wire.worker_scripts import LOG_BAND
 
     top = r.xrevrange(keys.out(job_id), "0-18446744073709551615", "-", count=1)
     return int(top[0][0].split(b"-")[1]) % LOG_BAND if top else 0
@@ -80,8 +81,8 @@ def logged_count(r: redis.Redis, keys: Any, job_id: str) -> int:
 def logged_tokens(r: redis.Redis, keys: Any, job_id: str) -> tuple[list[int], int, bool]:
     """The job's token log: its tokens in order, how many are missing between
     them (a gap), and whether it ends with the end event."""
-    from tokenfleet.shared.serialization import loads
-    from tokenfleet.shared.worker_scripts import LOG_BAND
+    from tokenfleet.shared.wire.serialization import loads
+    from tokenfleet.shared.wire.worker_scripts import LOG_BAND
 
     tokens: list[int] = []
     gaps, ended = 0, False
@@ -146,7 +147,7 @@ class ChannelTally:
             thread.start()
 
     def _run(self, pubsub: Any) -> None:
-        from tokenfleet.shared.serialization import loads
+        from tokenfleet.shared.wire.serialization import loads
 
         while not self._stop.is_set():
             try:
@@ -351,7 +352,7 @@ def own_redis(cluster: bool, appendonly: bool = False) -> RedisServer | RedisClu
 
 def redis_client(url: str) -> redis.Redis:
     """Plain redis-py on one server (no retries, as a test wants); a cluster client else."""
-    from tokenfleet.shared.redis_conn import connect, is_cluster
+    from tokenfleet.shared.redis.connect import connect, is_cluster
 
     return connect(url) if is_cluster(url) else redis.Redis.from_url(url)
 
@@ -417,15 +418,15 @@ def s3_env(endpoint_url: str) -> dict[str, str]:
 def queue_parts(r: Any, keys: Any, queue: str = "default") -> list[str]:
     """The partitions of ``queue`` (the queue alone when it has one): the queues its
     jobs go to (``pytest --partitions P`` gives the tests' queue P)."""
-    from tokenfleet.shared.declared import queue_partitions
-    from tokenfleet.shared.keys import partitions_of
+    from tokenfleet.shared.wire.declared import queue_partitions
+    from tokenfleet.shared.wire.keys import partitions_of
 
     return partitions_of(queue, queue_partitions(r, keys, queue))
 
 
 def dead_letters(r: Any, keys: Any, queue: str = "default") -> list[dict[str, Any]]:
     """Every dead letter of ``queue``, its partitions' one after another."""
-    from tokenfleet.shared.serialization import loads
+    from tokenfleet.shared.wire.serialization import loads
 
     return [loads(f[b"data"]) for part in queue_parts(r, keys, queue)
             for _, f in r.xrange(keys.dlq(part))]
@@ -442,8 +443,16 @@ def written_keys(r: Any, namespace: str) -> list[bytes]:
     """Every key of the namespace but the queue's partition count (``pytest
     --partitions`` sets it before a test) and the mark a gateway leaves at its
     start (its tenants' indexes filled): what the test's requests wrote."""
-    from tokenfleet.shared.keys import Keys
+    from tokenfleet.shared.wire.keys import Keys
 
     keys = Keys(namespace)
     before = {keys.partitions("default").encode(), keys.tenant_indexes_done.encode()}
     return [k for k in r.scan_iter(match=f"{namespace}:*") if k not in before]
+
+
+def assert_built_as_in_production(worker: Any) -> None:
+    """The worker runs on the settings a Celery worker reads (``get_settings()``),
+    no hand-made copy."""
+    from tokenfleet.shared.settings import get_settings
+
+    assert worker.settings == get_settings(), "the worker's settings are not get_settings()'"

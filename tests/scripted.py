@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from tokenfleet.workers.scheduler import Batch
+from tokenfleet.workers.scheduler import StepBatch
 from tokenfleet.workers.sequence import Sequence
 
 
@@ -13,13 +13,13 @@ class ScriptedRunner:
     every batch it ran."""
 
     def __init__(self, next_token: Callable[[Sequence], int] | None = None,
-                 fail_if: Callable[[Batch], bool] | None = None) -> None:
+                 fail_if: Callable[[StepBatch], bool] | None = None) -> None:
         self.next_token = next_token or (lambda seq: 65 + len(seq.generated) % 26)
         self.fail_if = fail_if
         self.batches: list[tuple[bool, list[str]]] = []
         self.resets = 0
 
-    def run(self, batch: Batch) -> list[int]:
+    def run(self, batch: StepBatch) -> list[int]:
         self.batches.append((batch.is_prefill, [s.job_id for s in batch.seqs]))
         if self.fail_if is not None and self.fail_if(batch):
             raise RuntimeError("scripted failure")

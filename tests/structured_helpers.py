@@ -15,7 +15,7 @@ from typing import Any
 import jsonschema
 import openai
 
-from tokenfleet.gateway import server_config
+from tokenfleet.gateway.app import server_config
 
 from gateway_server import _Server
 from helpers import wait_until

@@ -7,16 +7,17 @@ from pathlib import Path
 import orjson
 import pytest
 
-from tokenfleet import batch_output
-from tokenfleet.batch_client import line_of, openai_body, results
-from tokenfleet.batch_lines import LineError, error_line, job_error, parse, refusal
-from tokenfleet.batch_records import Batch, BatchRecord, RequestCounts, window_s
-from tokenfleet.shared.errors import InvalidRequest
+from tokenfleet.batches import output as batch_output
+from tokenfleet.client.batches import line_of, results
+from tokenfleet.batches.lines import LineError, error_line, job_error, parse, refusal
+from tokenfleet.client.batch_records import Batch, BatchRecord, RequestCounts, window_s
+from tokenfleet.shared.wire.errors import InvalidRequest
 from tokenfleet.shared.file_store import DirectoryStore
-from tokenfleet.openai_answer import failure
-from tokenfleet.openai_errors import CONTEXT_LENGTH
-from tokenfleet.shared.schemas import GenerationRequest, JobState, JobStatus
-from tokenfleet.workers.batch_cli import progress
+from tokenfleet.openai.answer import failure
+from tokenfleet.openai.errors import CONTEXT_LENGTH
+from tokenfleet.openai.translate import to_body
+from tokenfleet.shared.wire.schemas import GenerationRequest, JobState, JobStatus
+from tokenfleet.cli.batch import progress
 
 COMPLETIONS = "/v1/completions"
 
@@ -60,9 +61,8 @@ def test_a_refused_request_is_a_response_with_the_single_routes_status_and_body(
     assert line["error"] is None and line["custom_id"] == "a"
     response = line["response"]
     assert response["status_code"] == 400 and response["request_id"].startswith("req_")
-    single = CONTEXT_LENGTH.response("prompt has 9 tokens; this gateway allows 4",
-                                     param="prompt")
-    assert response["body"] == orjson.loads(bytes(single.body))
+    single = CONTEXT_LENGTH.error("prompt has 9 tokens; this gateway allows 4", param="prompt")
+    assert response["body"] == single.body
 
 
 def test_a_job_that_failed_on_its_worker_is_a_500_naming_its_job() -> None:
@@ -104,14 +104,17 @@ def test_results_in_input_order_keep_every_line_of_a_duplicate_or_missing_custom
     assert [line["n"] for line in results(store, batch)] == [2, 0, 1, 3, 4]
 
 
-def test_a_generation_request_becomes_the_openai_body_of_its_endpoint() -> None:
+def test_a_generation_request_is_stored_as_it_is_and_read_as_its_endpoints_body() -> None:
     chat = GenerationRequest(messages=[{"role": "user", "content": "Hi"}],
                              sampling={"max_new_tokens": 8, "temperature": 0.0})
-    line = orjson.loads(line_of(3, chat, "/v1/chat/completions"))
+    raw = line_of(3, chat, "/v1/chat/completions")
+    line = orjson.loads(raw)
     assert line["custom_id"] == "request-3" and line["url"] == "/v1/chat/completions"
-    assert line["body"] == {"model": "default", "max_tokens": 8, "temperature": 0.0,
-                            "messages": [{"role": "user", "content": "Hi"}]}
-    plain = openai_body(GenerationRequest(prompt="Hello", sampling={"max_new_tokens": 4}))
+    assert GenerationRequest.model_validate(line["request"]) == chat
+    assert parse(raw, "/v1/chat/completions").body == {
+        "model": "default", "max_tokens": 8, "temperature": 0.0,
+        "messages": [{"role": "user", "content": "Hi"}]}
+    plain = to_body(GenerationRequest(prompt="Hello", sampling={"max_new_tokens": 4}))
     assert plain == {"model": "default", "prompt": "Hello", "max_tokens": 4}
 
 

@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from tokenfleet.workers.bench.redis_cost import RedisSample, cost
-from tokenfleet.workers.bench.report import judge, ratios
-from tokenfleet.workers.bench.workload import (
+from tokenfleet.bench.redis_cost import RedisSample, cost
+from tokenfleet.bench.report import judge, ratios
+from tokenfleet.bench.workload import (
     FIELDS,
     Trace,
     describe,
@@ -34,7 +34,7 @@ ROOT = Path(__file__).resolve().parent.parent
 def test_bench_runs_every_mode_and_writes_every_field(tmp_path: Path) -> None:
     out, png = tmp_path / "bench.json", tmp_path / "bench.png"
     result = subprocess.run(
-        [sys.executable, "-m", "tokenfleet.workers.cli", "bench", "--jobs", "6", "--concurrency", "2",
+        [sys.executable, "-m", "tokenfleet.cli.app", "bench", "--jobs", "6", "--concurrency", "2",
          "--max-new-tokens", "4", "--probe-jobs", "3", "--overhead-jobs", "40",
          "--json", str(out), "--plot", str(png)],
         cwd=ROOT, env={**os.environ, "COLUMNS": "160"}, capture_output=True, text=True,
@@ -82,7 +82,7 @@ def test_bench_runs_every_mode_and_writes_every_field(tmp_path: Path) -> None:
 def test_bench_absorb_sweeps_workers_against_one_redis(tmp_path: Path) -> None:
     out = tmp_path / "absorb.json"
     result = subprocess.run(
-        [sys.executable, "-m", "tokenfleet.workers.cli", "bench", "--modes", "absorb",
+        [sys.executable, "-m", "tokenfleet.cli.app", "bench", "--modes", "absorb",
          "--concurrency", "4", "--absorb-workers", "1,2", "--absorb-tokens", "400",
          "--json", str(out)],
         cwd=ROOT, env={**os.environ, "COLUMNS": "160"}, capture_output=True, text=True,

@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 from rich.console import Console
 
-from tokenfleet.workers.bench.vs_vllm import _same_text, judge, ratios, render_vs
+from tokenfleet.bench.vs_vllm import _same_text, judge, ratios, render_vs
 
 ROOT = Path(__file__).resolve().parent.parent
 FIGURES = ("tokens", "tokens_per_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms")
@@ -31,7 +31,7 @@ COLUMNS = ("conc", "load", "server", "tokens", "tokens/s", "TTFT p50", "TTFT p99
 
 
 def bench(*args: str, timeout: float) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "tokenfleet.workers.cli", "bench", *args],
+    return subprocess.run([sys.executable, "-m", "tokenfleet.cli.app", "bench", *args],
                           cwd=ROOT, env={**os.environ, "COLUMNS": "160"}, capture_output=True,
                           text=True, timeout=timeout)
 

@@ -83,8 +83,8 @@ def test_the_heartbeat_shows_the_batch_size_the_budget_gave(settings: Any) -> No
     auto = settings.model_copy(update={"model": NULL_MODEL, "max_batch": "auto"})
     worker = build.build_worker(auto, name="sized@test")
     try:
-        assert worker.describe()["max_batch"] == AUTO_MAX_BATCH
-        assert worker.credits() == AUTO_MAX_BATCH + settings.prefetch
+        assert worker.heartbeat.describe()["max_batch"] == AUTO_MAX_BATCH
+        assert worker.engine_loop.credits() == AUTO_MAX_BATCH + settings.prefetch
     finally:
         worker.redis.close()
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tokenfleet.choices import check_n, choice_requests
-from tokenfleet.shared.errors import InvalidRequest
-from tokenfleet.shared.schemas import GenerationRequest, SamplingParams, choice_seed
+from tokenfleet.client.choices import check_n, choice_requests
+from tokenfleet.shared.wire.errors import InvalidRequest
+from tokenfleet.shared.wire.schemas import GenerationRequest, SamplingParams, choice_seed
 from tokenfleet.shared.settings import Settings
 from tokenfleet.workers.detokenizer import TextStream
 from tokenfleet.workers.sampler import sample

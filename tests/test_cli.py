@@ -11,13 +11,13 @@ from typing import Any
 
 import pytest
 
-from tokenfleet.shared.schemas import JobStatus
+from tokenfleet.shared.wire.schemas import JobStatus
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def tokenfleet(*args: str, env: dict[str, str] | None = None, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "tokenfleet.workers.cli", *args], cwd=ROOT,
+    return subprocess.run([sys.executable, "-m", "tokenfleet.cli.app", *args], cwd=ROOT,
                           env={**os.environ, **(env or {})}, capture_output=True, text=True,
                           timeout=timeout)
 
@@ -84,7 +84,7 @@ def test_the_demo_writes_readable_text() -> None:
     from rich.console import Console
 
     from readability import readable_ratio, real_word_ratio
-    from tokenfleet.workers.demo import PROMPTS, run_demo
+    from tokenfleet.cli.demo import PROMPTS, run_demo
 
     texts = run_demo(None, PROMPTS, 48, 0.0, console=Console(file=io.StringIO(), width=120))
     assert list(texts) == PROMPTS

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from tokenfleet.shared.clock import FleetClock
+from tokenfleet.shared.redis.clock import FleetClock
 
 
 class FakeTime:

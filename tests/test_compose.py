@@ -12,7 +12,7 @@ import yaml
 
 from tests.dockerfile import stages
 from tokenfleet.shared.settings import Settings
-from tokenfleet.workers.cli import main
+from tokenfleet.cli.app import main
 
 ROOT = Path(__file__).resolve().parent.parent
 TARGETS = {"worker": "worker-cpu", "gateway": "gateway", "flower": "flower"}

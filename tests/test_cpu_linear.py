@@ -11,13 +11,14 @@ import pytest
 import torch
 from torch import nn
 
-from tokenfleet.shared.schemas import JobStatus
+from tokenfleet.shared.wire.schemas import JobStatus
 from tokenfleet.workers import cpu_linear
 from tokenfleet.workers.cpu_linear import PackedLinear
 from tokenfleet.workers.hf_engine import HFEngine
 from tokenfleet.workers.runner import HFRunner
-from tokenfleet.workers.scheduler import Batch, Scheduler
+from tokenfleet.workers.scheduler import StepBatch, Scheduler
 from tokenfleet.workers.sequence import Sequence
+from tokenfleet.workers.output_processor import step
 
 from test_paged import add_prompts, assert_generate_tokens
 from test_runner import PROMPTS
@@ -57,7 +58,7 @@ def run_prompts(runner: HFRunner, tok: Any) -> tuple[HFEngine, list[Sequence]]:
                                 max_model_len=runner.max_model_len), runner)
     seqs = add_prompts(engine, tok)
     while engine.has_work:
-        engine.step()
+        step(engine)
     return engine, seqs
 
 
@@ -72,7 +73,7 @@ class FailsOnce(HFRunner):
 
     steps = 0
 
-    def run(self, batch: Batch) -> list[int]:
+    def run(self, batch: StepBatch) -> list[int]:
         self.steps += 1
         if self.steps == 6:
             raise RuntimeError("forward failed")

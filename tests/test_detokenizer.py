@@ -52,6 +52,26 @@ def test_special_tokens_add_no_text(tok) -> None:  # type: ignore[no-untyped-def
     assert ts.push(tok.eos_token_id) == "" and ts.finish() == ""
 
 
+def test_special_tokens_are_written_when_not_skipped(tok) -> None:  # type: ignore[no-untyped-def]
+    # vLLM's skip_special_tokens=false: the model's markers are part of the text.
+    ts = TextStream(tok, skip_special_tokens=False)
+    for token_id in [*tok("hi", add_special_tokens=False)["input_ids"], tok.eos_token_id]:
+        ts.push(token_id)
+    ts.finish()
+    assert ts.text == "hi" + tok.eos_token
+
+
+@pytest.mark.parametrize("stop", [["STOP"], ["STOP", "ST"], ["OP", "STOP"]])
+def test_a_stop_string_kept_in_the_output_ends_the_text(tok, stop: list[str]) -> None:  # type: ignore[no-untyped-def]
+    # vLLM's include_stop_str_in_output: the first stop string to start is kept (of
+    # two that start there, the shorter), and nothing after it.
+    ts = TextStream(tok, stop, include_stop=True)
+    deltas = [ts.push(t) for t in tok("alpha beta STOP gamma", add_special_tokens=False)["input_ids"]]
+    deltas.append(ts.finish())
+    kept = "alpha beta ST" if "ST" in stop else "alpha beta STOP"
+    assert ts.stopped and ts.text == kept == "".join(deltas)
+
+
 @pytest.mark.parametrize("path", ["rust", "python"])
 def test_bytes_that_never_decode_are_released_as_they_come_not_at_the_end(  # type: ignore[no-untyped-def]
         tok, path: str) -> None:

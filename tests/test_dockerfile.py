@@ -14,7 +14,7 @@ import pytest
 from tests.dockerfile import DOCKERFILE, ROOT, Stage, stages
 
 sys.path.insert(0, str(ROOT / "deploy" / "docker"))
-from requirements import requirements  # noqa: E402
+from requirements import requirements
 
 TARGETS = {"gateway": 8000, "worker-cpu": 9100, "worker-cuda": 9100, "flower": 5555}
 PROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]

@@ -21,7 +21,7 @@ ROOT = TESTS.parent
 
 def test_tokenfleet_registers_its_own_engines_by_entry_point() -> None:
     from tokenfleet.workers.build import build_hf
-    from tokenfleet.workers.gpu_sim import build_gpu_sim
+    from tokenfleet.bench.gpu_sim import build_gpu_sim
     from tokenfleet.workers.vllm_engine import build_vllm
 
     assert set(engines.BUILT_IN) <= set(engines.names())
@@ -67,7 +67,7 @@ def cli(*args: str, pythonpath: str = "") -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     if pythonpath:
         env["PYTHONPATH"] = pythonpath
-    return subprocess.run([sys.executable, "-m", "tokenfleet.workers.cli", *args], cwd=ROOT,
+    return subprocess.run([sys.executable, "-m", "tokenfleet.cli.app", *args], cwd=ROOT,
                           capture_output=True, text=True, timeout=60, env=env)
 
 

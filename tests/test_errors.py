@@ -9,8 +9,8 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
-from tokenfleet.shared.errors import invalid_field, invalid_input
-from tokenfleet.shared.schemas import GenerationRequest, QueueEntry
+from tokenfleet.shared.wire.errors import invalid_field, invalid_input
+from tokenfleet.shared.wire.schemas import GenerationRequest, QueueEntry
 
 
 def refusal(data: Any) -> ValidationError:
@@ -37,6 +37,17 @@ def test_list_positions_read_as_indexes_and_caller_names_replace_locations() -> 
     assert invalid_field(exc) == "messages[0].role"
     assert invalid_field(exc, {("messages", "0", "role"): "role"}) == "role"
     assert invalid_field(exc, {}) is None  # a location the caller has no name for
+
+
+def test_a_mappings_key_is_named_by_its_mapping_and_never_echoed() -> None:
+    key = "not-a-token-id" * 20
+    exc = refusal({"prompt": "hi", "sampling": {"logit_bias": {key: 1.0}}})
+    assert invalid_field(exc) == "sampling.logit_bias"
+    line = invalid_input(exc)
+    assert line.startswith("invalid 'sampling.logit_bias': a key: ") and key not in line
+    long_id = "9" * 100  # a key that parses, whose value is wrong: named, cut short
+    field = invalid_field(refusal({"prompt": "hi", "sampling": {"logit_bias": {long_id: "x"}}}))
+    assert field is not None and field.startswith("sampling.logit_bias[") and long_id not in field
 
 
 def test_more_errors_are_counted_not_listed_and_the_input_is_left_out() -> None:

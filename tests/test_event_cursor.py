@@ -3,9 +3,9 @@ contiguous stream of events, whatever tokens each event carries."""
 
 from __future__ import annotations
 
-from tokenfleet.protocol import EventCursor
-from tokenfleet.shared.serialization import end_event, parse_event, token_event
-from tokenfleet.shared.schemas import FinishReason, JobStatus, TokenEvent
+from tokenfleet.client.protocol import EventCursor
+from tokenfleet.shared.wire.serialization import end_event, parse_event, token_event
+from tokenfleet.shared.wire.schemas import FinishReason, JobStatus, TokenEvent
 
 
 def tokens(events: list[TokenEvent]) -> tuple[list[int], str]:

@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from tokenfleet.files import _Checked
+from tokenfleet.files.records import _Checked
 from tokenfleet.shared import file_store
 from tokenfleet.shared.file_store import (DirectoryStore, FileStore, Overlong, StoreUnwritable,
                                           default_files_url, open_store, read_lines, store_for)

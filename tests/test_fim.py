@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from tokenfleet.shared.schemas import GenerationRequest
+from tokenfleet.shared.wire.schemas import GenerationRequest
 from tokenfleet.shared.settings import Settings
 from tokenfleet.workers.admission import Admission, Rejected
 from tokenfleet.workers.fim import FORMATS, fim_format

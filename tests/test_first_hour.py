@@ -93,7 +93,7 @@ def test_a_wheel_installs_one_top_level_package_with_its_data(wheel: Path) -> No
     names = zipfile.ZipFile(wheel).namelist()
     assert {n.split("/")[0] for n in names} == {"tokenfleet", wheel.name.split("-")[0] + "-"
                                                  + wheel.name.split("-")[1] + ".dist-info"}
-    for needed in ("tokenfleet/__init__.py", "tokenfleet/shared/lua/submit.lua",
+    for needed in ("tokenfleet/__init__.py", "tokenfleet/shared/wire/lua/submit.lua",
                    "tokenfleet/shared/tiny_model/model.safetensors",
                    "tokenfleet/workers/app.py", "tokenfleet/py.typed"):
         assert needed in names
@@ -287,7 +287,7 @@ def test_batch_submit_with_default_settings_uses_the_users_data_directory(
            if k not in ("TOKENFLEET_FILES_URL", "XDG_DATA_HOME")}
     as_a_user = ("import pathlib, sys; import tokenfleet.shared.file_store as f; "
                  f"f.SYSTEM_DIR = pathlib.Path({str(tmp_path / 'a-file' / 'files')!r}); "
-                 "from tokenfleet.workers.cli import main; sys.argv[0] = 'tokenfleet'; main()")
+                 "from tokenfleet.cli.app import main; sys.argv[0] = 'tokenfleet'; main()")
     out = run([sys.executable, "-c", as_a_user, "batch", "submit", str(batch)], env)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip().startswith("batch_") and out.stderr == ""

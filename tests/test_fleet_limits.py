@@ -12,9 +12,9 @@ import pytest
 import redis
 
 from tokenfleet import FleetClient
-from tokenfleet.shared.errors import LimitExceeded, PromptTooLong, QueueFull
-from tokenfleet.shared.keys import Keys, level_queue
-from tokenfleet.shared.schemas import JobStatus
+from tokenfleet.shared.wire.errors import LimitExceeded, PromptTooLong, QueueFull
+from tokenfleet.shared.wire.keys import Keys, level_queue
+from tokenfleet.shared.wire.schemas import JobStatus
 
 from gateway_server import gateway  # noqa: F401  (a fixture)
 from helpers import wait_until
@@ -85,7 +85,7 @@ def test_a_prompt_over_the_models_length_is_refused_at_submit_naming_the_model(
         assert queued(r, settings) == 0
         # A client without the tokenizer counts nothing: the worker always
         # does, and fails the job with the same sentence.
-        monkeypatch.setattr("tokenfleet.client.count_prompt_tokens", lambda *_: None)
+        monkeypatch.setattr("tokenfleet.client.sync.count_prompt_tokens", lambda *_: None)
         state = client.wait(client.submit(prompt, max_new_tokens=4), timeout=60)
     assert state.status is JobStatus.FAILED
     assert f"prompt has {count} tokens; {MODEL_SAYS}" in (state.error or "")

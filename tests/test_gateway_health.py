@@ -10,8 +10,8 @@ import socket
 import httpx
 import uvicorn
 
-from tokenfleet.gateway import create_app
-from tokenfleet.gateway_health import GatewayServer
+from tokenfleet.gateway.app import create_app
+from tokenfleet.gateway.health import GatewayServer
 from tokenfleet.shared.settings import Settings
 
 

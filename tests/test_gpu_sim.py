@@ -14,12 +14,13 @@ from typing import Any
 
 import pytest
 
-from tokenfleet.shared.schemas import FinishReason, SamplingParams
+from tokenfleet.shared.wire.schemas import FinishReason, SamplingParams
 from tokenfleet.shared.settings import Settings
-from tokenfleet.workers.bench.gpu_sim_mode import figures, lines, sleep_late
+from tokenfleet.bench.gpu_sim_mode import figures, lines, sleep_late
 from tokenfleet.workers.detokenizer import TextStream
-from tokenfleet.workers.gpu_sim import TEXT, GpuSimEngine, build_gpu_sim
+from tokenfleet.bench.gpu_sim import TEXT, GpuSimEngine, build_gpu_sim
 from tokenfleet.workers.sequence import Sequence
+from tokenfleet.workers.output_processor import step
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -38,7 +39,7 @@ def test_each_step_makes_one_token_per_running_sequence_and_the_rest_wait(built:
     engine: GpuSimEngine = built.engine
     for i in range(3):
         engine.add(sequence(built.tokenizer, f"j{i}", 4))
-    first = engine.step()
+    first = step(engine)
     assert [o.seq.job_id for o in first] == ["j0", "j1"]  # max_batch 2: j2 waits for a slot
     assert engine.num_running == 2 and engine.num_waiting == 1
     assert engine.last_batch.size == 2
@@ -51,7 +52,7 @@ def test_jobs_run_to_max_new_tokens_on_the_text_never_an_end_of_sequence(built: 
     engine.add(sequence(tok, "long", long))
     ended = []
     while engine.has_work:
-        ended += [o for o in engine.step() if o.finished and o.seq.job_id == "long"]
+        ended += [o for o in step(engine) if o.finished and o.seq.job_id == "long"]
     (out,) = ended
     ids = out.seq.generated
     assert len(ids) == long and out.seq.finish_reason == FinishReason.LENGTH
@@ -65,7 +66,7 @@ def test_the_device_step_is_timed_by_batch_size_each_step_holding_the_sleep() ->
     for i in range(4):
         engine.add(sequence(built.tokenizer, f"t{i}", 6))
     while engine.has_work:
-        engine.step()
+        step(engine)
     figures: Any = engine.stats.as_dict()["gpu_sim"]
     # Six steps at batch 4; the last leaves no work, so its cycle never closes.
     times = figures["4"]
@@ -88,7 +89,7 @@ def test_the_device_step_ends_when_asked_not_a_timer_slack_later_on_the_engine_t
     built.engine.add(sequence(built.tokenizer, "t", 2))
 
     def engine_thread() -> None:
-        built.engine.step()
+        step(built.engine)
         seen.append(slack())
 
     thread = threading.Thread(target=engine_thread)
@@ -132,7 +133,7 @@ def test_the_machines_own_sleep_lateness_is_told_apart_from_the_fleets() -> None
 def test_the_bench_mode_reports_tokens_per_second_against_the_ideal(tmp_path: Path) -> None:
     out = tmp_path / "sim.json"
     result = subprocess.run(
-        [sys.executable, "-m", "tokenfleet.workers.cli", "bench", "--modes", "gpu-sim",
+        [sys.executable, "-m", "tokenfleet.cli.app", "bench", "--modes", "gpu-sim",
          "--step-ms", "2", "--concurrency", "4", "--jobs", "4", "--max-new-tokens", "8",
          "--json", str(out)],
         cwd=ROOT, env={**os.environ, "COLUMNS": "160"}, capture_output=True, text=True,

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from tokenfleet.gateway_metrics import GatewayMetrics
+from tokenfleet.gateway.metrics import GatewayMetrics
 from tokenfleet.workers.metrics import Metrics
 from tokenfleet.workers.stats import WorkerStats
 

@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 import torch
 
-from tokenfleet.shared.schemas import FinishReason, SamplingParams
-from tokenfleet.shared.structured import StructuredOutput
+from tokenfleet.shared.wire.schemas import FinishReason, SamplingParams
+from tokenfleet.shared.wire.structured import StructuredOutput
 from tokenfleet.workers.build import grammars
 from tokenfleet.workers.detokenizer import TextStream
 from tokenfleet.workers.grammar import Grammars
@@ -21,6 +21,7 @@ from tokenfleet.workers.hf_engine import HFEngine
 from tokenfleet.workers.runner import HFRunner
 from tokenfleet.workers.scheduler import Scheduler
 from tokenfleet.workers.sequence import Sequence
+from tokenfleet.workers.output_processor import step
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -60,7 +61,7 @@ def run(engine: HFEngine, seqs: list[Sequence]) -> dict[str, str]:
         engine.add(s)
     texts: dict[str, str] = {}
     while engine.has_work:
-        for out in engine.step():
+        for out in step(engine):
             texts[out.seq.job_id] = texts.get(out.seq.job_id, "") + out.text
     return texts
 
@@ -116,7 +117,7 @@ def test_an_unconstrained_job_runs_while_a_schema_compiles_and_the_other_waits(
     engine.add(plain)
     texts: dict[str, str] = {}
     while plain.finish_reason is None:
-        for out in engine.step():
+        for out in step(engine):
             texts[out.seq.job_id] = texts.get(out.seq.job_id, "") + out.text
     # Every token of the plain job came while the schema was still compiling.
     assert len(plain.generated) == 4 and constrained.generated == []

@@ -22,8 +22,8 @@ import redis
 from click.testing import CliRunner
 
 from tests.kustomize import Obj, of_kind, render
-from tokenfleet.shared.keys import GROUP, PRIORITIES, Keys
-from tokenfleet.shared.schemas import JobStatus
+from tokenfleet.shared.wire.keys import GROUP, PRIORITIES, Keys
+from tokenfleet.shared.wire.schemas import JobStatus
 from tokenfleet.shared.settings import get_settings
 from tokenfleet.workers.runner import HFRunner
 
@@ -79,7 +79,7 @@ def formula(triggers: dict[str, Obj], settings: Any,
 
 def declare(settings: Any, queue: str) -> None:
     """``tokenfleet queue create QUEUE``, as an operator runs it for a pool at zero."""
-    from tokenfleet.workers.cli import main
+    from tokenfleet.cli.app import main
 
     result = CliRunner().invoke(main, ["queue", "create", queue], env={
         "TOKENFLEET_REDIS_URL": settings.redis_url, "TOKENFLEET_NAMESPACE": settings.namespace})

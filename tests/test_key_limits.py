@@ -12,15 +12,15 @@ import pytest
 import redis
 
 from tokenfleet import FleetClient, InvalidRequest
-from tokenfleet.auth import auth_mode, warn_while_open
-from tokenfleet.key_limits import duration
-from tokenfleet.prompt_tokens import charged_prompt_tokens
-from tokenfleet.shared import gateway_scripts
-from tokenfleet.shared.gateway_scripts import RateVerdict
-from tokenfleet.shared.keys import Keys
+from tokenfleet.gateway.auth import auth_mode, warn_while_open
+from tokenfleet.gateway.key_limits import duration
+from tokenfleet.client.prompt_tokens import charged_prompt_tokens
+from tokenfleet.shared.wire import gateway_scripts
+from tokenfleet.shared.wire.gateway_scripts import RateVerdict
+from tokenfleet.shared.wire.keys import Keys
 from tokenfleet.shared.models import local_tokenizer_file
-from tokenfleet.shared.ownership import owns
-from tokenfleet.shared.schemas import GenerationRequest, JobState, JobStatus
+from tokenfleet.shared.wire.ownership import owns
+from tokenfleet.shared.wire.schemas import GenerationRequest, JobState, JobStatus
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -105,7 +105,7 @@ async def test_an_open_auto_gateway_warns_every_interval_until_a_key_is_made(
             self.looks += 1
             return self.looks > 3
 
-    caplog.set_level(logging.WARNING, logger="tokenfleet.gateway")
+    caplog.set_level(logging.WARNING, logger="tokenfleet.gateway.app")
     await asyncio.wait_for(warn_while_open(cast(Any, Book()), every_s=0.01), timeout=10)
     assert caplog.text.count("serves everyone without a key") == 3
 

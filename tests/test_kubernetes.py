@@ -3,7 +3,7 @@
 Each overlay is rendered once with `kubectl kustomize`; every object is checked
 against the Kubernetes schemas (kubernetes-validate, offline) or the vendored
 CRD schemas (deploy/kubernetes/schemas), then against the fleet's own names:
-the streams and group of shared/keys.py, the settings, the drain grace.
+the streams and group of shared/wire/keys.py, the settings, the drain grace.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import pytest
 
 from tests.kustomize import KUBE, Obj, env_of, named, of_kind, render, render_with_prometheus
 from tests.test_compose import options_of
-from tokenfleet.shared.keys import PRIORITIES, Keys, level_queue
+from tokenfleet.shared.wire.keys import PRIORITIES, Keys, level_queue
 from tokenfleet.shared.settings import Settings
 
 OVERLAYS = ("cpu", "gpu")

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from tokenfleet.shared.schemas import SamplingParams
+from tokenfleet.shared.wire.schemas import SamplingParams
 from tests.test_runner import reference
 from tokenfleet.workers.detokenizer import TextStream
 from tokenfleet.workers.hf_engine import HFEngine
@@ -15,6 +15,7 @@ from tokenfleet.workers.kv_cache import SlotLayer
 from tokenfleet.workers.runner import HFRunner
 from tokenfleet.workers.scheduler import Scheduler
 from tokenfleet.workers.sequence import Sequence
+from tokenfleet.workers.output_processor import step
 
 HEADS, DIM = 2, 3
 
@@ -89,9 +90,9 @@ def test_greedy_equals_generate_through_joins_leaves_long_prompts_and_growth(
         jobs.append((prompt, seq))
         engine.add(seq)
         if i % 2:
-            engine.step()
+            step(engine)
     while engine.has_work:
-        engine.step()
+        step(engine)
     for prompt, seq in jobs:
         assert seq.generated == reference(model, tok, prompt, seq.sampling.max_new_tokens), \
             seq.job_id

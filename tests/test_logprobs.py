@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from tokenfleet.shared.schemas import SamplingParams, TokenEvent
-from tokenfleet.shared.serialization import parse_event, token_event
+from tokenfleet.shared.wire.schemas import SamplingParams, TokenEvent
+from tokenfleet.shared.wire.serialization import parse_event, token_event
 from tokenfleet.workers.detokenizer import TextStream
 from tokenfleet.workers.hf_engine import HFEngine
 from tokenfleet.workers.logprobs import Logprobs
@@ -19,6 +19,7 @@ from tokenfleet.workers.runner import HFRunner
 from tokenfleet.workers.sampler import sample
 from tokenfleet.workers.scheduler import Scheduler
 from tokenfleet.workers.sequence import Sequence
+from tokenfleet.workers.output_processor import step
 
 from scripted import ScriptedRunner
 
@@ -50,7 +51,7 @@ def test_greedy_logprobs_equal_log_softmax_of_transformers_logits(
         engine.add(s)
     made: dict[str, list[Logprobs | None]] = {s.job_id: [] for s in seqs}
     while engine.has_work:
-        for out in engine.step():
+        for out in step(engine):
             if out.token_id is not None:
                 made[out.seq.job_id].append(out.logprobs)
     for seq, ask in zip(seqs, asks):

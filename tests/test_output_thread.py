@@ -13,11 +13,11 @@ from typing import Any
 import pytest
 
 from tokenfleet import FleetClient
-from tokenfleet.shared.schemas import FinishReason, JobStatus, SamplingParams
+from tokenfleet.shared.wire.schemas import FinishReason, JobStatus, SamplingParams
 from tokenfleet.shared.settings import Settings
 from tokenfleet.workers.detokenizer import TextStream
-from tokenfleet.workers.engine import take_outputs
-from tokenfleet.workers.gpu_sim import TEXT, GpuSimEngine, build_gpu_sim
+from tokenfleet.bench.gpu_sim import TEXT, GpuSimEngine, build_gpu_sim
+from tokenfleet.workers.output_processor import OutputProcessor, step
 from tokenfleet.workers.sequence import Made, Sequence, SeqOutput
 from tokenfleet.workers.service import Worker
 
@@ -92,12 +92,13 @@ def test_a_stop_string_found_steps_after_the_engine_made_it_cuts_where_it_does_a
         at_once.add(sequence(tokenizer, f"j{i}", n, stops))
     inline: list[SeqOutput] = []
     while at_once.has_work:
-        inline += at_once.step()
+        inline += step(at_once)
 
-    # The output side three steps behind the engine, as the worker's output
-    # thread is when it falls behind; the jobs a stop string ended are
-    # forgotten by the engine only once the output side has found it.
+    # The worker's output processor three steps behind the engine, as the
+    # output thread is when it falls behind: the engine learns of a stop
+    # string only once the processor has found it.
     behind: GpuSimEngine = built.engine
+    processor = OutputProcessor(behind.forget, behind.stats)
     seqs = [sequence(tokenizer, f"j{i}", n, stops) for i, (n, stops) in enumerate(jobs)]
     for seq in seqs:
         behind.add(seq)
@@ -107,11 +108,7 @@ def test_a_stop_string_found_steps_after_the_engine_made_it_cuts_where_it_does_a
         if behind.has_work:
             queued.append(behind.advance())
         if len(queued) > 3 or not behind.has_work:
-            outputs = take_outputs(queued.popleft())
-            for o in outputs:
-                if o.seq.finish_reason is FinishReason.STOP:
-                    behind.forget(o.seq)
-            late += outputs
+            late += processor.process(queued.popleft())
 
     assert ends(late) == ends(inline)
     assert len(ends(late)) == len(jobs)
@@ -119,6 +116,27 @@ def test_a_stop_string_found_steps_after_the_engine_made_it_cuts_where_it_does_a
     assert any(len(seq.generated) > len(ends(late)[seq.job_id][1]) for seq in seqs)
     for i, (n, stops) in enumerate(jobs):
         assert ends(late)[f"j{i}"] == reference(tokenizer, n, stops), (n, stops)
+
+
+def test_the_processor_releases_a_job_its_stop_string_ended_from_the_engine() -> None:
+    # A stop string is found above the engine: unless the output processor
+    # releases the job, the engine runs it on to its length limit, holding a
+    # slot (and its cache) for tokens nobody stores.
+    built = build_gpu_sim(Settings(max_batch=4, gpu_sim_step_ms=0.01))
+    engine: GpuSimEngine = built.engine
+    stop = built.tokenizer.decode(gpu_sim_ids(built.tokenizer)[:3], skip_special_tokens=True)
+    engine.add(sequence(built.tokenizer, "j", 500, [stop[-2:]]))
+    steps: list[list[SeqOutput]] = []
+    processor = OutputProcessor(engine.forget, engine.stats, on_step=steps.append)
+    ended: list[SeqOutput] = []
+    while not ended:
+        ended = [o for o in processor.process(engine.advance()) if o.finished]
+    assert ended[0].seq.finish_reason is FinishReason.STOP
+    assert engine.stats.jobs == {"succeeded": 1}
+    engine.advance()  # the step at which the engine applies the release
+    assert engine.num_held == 0 and not engine.has_work
+    assert len(ended[0].seq.generated) < 20
+    assert steps and steps[-1] and steps[-1][-1].finished
 
 
 @pytest.mark.timeout(180)

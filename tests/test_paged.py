@@ -4,18 +4,34 @@ failed forward pass in the middle of a prompt."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
-from tokenfleet.shared.schemas import JobStatus, SamplingParams
+import pytest
+
+from tokenfleet.shared.compat.hf_transformers import attn_implementation
+from tokenfleet.shared.wire.schemas import JobStatus, SamplingParams
 from tokenfleet.workers.detokenizer import TextStream
 from tokenfleet.workers.hf_engine import HFEngine
 from tokenfleet.workers.paged_runner import PagedRunner
-from tokenfleet.workers.scheduler import Batch, Scheduler
+from tokenfleet.workers.scheduler import StepBatch, Scheduler
 from tokenfleet.workers.sequence import Sequence
+from tokenfleet.workers.output_processor import step
 
 from scripted import ScriptedRunner
 from test_runner import PROMPTS, reference
 from test_scheduler import EOS, run_all, seq
+
+
+@pytest.fixture(autouse=True)
+def attention_as_loaded(loaded_tiny: tuple[Any, Any]) -> Iterator[None]:
+    """A paged runner sets its model's attention to its own, and the tiny model is
+    every test's: set it back, so a later test's runner finds the model as loaded."""
+    model = loaded_tiny[0]
+    name = attn_implementation(model)
+    yield
+    if name is not None and attn_implementation(model) != name:
+        model.set_attn_implementation(name)
 
 
 def paged_engine(loaded: tuple[Any, Any], runner: PagedRunner | None = None,
@@ -36,7 +52,7 @@ def add_prompts(engine: HFEngine, tok: Any) -> list[Sequence]:
         seqs.append(s)
         engine.add(s)
         if i % 3 == 2:
-            engine.step()  # later jobs join a batch already decoding
+            step(engine)  # later jobs join a batch already decoding
     return seqs
 
 
@@ -53,7 +69,7 @@ def test_chunked_prefill_over_paged_blocks_gives_what_generate_gives(
     engine, _ = paged_engine(loaded_tiny)
     seqs = add_prompts(engine, loaded_tiny[1])
     while engine.has_work:
-        engine.step()
+        step(engine)
     assert engine.stats.peak_batch == 4
     assert_generate_tokens(loaded_tiny, seqs)
 
@@ -63,13 +79,13 @@ def test_the_freed_blocks_serve_the_next_jobs(loaded_tiny: tuple[Any, Any]) -> N
     for wave in range(3):
         add_prompts(engine, loaded_tiny[1])
         while engine.has_work:
-            engine.step()
+            step(engine)
         if wave == 0:
             blocks = runner.cache.num_blocks
     assert runner.cache.num_blocks == blocks
     # The blocks of jobs that ended go back at the next step.
     engine.add(seq("next", n=2))
-    engine.step()
+    step(engine)
     assert list(runner.cache.tables) == ["next"]
 
 
@@ -78,11 +94,11 @@ def test_a_long_prompt_is_prefilled_in_chunks_while_the_others_keep_decoding() -
     runner = ScriptedRunner()
     engine = HFEngine(sched, runner)
     engine.add(seq("a", n=10))
-    engine.step()  # a's prompt
+    step(engine)  # a's prompt
     engine.add(seq("long", n=2, prompt_len=20))
     made: list[list[str]] = []
     for _ in range(4):
-        made.append([o.seq.job_id for o in engine.step() if o.token_id is not None])
+        made.append([o.seq.job_id for o in step(engine) if o.token_id is not None])
     # Each step: a's decode and 7 of long's 20 prompt tokens; long's first
     # token comes with its last chunk, a's with every step.
     assert made == [["a"], ["a"], ["a", "long"], ["a", "long"]]
@@ -96,7 +112,7 @@ class FailOnce(PagedRunner):
         super().__init__(*loaded, block_size=4)
         self.after, self.steps, self.failed = after, 0, 0
 
-    def run(self, batch: Batch) -> list[int]:
+    def run(self, batch: StepBatch) -> list[int]:
         self.steps += 1
         if not self.failed and self.steps > self.after and any(n > 1 for n in batch.num_new):
             self.failed += 1
@@ -111,7 +127,7 @@ def test_a_failed_step_mid_prompt_is_recovered_with_the_same_tokens(
     engine, _ = paged_engine(loaded_tiny, runner)
     seqs = add_prompts(engine, loaded_tiny[1])
     while engine.has_work:
-        engine.step()
+        step(engine)
     assert runner.failed == 1 and engine.stats.failed_steps == 1
     assert all(s.final_status is JobStatus.SUCCEEDED for s in seqs)
     assert_generate_tokens(loaded_tiny, seqs)
@@ -159,15 +175,15 @@ def test_a_job_dropped_and_taken_again_under_its_id_gets_fresh_blocks(
 
     engine.add(job("again", PROMPTS[2], 30))
     for _ in range(25):
-        engine.step()
+        step(engine)
     other = job("other", PROMPTS[3], 30)
     engine.add(other)
-    engine.step()
+    step(engine)
     engine.drop("again")
     again = job("again", PROMPTS[4], 20)
     engine.add(again)
     while engine.has_work:
-        engine.step()
+        step(engine)
     assert engine.stats.failed_steps == 0
     assert again.generated == reference(model, tok, PROMPTS[4], 20)
     assert other.generated == reference(model, tok, PROMPTS[3], 30)

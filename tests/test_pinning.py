@@ -61,7 +61,7 @@ def test_each_process_is_a_solo_celery_worker_of_the_app_under_this_interpreter(
     cmd = celery_command("gpu1@h")
     assert cmd[:8] == [sys.executable, "-m", "celery", "-A", "tokenfleet.workers.app", "--quiet",
                        "worker", "-P"]
-    assert "solo" in cmd and ["-n", "gpu1@h"] == cmd[cmd.index("-n"):cmd.index("-n") + 2]
+    assert "solo" in cmd and cmd[cmd.index("-n"):cmd.index("-n") + 2] == ["-n", "gpu1@h"]
     # Celery's banner and its own lines only when asked for.
     assert "--quiet" not in celery_command("gpu1@h", "DEBUG")
 

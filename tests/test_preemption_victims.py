@@ -3,7 +3,7 @@ hands back none (the worker's loop calls this between steps)."""
 
 from __future__ import annotations
 
-from tokenfleet.shared.schemas import SamplingParams
+from tokenfleet.shared.wire.schemas import SamplingParams
 from tokenfleet.workers.detokenizer import TextStream
 from tokenfleet.workers.preemption import Preemption, choose_victims
 from tokenfleet.workers.sequence import Sequence

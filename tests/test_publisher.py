@@ -10,10 +10,10 @@ from typing import Any
 import pytest
 import redis
 
-from tokenfleet.shared.keys import Keys
-from tokenfleet.shared.schemas import FinishReason, SamplingParams
-from tokenfleet.shared.serialization import loads
-from tokenfleet.shared.worker_scripts import resume
+from tokenfleet.shared.wire.keys import Keys
+from tokenfleet.shared.wire.schemas import FinishReason, SamplingParams
+from tokenfleet.shared.wire.serialization import loads
+from tokenfleet.shared.wire.worker_scripts import resume
 from tokenfleet.workers.detokenizer import TextStream
 from tokenfleet.workers.null_runner import null_tokenizer
 from tokenfleet.workers.publisher import Publisher, Stored
@@ -131,7 +131,7 @@ def test_events_of_a_job_are_at_most_the_window_apart_unless_a_step_outlasts_the
     for a, b in zip(sent_at, sent_at[1:]):
         gap = times[b] - times[a]
         longer = (times[b] - times[b - 1]) - (times[b - 1] - times[b - 2])
-        assert gap <= 0.020 + 1e-9 or (0 < longer and gap <= 0.020 + longer + 1e-9), (a, b)
+        assert gap <= 0.020 + 1e-9 or (longer > 0 and gap <= 0.020 + longer + 1e-9), (a, b)
 
 
 def test_an_ending_job_sends_what_it_holds_then_its_end(

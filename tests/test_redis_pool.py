@@ -8,8 +8,8 @@ import pytest
 import redis
 import redis.asyncio as aioredis
 
-from tokenfleet.shared.errors import RedisBusy
-from tokenfleet.shared.redis_pool import BoundedPool, PoolBound
+from tokenfleet.shared.wire.errors import RedisBusy
+from tokenfleet.shared.redis.pool import BoundedPool, PoolBound
 
 from helpers import wait_until
 

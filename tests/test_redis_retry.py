@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 from redis.exceptions import AuthenticationError, AuthorizationError, ConnectionError
 
-from tokenfleet.shared.errors import RedisAuthFailed, RedisUnavailable
-from tokenfleet.shared.redis_retry import AsyncFailFastRetry, FailFast, FailFastRetry
+from tokenfleet.shared.wire.errors import RedisAuthFailed, RedisUnavailable
+from tokenfleet.shared.redis.retry import AsyncFailFastRetry, FailFast, FailFastRetry
 
 URL = "redis://app:s3cret@cache:6379/0"
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tokenfleet.shared.redis_url import node_url, redacted
+from tokenfleet.shared.redis.url import node_url, redacted
 
 
 @pytest.mark.parametrize(("url", "shown"), [

@@ -1,5 +1,5 @@
 """The gateway's refusals as the docs list them are the ones the code gives: the table
-in docs/errors.md against ``tokenfleet.openai_errors.REFUSALS``, and every error the
+in docs/errors.md against ``tokenfleet.openai.errors.REFUSALS``, and every error the
 client raises has its row."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import tokenfleet
-from tokenfleet.openai_errors import FLEET_ERRORS, REFUSALS, Refusal
+from tokenfleet.openai.errors import FLEET_ERRORS, REFUSALS, Refusal
 
 PAGE = Path(__file__).resolve().parent.parent / "docs" / "errors.md"
 

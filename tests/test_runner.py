@@ -7,13 +7,14 @@ from typing import Any
 
 import torch
 
-from tokenfleet.shared.schemas import SamplingParams
+from tokenfleet.shared.wire.schemas import SamplingParams
 from tokenfleet.workers.detokenizer import TextStream
 from tokenfleet.workers.hf_engine import HFEngine
 from tokenfleet.workers.runner import HFRunner
 from tokenfleet.workers.sampler import sample
 from tokenfleet.workers.scheduler import Scheduler
 from tokenfleet.workers.sequence import Sequence
+from tokenfleet.workers.output_processor import step
 
 PROMPTS = ["The function returns", "A", "In Python, a list is a mutable sequence of",
            "Errors should never pass silently.", "x = 1", "Once upon a time"]
@@ -40,9 +41,9 @@ def test_batched_greedy_equals_generate_one_by_one(loaded_tiny: tuple[Any, Any])
         seqs.append(s)
         engine.add(s)
         if i % 3 == 2:
-            engine.step()  # later jobs join a batch already decoding
+            step(engine)  # later jobs join a batch already decoding
     while engine.has_work:
-        engine.step()
+        step(engine)
     assert engine.stats.peak_batch == 4
     for i, s in enumerate(seqs):
         expected = reference(model, tok, PROMPTS[i % len(PROMPTS)], s.sampling.max_new_tokens)

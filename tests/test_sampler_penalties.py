@@ -11,7 +11,7 @@ import pytest
 import torch
 from hypothesis import given, settings as hsettings, strategies as st
 
-from tokenfleet.shared.schemas import SamplingParams
+from tokenfleet.shared.wire.schemas import SamplingParams
 from tokenfleet.workers.detokenizer import TextStream
 from tokenfleet.workers.sampler import adjusted, sample
 from tokenfleet.workers.sequence import Sequence

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from tokenfleet.shared.schemas import FinishReason, JobStatus, SamplingParams
+from tokenfleet.shared.wire.schemas import FinishReason, JobStatus, SamplingParams
 from tokenfleet.shared.tiny import byte_level_tokenizer
 from tokenfleet.workers.detokenizer import TextStream
 from tokenfleet.workers.hf_engine import HFEngine
 from tokenfleet.workers.scheduler import Scheduler
 from tokenfleet.workers.sequence import Sequence
+from tokenfleet.workers.output_processor import step
 
 from scripted import ScriptedRunner
 
@@ -24,7 +25,7 @@ def seq(job_id: str, n: int = 4, prompt_len: int = 3, **sampling) -> Sequence:  
 def run_all(engine: HFEngine) -> dict[str, list]:  # type: ignore[type-arg]
     outputs: dict[str, list] = {}  # type: ignore[type-arg]
     while engine.has_work:
-        for o in engine.step():
+        for o in step(engine):
             outputs.setdefault(o.seq.job_id, []).append(o)
     return outputs
 
@@ -34,11 +35,11 @@ def test_new_jobs_join_the_running_batch_between_decode_steps() -> None:
     runner = ScriptedRunner()
     engine = HFEngine(sched, runner)
     engine.add(seq("a", n=6))
-    engine.step()  # prefill a
-    engine.step()  # decode a
+    step(engine)  # prefill a
+    step(engine)  # decode a
     engine.add(seq("b", n=3))
-    engine.step()  # prefill b while a waits one step
-    engine.step()  # decode a and b together
+    step(engine)  # prefill b while a waits one step
+    step(engine)  # decode a and b together
     assert runner.batches[:4] == [(True, ["a"]), (False, ["a"]), (True, ["b"]), (False, ["a", "b"])]
 
 
@@ -89,10 +90,10 @@ def test_abort_ends_a_running_job_within_one_step_and_keeps_its_text() -> None:
     a, b = seq("a", n=50), seq("b", n=5)
     engine.add(a)
     engine.add(b)
-    engine.step()
-    engine.step()
+    step(engine)
+    step(engine)
     engine.abort("a", FinishReason.CANCELLED)
-    outputs = engine.step()
+    outputs = step(engine)
     ended = [o for o in outputs if o.seq is a]
     assert len(ended) == 1 and ended[0].finished and ended[0].token_id is None
     assert a.final_status is JobStatus.CANCELLED and len(a.generated) == 2
@@ -107,9 +108,9 @@ def test_a_deadline_expires_waiting_and_running_jobs() -> None:
     running.deadline_at = queued.deadline_at = 101.0
     engine.add(running)
     engine.add(queued)
-    engine.step()
+    step(engine)
     now[0] = 102.0
-    engine.step()
+    step(engine)
     assert running.final_status is JobStatus.EXPIRED and running.finish_reason is FinishReason.DEADLINE
     assert queued.final_status is JobStatus.EXPIRED and queued.generated == []
     assert not engine.has_work
@@ -125,11 +126,11 @@ def test_only_jobs_past_their_deadline_expire_and_a_job_that_ended_first_keeps_i
     for s in (short, timed, free):
         engine.add(s)
     for _ in range(3):
-        outputs += engine.step()
+        outputs += step(engine)
     now[0] = 102.0  # past the deadline of a job that has ended: nothing more for it
-    outputs += engine.step()
+    outputs += step(engine)
     now[0] = 104.0
-    outputs += engine.step()
+    outputs += step(engine)
     ends = {o.seq.job_id: o.seq.finish_reason for o in outputs if o.finished}
     assert ends == {"short": FinishReason.LENGTH, "timed": FinishReason.DEADLINE}
     assert len(short.generated) == 2 and engine.has_work and not free.has_ended

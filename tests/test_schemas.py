@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from tokenfleet.shared.schemas import GenerationRequest, JobState, JobStatus, SamplingParams
+from tokenfleet.shared.wire.schemas import GenerationRequest, JobState, JobStatus, SamplingParams
 from tokenfleet.shared.settings import Settings
 
 

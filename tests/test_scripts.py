@@ -10,9 +10,9 @@ from typing import Any
 import pytest
 import redis
 
-from tokenfleet.shared.client_scripts import (
+from tokenfleet.shared.wire.client_scripts import (
     Asked,
-    Admission,
+    SubmitVerdict,
     CancelVerdict,
     ExpireVerdict,
     cancel,
@@ -20,11 +20,11 @@ from tokenfleet.shared.client_scripts import (
     forget_queue,
     submit,
 )
-from tokenfleet.shared.keys import Keys
-from tokenfleet.shared.limits import client_limits
-from tokenfleet.shared.redis_conn import connect_async, node_client
-from tokenfleet.shared.scripts import load, script
-from tokenfleet.shared.worker_scripts import (
+from tokenfleet.shared.wire.keys import Keys
+from tokenfleet.shared.wire.limits import client_limits
+from tokenfleet.shared.redis.connect import connect_async, node_client
+from tokenfleet.shared.wire.scripts import load, script
+from tokenfleet.shared.wire.worker_scripts import (
     Bad,
     Emitted,
     Ended,
@@ -42,7 +42,7 @@ from tokenfleet.shared.worker_scripts import (
     resume,
     start,
 )
-from tokenfleet.shared.schemas import FinishReason, JobStatus
+from tokenfleet.shared.wire.schemas import FinishReason, JobStatus
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -101,9 +101,9 @@ def test_a_job_goes_through_the_scripts_with_typed_verdicts(r: redis.Redis,
                  idempotency_key="k", idempotency_ttl_s=60, fingerprint="f",
                  live_since=None)
     queued = sub.run(node)
-    assert queued.admission is Admission.QUEUED and queued.job_id == job_id
+    assert queued.admission is SubmitVerdict.QUEUED and queued.job_id == job_id
     again = sub.run(node)
-    assert again.admission is Admission.DUPLICATE and again.job_id == job_id
+    assert again.admission is SubmitVerdict.DUPLICATE and again.job_id == job_id
     entry_id = r.hget(keys.job(job_id), "entry").decode()
     take = start(keys, queue="default", level="default", worker="w", now=time.time(),
                  takes=[Take(job_id, entry_id, False), Take("default:none", "1-1", False)])

@@ -43,7 +43,7 @@ def test_a_named_queue_wins_over_the_models_name(monkeypatch: pytest.MonkeyPatch
 
 def tokenfleet(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
     clean = {k: v for k, v in os.environ.items() if k not in ("TOKENFLEET_QUEUE", "TOKENFLEET_MODEL")}
-    return subprocess.run([sys.executable, "-m", "tokenfleet.workers.cli", *args], cwd=ROOT,
+    return subprocess.run([sys.executable, "-m", "tokenfleet.cli.app", *args], cwd=ROOT,
                           env={**clean, "TOKENFLEET_REDIS_URL": "redis://127.0.0.1:1/0", **env},
                           capture_output=True, text=True, timeout=60)
 

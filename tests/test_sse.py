@@ -7,7 +7,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from tokenfleet.sse import KEEPALIVE, with_keepalive
+from tokenfleet.gateway.sse import KEEPALIVE, with_keepalive
 
 
 async def collect(frames: AsyncIterator[bytes]) -> list[bytes]:

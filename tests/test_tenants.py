@@ -11,9 +11,9 @@ import redis
 from prometheus_client import generate_latest
 
 from tokenfleet import FleetClient, InvalidRequest, QueueFull
-from tokenfleet.fleet import repair_fleet
-from tokenfleet.shared.keys import Keys, level_queue
-from tokenfleet.shared.schemas import FinishReason, SamplingParams
+from tokenfleet.client.fleet import repair_fleet
+from tokenfleet.shared.wire.keys import Keys, level_queue
+from tokenfleet.shared.wire.schemas import FinishReason, SamplingParams
 from tokenfleet.workers.fair_share import TenantStreams
 from tokenfleet.workers.metrics import Metrics
 from tokenfleet.workers.sequence import SeqOutput, Sequence
@@ -137,7 +137,7 @@ def test_each_tenants_jobs_and_tokens_show_in_the_metrics() -> None:
 def test_the_backlog_exporter_counts_every_tenants_jobs(
         client: FleetClient, r: redis.Redis, settings: Any) -> None:
     # What an autoscaler reads must see a tenant's jobs as well as the default's.
-    from tokenfleet.backlog_metrics import registry
+    from tokenfleet.exporter.backlog import registry
 
     queue_jobs(client, "acme", 2)
     queue_jobs(client, None, 1)

@@ -11,10 +11,10 @@ from typing import Any
 
 import pytest
 
-from tokenfleet.openai_tools import auto_message, auto_stream_choice
-from tokenfleet.shared.schemas import GenerationRequest
+from tokenfleet.openai.tools import auto_message, auto_stream_choice
+from tokenfleet.shared.wire.schemas import GenerationRequest
 from tokenfleet.shared.settings import Settings
-from tokenfleet.tool_parser import FORMATS, ToolText, parse
+from tokenfleet.openai.tool_parser import FORMATS, ToolText, parse
 from tokenfleet.workers.admission import Admission, Rejected
 from tokenfleet.workers.tool_template import tool_format
 
@@ -139,7 +139,7 @@ def test_tool_history_and_definitions_are_rendered_by_a_template_that_takes_tool
 
 
 def test_a_queue_has_one_format_only_when_every_live_worker_says_the_same() -> None:
-    from tokenfleet.served import _one_format
+    from tokenfleet.client.served import _one_format
 
     assert _one_format({"hermes"}) == "hermes"
     assert _one_format({"hermes", None}) is None  # a worker older than the field: unknown

@@ -10,7 +10,7 @@ import pytest
 
 from tokenfleet.shared.settings import Settings
 from tokenfleet.shared.webhook_destination import destination_problem, parse_allow, policy_of
-from tokenfleet.webhook_connect import DestinationRefused, GuardedBackend, connection_pool, post
+from tokenfleet.webhooks.connect import DestinationRefused, GuardedBackend, connection_pool, post
 
 REDIS = "redis://10.1.2.3:6379/0"
 

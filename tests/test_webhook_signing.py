@@ -11,8 +11,8 @@ from standardwebhooks import Webhook
 from standardwebhooks.webhooks import WebhookVerificationError
 
 from tokenfleet.shared.webhook_outbox import webhook_url_problem
-from tokenfleet.webhook_delivery import backoff_s
-from tokenfleet.webhook_signing import (body, event_time, headers, secret_key, tenant_key,
+from tokenfleet.webhooks.delivery import backoff_s
+from tokenfleet.webhooks.signing import (body, event_time, headers, secret_key, tenant_key,
                                        tenant_secret)
 
 

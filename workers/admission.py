@@ -11,9 +11,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from tokenfleet.shared.errors import NO_FIM, LimitExceeded
-from tokenfleet.shared.limits import worker_limits
-from tokenfleet.shared.schemas import GenerationRequest, QueueEntry
+from tokenfleet.shared.wire.errors import NO_FIM, LimitExceeded
+from tokenfleet.shared.wire.limits import worker_limits
+from tokenfleet.shared.wire.schemas import GenerationRequest, QueueEntry
 from tokenfleet.shared.settings import Settings
 from tokenfleet.workers.detokenizer import TextStream
 from tokenfleet.workers.fim import fim_format
@@ -90,8 +90,9 @@ class Admission:
         # Unset tool fields left out: a template tests whether they are defined.
         dumped = [m.model_dump(exclude_none=True) for m in messages]
         return list(self.tokenizer.apply_chat_template(
-            dumped, tools=request.tools, add_generation_prompt=True, tokenize=True,
-            return_dict=False))
+            dumped, tools=request.tools, add_generation_prompt=request.add_generation_prompt,
+            continue_final_message=request.continue_final_message, tokenize=True,
+            return_dict=False, **(request.chat_template_kwargs or {})))
 
     def sequence(self, entry: QueueEntry, entry_id: str, attempt: int) -> Sequence:
         request = entry.request
@@ -107,7 +108,9 @@ class Admission:
             job_id=entry.job_id,
             prompt_ids=self.prompt_ids(request),
             sampling=request.sampling,
-            text=TextStream(self.tokenizer, request.sampling.stop),
+            text=TextStream(self.tokenizer, request.sampling.stop,
+                            include_stop=request.sampling.include_stop_str_in_output,
+                            skip_special_tokens=request.sampling.skip_special_tokens),
             attempt=attempt,
             entry_id=entry_id,
             queue=request.model,

@@ -13,8 +13,8 @@ from urllib.parse import parse_qs, urlparse
 
 from celery import Celery
 
-from tokenfleet.shared.keys import Keys
-from tokenfleet.shared.redis_conn import broker_url, node_url
+from tokenfleet.shared.wire.keys import Keys
+from tokenfleet.shared.redis.connect import broker_url, node_url
 from tokenfleet.shared.settings import get_settings
 from tokenfleet.workers.bootstep import EngineStep
 
@@ -64,5 +64,5 @@ app.conf.update(
 )
 app.steps["worker"].add(EngineStep)
 
-import tokenfleet.workers.celery_quiet  # noqa: E402,F401  (Celery's output; a quick exit)
+import tokenfleet.workers.celery_quiet  # noqa: E402  (Celery's output; a quick exit)
 import tokenfleet.workers.control  # noqa: E402,F401  (registers the inspect/control commands)

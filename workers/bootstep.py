@@ -95,8 +95,8 @@ class EngineStep(bootsteps.StartStopStep):
         self._watch = parent.timer.call_repeatedly(FATAL_CHECK_S, self._exit_if_fatal, priority=10)
 
     def _start_worker(self, parent: Any, settings: Settings, status: StatusServer) -> None:
-        from tokenfleet.shared.keys import Keys
-        from tokenfleet.shared.redis_conn import connect
+        from tokenfleet.shared.wire.keys import Keys
+        from tokenfleet.shared.redis.connect import connect
         from tokenfleet.workers.build import build_worker
         from tokenfleet.workers.identity import check_name
 

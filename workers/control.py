@@ -26,7 +26,7 @@ def engine_stats(state: Any) -> dict[str, Any]:
     worker = _engine(state)
     if worker is None:
         return {"error": "engine not started"}
-    return worker.describe()
+    return worker.heartbeat.describe()
 
 
 @control_command()

@@ -54,7 +54,11 @@ class TextStream:
     path. The offsets here follow the Rust stream's, so either path can finish.
     """
 
-    def __init__(self, tokenizer: Any, stop: list[str] | None = None) -> None:
+    def __init__(self, tokenizer: Any, stop: list[str] | None = None, *,
+                 include_stop: bool = False, skip_special_tokens: bool = True) -> None:
+        """``include_stop``: a matched stop string stays at the text's end (vLLM's
+        ``include_stop_str_in_output``); ``skip_special_tokens``: special tokens
+        write no text (as every server's default)."""
         self._tokenizer = tokenizer
         self._ids: list[int] = []
         # Decoding from a few tokens back (prefix) and subtracting what those
@@ -62,13 +66,16 @@ class TextStream:
         self._prefix_offset = 0
         self._read_offset = 0
         self._stop = stop or []
+        self._include_stop = include_stop
+        self._skip = skip_special_tokens
         self._hold = max((len(s) for s in self._stop), default=1) - 1
         self.text = ""  # every character decoded so far (cut at a stop string)
         self.emitted = 0  # how many characters of ``text`` were released
         self._early = 0  # characters of the held tokens' text already in ``text``
         self.stopped = False
         self._rust = rust_tokenizer(tokenizer)
-        self._stream: Any = None if self._rust is None else DecodeStream(skip_special_tokens=True)
+        self._stream: Any = None if self._rust is None else DecodeStream(
+            skip_special_tokens=skip_special_tokens)
 
     @property
     def tokenizer(self) -> Any:
@@ -76,8 +83,8 @@ class TextStream:
 
     def _decode(self, ids: list[int]) -> str:
         if self._rust is not None:
-            return self._rust.decode(ids, skip_special_tokens=True)  # type: ignore[no-any-return]
-        return self._tokenizer.decode(ids, skip_special_tokens=True)  # type: ignore[no-any-return]
+            return self._rust.decode(ids, skip_special_tokens=self._skip)  # type: ignore[no-any-return]
+        return self._tokenizer.decode(ids, skip_special_tokens=self._skip)  # type: ignore[no-any-return]
 
     def push(self, token_id: int) -> str:
         """Add one token; return the text it releases (often all of it, maybe none)."""
@@ -146,9 +153,11 @@ class TextStream:
             return
         start = max(0, len(self.text) - self._hold)
         self.text += delta
-        hits = [at for at in (self.text.find(s, start) for s in self._stop) if at != -1]
+        hits = [(at, len(s)) for at, s in ((self.text.find(s, start), s) for s in self._stop)
+                if at != -1]
         if hits:
-            self.text = self.text[: min(hits)]
+            at, length = min(hits)  # the first to start (of two there, the shorter)
+            self.text = self.text[: at + length if self._include_stop else at]
             self.stopped = True
 
     def _release(self, final: bool) -> str:

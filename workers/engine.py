@@ -7,8 +7,8 @@ for every engine (``Engine``'s own methods): requests from other threads
 applied at a step boundary, cancels that come before their job, deadlines, and
 ends by token id (end of sequence, length limits). Turning tokens into text
 (``Sequence.take``: incremental detokenization, stop strings) is the output
-side's: ``step`` does it inline, and a worker does it on its output thread
-from what ``advance`` hands over, so the engine goes back to its next step at once. Below it, only
+side's (``tokenfleet.workers.output_processor``): a worker does it on its
+output thread from what ``advance`` hands over, so the engine goes back to its next step at once. Below it, only
 what differs: the abstract members of ``Engine``, each documented there. An
 engine is found by name through the ``tokenfleet.engines`` entry points
 (``tokenfleet.workers.engines``). No I/O here.
@@ -23,8 +23,8 @@ from collections import deque
 from collections.abc import Callable, Iterable
 from typing import NamedTuple
 
-from tokenfleet.shared.schemas import FinishReason
-from tokenfleet.workers.sequence import Made, Sequence, SeqOutput, SeqStatus
+from tokenfleet.shared.wire.schemas import FinishReason
+from tokenfleet.workers.sequence import Made, Sequence, SeqStatus
 from tokenfleet.workers.stats import WorkerStats
 
 log = logging.getLogger(__name__)
@@ -70,13 +70,6 @@ class DeviceFailure(RuntimeError):
         super().__init__(reason)
         self.suspects = list(suspects)
         self.by_jobs = by_jobs
-
-
-def take_outputs(made: Iterable[Made]) -> list[SeqOutput]:
-    """A step's text and ends from its token ids, in order: the only loop over
-    a step's tokens above the engine. Tokens of a job whose end was decided
-    already (a stop string found a step late) make no output."""
-    return [out for m in made if (out := m.seq.take(m)) is not None]
 
 
 class BatchShape(NamedTuple):
@@ -166,6 +159,9 @@ class Engine(ABC):
         if seq.sampling.logprobs is not None and not self.reports_logprobs:
             return (f"logprobs: the {type(self).__name__} engine does not report log "
                     "probabilities; leave logprobs unset")
+        if seq.sampling.prompt_logprobs is not None and not self.reports_logprobs:
+            return (f"prompt_logprobs: the {type(self).__name__} engine does not report log "
+                    "probabilities; leave prompt_logprobs (and echo with logprobs) unset")
         return None
 
     # -- the engine thread ------------------------------------------------------
@@ -195,22 +191,10 @@ class Engine(ABC):
         Safe to call from another thread (a snapshot)."""
         return [*list(self._inbox), *list(self._held.values())]
 
-    def step(self) -> list[SeqOutput]:
-        """One step with its output made here: requests in, the model's
-        tokens, their text and ends. Raises ``DeviceFailure`` when the device
-        is beyond use."""
-        outputs = take_outputs(self.advance())
-        for o in outputs:
-            if o.seq.finish_reason is FinishReason.STOP:
-                self.forget(o.seq)
-        self._forget(keep=False)
-        self.stats.record_outputs(outputs)
-        return outputs
-
     def advance(self) -> list[Made]:
         """One step in token ids: requests in, the model's tokens and the
         ends the engine decides (``Made``); their text is the caller's
-        (``take_outputs``), who ``forget``s the jobs a stop string ended.
+        (``OutputProcessor``), who ``forget``s the jobs a stop string ended.
         Raises ``DeviceFailure`` when the device is beyond use."""
         started = time.perf_counter()
         self._take_requests()

@@ -20,10 +20,10 @@ from collections.abc import Iterable
 from typing import Any
 
 from redis.exceptions import ResponseError
-
-from tokenfleet.shared.keys import DEFAULT_TENANT, GROUP, PRIORITIES, Keys, level_queue
+from tokenfleet.shared.wire.keys import DEFAULT_TENANT, GROUP, PRIORITIES, Keys, level_queue
 from tokenfleet.shared.settings import Settings
-from tokenfleet.shared.worker_scripts import FairLevel, StreamEntries, fair
+from tokenfleet.shared.wire.topology import level_stream
+from tokenfleet.shared.wire.worker_scripts import FairLevel, StreamEntries, fair
 
 # How often a busy feeder looks for tenants new to the queue (an idle one looks
 # after each block): a new tenant's first job waits at most this long (or the
@@ -47,12 +47,12 @@ class TenantStreams:
     def levels(self, priorities: Iterable[str] = PRIORITIES) -> list[tuple[str, str]]:
         """(level queue name, stream) of every stream of ``priorities`` (all by
         default), highest priority first."""
-        return [(name, self.keys.queue(name)) for p in priorities
-                for name in (level_queue(self.queue, p, t) for t in self.tenants)]
+        return [(level_queue(self.queue, p, t), level_stream(self.keys, self.queue, p, t))
+                for p in priorities for t in self.tenants]
 
     def streams_of(self, priority: str) -> list[str]:
         """The streams of one level: the default tenant's first."""
-        return [self.keys.queue(level_queue(self.queue, priority, t)) for t in self.tenants]
+        return [level_stream(self.keys, self.queue, priority, t) for t in self.tenants]
 
     def ensure_groups(self, tenants: list[str] | None = None) -> None:
         for priority in PRIORITIES:
@@ -61,7 +61,7 @@ class TenantStreams:
                     # From the beginning: finished entries are deleted, so
                     # whatever is still in the stream is waiting for a worker.
                     self.redis.xgroup_create(
-                        self.keys.queue(level_queue(self.queue, priority, tenant)), GROUP,
+                        level_stream(self.keys, self.queue, priority, tenant), GROUP,
                         id="0", mkstream=True)
                 except ResponseError as exc:
                     if "BUSYGROUP" not in str(exc):
@@ -90,7 +90,7 @@ class TenantStreams:
         through ``fair.lua``: (stream, entries) per stream that gave some. A
         level's shortfall goes to the next of ``priorities`` only."""
         levels = [FairLevel(self.keys.fair(self.queue, p), shares.get(p, 0),
-                            [(self.keys.queue(level_queue(self.queue, p, t)), t, self.weight(t))
+                            [(level_stream(self.keys, self.queue, p, t), t, self.weight(t))
                              for t in self.tenants])
                   for p in priorities]
         call = fair(levels, consumer=self.consumer,

@@ -5,7 +5,7 @@ A worker asks for at most ``credits`` entries: its free batch slots plus
 engine never waits on Redis for its next prefill. On start it first re-reads
 its own pending entries (a restarted process resumes what it had). Every
 heartbeat period it takes over the pending entries of consumers the queue's
-served set no longer lists as live (``tokenfleet.shared.liveness``): a dead
+served set no longer lists as live (``tokenfleet.shared.redis.liveness``): a dead
 worker's jobs resume as soon as its liveness lapses. And now and then it
 reclaims any entry left idle for ``claim_idle_s``, whoever holds it (a worker
 live by its heartbeat whose engine is stuck).
@@ -48,8 +48,8 @@ from typing import Any
 
 from redis.exceptions import ConnectionError, ResponseError, TimeoutError
 
-from tokenfleet.shared import liveness
-from tokenfleet.shared.keys import BATCH, GROUP, LIVE_PRIORITIES, PRIORITIES, Keys, level_priority
+from tokenfleet.shared.redis import liveness
+from tokenfleet.shared.wire.keys import BATCH, GROUP, LIVE_PRIORITIES, PRIORITIES, Keys, level_priority
 from tokenfleet.shared.settings import Settings
 from tokenfleet.workers.admission import Admission
 from tokenfleet.workers.fair_share import TenantStreams

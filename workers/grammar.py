@@ -26,7 +26,7 @@ import xgrammar as xgr
 
 from tokenfleet.shared import budgeted
 from tokenfleet.shared.grammar_check import over_budget
-from tokenfleet.shared.structured import StructuredOutput
+from tokenfleet.shared.wire.structured import StructuredOutput
 
 # Compiles at once per worker: each waits on its own runner process, so a
 # pathological schema holds back only the compiles queued behind all of these.

@@ -29,6 +29,9 @@ from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 import orjson
 from prometheus_client import CollectorRegistry, make_wsgi_app
 
+# How long ``close`` waits for the requests in progress (a probe, a scrape).
+CLOSE_WAIT_S = 5.0
+
 
 class Phase(enum.Enum):
     LOADING = "loading the model"
@@ -90,6 +93,25 @@ class Health:
 class _Server(ThreadingMixIn, WSGIServer):
     daemon_threads = True  # a probe in progress never holds the process up
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self.answering: list[threading.Thread] = []
+        super().__init__(*args, **kwargs)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        # ThreadingMixIn's own, keeping each request's thread: a daemon thread
+        # is not joined by server_close, and one may still be closing its
+        # socket after its client has read the answer.
+        thread = threading.Thread(target=self.process_request_thread,
+                                  args=(request, client_address), daemon=True)
+        self.answering = [t for t in self.answering if t.is_alive()] + [thread]
+        thread.start()
+
+    def join_requests(self, timeout_s: float) -> None:
+        """Wait up to ``timeout_s`` for the requests in progress to end."""
+        deadline = time.monotonic() + timeout_s
+        for thread in self.answering:
+            thread.join(max(0.0, deadline - time.monotonic()))
+
 
 class _QuietHandler(WSGIRequestHandler):
     def log_message(self, format: str, *args: Any) -> None:
@@ -104,7 +126,7 @@ class StatusServer:
     def __init__(self, health: Health) -> None:
         self.health = health
         self._metrics = make_wsgi_app(CollectorRegistry(auto_describe=False))
-        self._server: tuple[WSGIServer, threading.Thread] | None = None
+        self._server: tuple[_Server, threading.Thread] | None = None
 
     def show(self, registry: CollectorRegistry) -> None:
         """Serve ``registry`` on ``/metrics`` from now on."""
@@ -140,3 +162,4 @@ class StatusServer:
         server.shutdown()  # returns once serve_forever has returned: the thread ends
         server.server_close()
         thread.join()
+        server.join_requests(CLOSE_WAIT_S)

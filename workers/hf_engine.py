@@ -15,9 +15,9 @@ from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, wait
 from typing import TYPE_CHECKING, Protocol
 
-from tokenfleet.shared.schemas import REFUSED_BY_WORKER, FinishReason
+from tokenfleet.shared.wire.schemas import REFUSED_BY_WORKER, FinishReason
 from tokenfleet.workers.engine import BatchShape, DeviceFailure, Engine, is_fatal_device_error
-from tokenfleet.workers.scheduler import Batch, Scheduler
+from tokenfleet.workers.scheduler import StepBatch, Scheduler
 from tokenfleet.workers.sequence import Sequence
 
 if TYPE_CHECKING:
@@ -35,7 +35,7 @@ class Runner(Protocol):
     that makes one (``batch.sampled``: a sequence part-way through a chunked
     prefill makes none)."""
 
-    def run(self, batch: Batch) -> list[int]: ...
+    def run(self, batch: StepBatch) -> list[int]: ...
 
     def reset(self) -> None: ...
 
@@ -159,7 +159,7 @@ class HFEngine(Engine):
         self.last_batch = BatchShape(len(batch.keep) + len(batch.seqs), batch.admits)
         return made
 
-    def _failed(self, batch: Batch, exc: Exception) -> None:
+    def _failed(self, batch: StepBatch, exc: Exception) -> None:
         self.failed_in_a_row += 1
         self.stats.failed_steps += 1
         error = f"{type(exc).__name__}: {exc}"

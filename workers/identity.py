@@ -4,7 +4,7 @@ A worker's name is its consumer in the stream's group: two live processes
 under one name would read each other's pending entries, and the second one's
 start re-takes (and so fences) every job the first one is running. So a
 process refuses a name whose heartbeat says it is live (its ``alive_until``,
-``tokenfleet.shared.liveness``), unless that heartbeat is its own
+``tokenfleet.shared.redis.liveness``), unless that heartbeat is its own
 predecessor's on this host (a crashed process restarted under its name, which
 must re-read its entries: that is how crash recovery resumes them).
 """
@@ -15,9 +15,9 @@ import os
 import socket
 from typing import Any
 
-from tokenfleet.shared.clock import redis_now
-from tokenfleet.shared.keys import Keys
-from tokenfleet.shared.liveness import MIN_LIVE_S, live_since
+from tokenfleet.shared.redis.clock import redis_now
+from tokenfleet.shared.wire.keys import Keys
+from tokenfleet.shared.redis.liveness import MIN_LIVE_S, live_since
 
 
 class NameTaken(RuntimeError):

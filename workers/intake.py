@@ -19,23 +19,19 @@ from typing import Any
 from pydantic import ValidationError
 from redis.exceptions import ConnectionError, ResponseError, TimeoutError
 
-from tokenfleet.shared.errors import invalid_input
-from tokenfleet.shared.keys import GROUP, Keys, job_model, model_of
-from tokenfleet.shared.schemas import (
+from tokenfleet.shared.wire.errors import invalid_input
+from tokenfleet.shared.wire.keys import GROUP, Keys, job_model, model_of
+from tokenfleet.shared.wire.schemas import (
     EXPIRED_ERROR,
     REFUSED_BY_WORKER,
     FinishReason,
     JobStatus,
     QueueEntry,
 )
-from tokenfleet.shared.serialization import loads
+from tokenfleet.shared.wire.serialization import loads
 from tokenfleet.shared.settings import Settings
 
-# Limits no request is over: to read an entry another process's limits let through.
-UNBOUNDED = Settings.model_construct(max_prompt_chars=2**62, max_stop_strings=2**62,
-                     max_metadata_bytes=2**62, max_payload_bytes=2**62,
-                     max_new_tokens_limit=2**62)
-from tokenfleet.shared.worker_scripts import (
+from tokenfleet.shared.wire.worker_scripts import (
     Bad,
     Ended,
     Ending,
@@ -51,6 +47,11 @@ from tokenfleet.shared.worker_scripts import (
 from tokenfleet.workers.admission import Admission, CorruptLog, Rejected
 from tokenfleet.workers.publisher import Publisher
 from tokenfleet.workers.sequence import Sequence
+
+# Limits no request is over: to read an entry another process's limits let through.
+UNBOUNDED = Settings.model_construct(max_prompt_chars=2**62, max_stop_strings=2**62,
+                     max_metadata_bytes=2**62, max_payload_bytes=2**62,
+                     max_new_tokens_limit=2**62)
 
 log = logging.getLogger(__name__)
 

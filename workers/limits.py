@@ -12,8 +12,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from tokenfleet.shared import liveness
-from tokenfleet.shared.keys import Keys
+from tokenfleet.shared.redis import liveness
+from tokenfleet.shared.wire.keys import Keys
 
 
 def publish(pipe: Any, keys: Keys, queue: str, name: str, limits_json: str,

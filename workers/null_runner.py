@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from tokenfleet.workers.scheduler import Batch
+from tokenfleet.workers.scheduler import StepBatch
 
 NULL_MODEL = "null"
 TOKEN_TEXT = "x"  # what every step emits: one character, never an end of sequence
@@ -29,7 +29,7 @@ class NullRunner:
         self.eos_token_ids: set[int] = set() if eos is None else {int(eos)}
         self.steps = 0
 
-    def run(self, batch: Batch) -> list[int]:
+    def run(self, batch: StepBatch) -> list[int]:
         self.steps += 1
         return [self.token_id] * len(batch.sampled)
 

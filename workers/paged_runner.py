@@ -14,11 +14,11 @@ from typing import Any
 
 import torch
 
-from tokenfleet.workers import paged_cache
+from tokenfleet.workers import paged_cache, prompt_logprobs
 from tokenfleet.workers.paged_cache import Chunk, Decodes, PagedKVCache, StepPlan
-from tokenfleet.workers.runner import ModelLimits, not_plain_attention
+from tokenfleet.workers.runner import ModelLimits
 from tokenfleet.workers.sampler import sample
-from tokenfleet.workers.scheduler import Batch
+from tokenfleet.workers.scheduler import StepBatch
 
 # Decodes within this many tokens of each other always attend together.
 GROUP_SLACK = 64
@@ -42,11 +42,12 @@ class PagedRunner(ModelLimits):
         dtype = next(model.parameters()).dtype
         self._like = torch.zeros((kv_heads, head_dim), dtype=dtype, device=self.device)
         self.cache = PagedKVCache(int(text.num_hidden_layers), block_size)
+        self._prompt = prompt_logprobs.ChunkKeep()  # prompt logprobs, for the jobs that ask
 
     def reset(self) -> None:
         self.cache.reset()
 
-    def run(self, batch: Batch) -> list[int]:
+    def run(self, batch: StepBatch) -> list[int]:
         self._free_left(batch)
         with torch.inference_mode():
             plan, ids, positions, last = self._plan(batch)
@@ -54,15 +55,20 @@ class PagedRunner(ModelLimits):
                              # A 4D mask is taken as given: no causal mask is built.
                              attention_mask=torch.ones((1, 1, 1, 1), dtype=torch.bool),
                              logits_to_keep=last, **{paged_cache.STEP_ARG: plan})
-            return sample(out.logits[0], batch.sampled) if batch.sampled else []
+            logits = out.logits[0]
+            if self._prompt.step:  # the rows kept for prompt logprobs follow the sampled ones
+                self._prompt.take(logits[len(batch.sampled):])
+            return (sample(logits[:len(batch.sampled)], batch.sampled, self.eos_token_ids)
+                    if batch.sampled else [])
 
-    def _free_left(self, batch: Batch) -> None:
+    def _free_left(self, batch: StepBatch) -> None:
         """Free the blocks of sequences that left (ended, dropped) since the last step."""
         here = {s.job_id for s in batch.seqs} | {s.job_id for s in batch.keep}
         for seq_id in [j for j in self.cache.tables if j not in here]:
             self.cache.release(seq_id)
+            self._prompt.partial.pop(seq_id, None)
 
-    def _plan(self, batch: Batch) -> tuple[StepPlan, torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _plan(self, batch: StepBatch) -> tuple[StepPlan, torch.Tensor, torch.Tensor, torch.Tensor]:
         cache = self.cache
         ids: list[int] = []
         positions: list[int] = []
@@ -74,6 +80,8 @@ class PagedRunner(ModelLimits):
                        key=lambda sn: (sn[1] > 1, sn[0].num_tokens if sn[1] == 1 else 0))
         decodes: list[tuple[int, list[int]]] = []  # (length, block table), in packed order
         chunks: list[Chunk] = []
+        kept: list[int] = []  # packed indices whose logits prompt logprobs need
+        self._prompt.step = []
         for seq, n in order:
             start, end = seq.num_computed, seq.num_computed + n
             if start == 0:
@@ -82,6 +90,7 @@ class PagedRunner(ModelLimits):
                 cache.release(seq.job_id)
             table = cache.reserve(seq.job_id, end, self._like)
             first = len(ids)
+            kept += self._prompt.plan(seq, start, end, first)
             ids.extend(seq.all_ids[start:end])
             positions.extend(range(start, end))
             slots.extend(cache.slots(table, start, end))
@@ -92,7 +101,7 @@ class PagedRunner(ModelLimits):
             else:
                 chunks.append(Chunk(first, len(ids), start, self._tensor(table)))
         plan = StepPlan(cache, self._tensor(slots), self._group(decodes), chunks)
-        logits_at = [last[id(s)] for s in batch.sampled]
+        logits_at = [last[id(s)] for s in batch.sampled] + kept
         return (plan, self._tensor(ids)[None], self._tensor(positions)[None],
                 self._tensor(logits_at))
 

@@ -29,7 +29,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterable
 
-from tokenfleet.shared.keys import BATCH, level_priority
+from tokenfleet.shared.wire.keys import BATCH, level_priority
 from tokenfleet.workers.sequence import Sequence
 
 log = logging.getLogger(__name__)

@@ -60,15 +60,15 @@ from redis.exceptions import (
     TryAgainError,
 )
 
-from tokenfleet.shared.clock import FleetClock
-from tokenfleet.shared.keys import GROUP, Keys, model_of
-from tokenfleet.shared.redis_cluster import reread_slot_map
-from tokenfleet.shared.redis_conn import node_client
-from tokenfleet.shared.schemas import FinishReason
-from tokenfleet.shared.scripts import ScriptCall, load
-from tokenfleet.shared.serialization import dumps, token_event
+from tokenfleet.shared.redis.clock import FleetClock
+from tokenfleet.shared.wire.keys import GROUP, Keys, model_of
+from tokenfleet.shared.redis.cluster import reread_slot_map
+from tokenfleet.shared.redis.connect import node_client
+from tokenfleet.shared.wire.schemas import FinishReason
+from tokenfleet.shared.wire.scripts import ScriptCall, load
+from tokenfleet.shared.wire.serialization import dumps, token_event
 from tokenfleet.shared.settings import Settings
-from tokenfleet.shared.worker_scripts import (
+from tokenfleet.shared.wire.worker_scripts import (
     Emitted,
     Ending,
     Finished,
@@ -78,6 +78,7 @@ from tokenfleet.shared.worker_scripts import (
     requeue,
 )
 from tokenfleet.workers.logprobs import Logprobs, wire
+from tokenfleet.workers.prompt_logprobs import wire as prompt_wire
 from tokenfleet.workers.sequence import SeqOutput
 from tokenfleet.workers.sequence import Sequence
 
@@ -170,9 +171,12 @@ class _Step:
 
 
 class Publisher:
-    """Owned by the worker's output thread: ``send``, ``collect`` and the
-    token windows are its (the feeder's thread uses ``end`` and ``dead_letter``,
-    which touch neither)."""
+    """Owned by the worker's output thread: ``send``, ``collect``, ``discard``
+    and the token windows are its. Other threads still call ``end`` and
+    ``dead_letter`` (the feeders'), and ``hand_back`` (the engine thread's, for
+    preempted jobs; ``stop``'s once the output thread has ended): ``end`` and
+    ``hand_back`` also take runs out of ``_verified``, a set the output thread
+    reads, each call one set operation under the GIL."""
 
     def __init__(self, redis: Any, keys: Keys, settings: Settings, worker: str,
                  clock: Callable[[], float] = time.monotonic,
@@ -463,7 +467,9 @@ class Publisher:
                     now=self.fleet_clock.now(),
                     events=[LogEvent(e.seq.job_id, e.seq.attempt, e.index, len(e.token_ids),
                                      token_event(e.index, e.token_ids, e.texts,
-                                                 wire(e.seq, e.token_ids, e.logprobs)),
+                                                 wire(e.seq, e.token_ids, e.logprobs),
+                                                 prompt_wire(e.seq) if e.index == 0 else None,
+                                                 len(e.seq.prompt_ids) if e.index == 0 else None),
                                      checked=_run(e.seq) not in self._verified)
                             for e in events])
 

@@ -20,9 +20,10 @@ from transformers import DynamicCache
 
 from tokenfleet.shared import models
 from tokenfleet.shared.compat import hf_transformers
+from tokenfleet.workers import prompt_logprobs
 from tokenfleet.workers.kv_cache import SlotCache
 from tokenfleet.workers.sampler import sample
-from tokenfleet.workers.scheduler import Batch
+from tokenfleet.workers.scheduler import StepBatch
 from tokenfleet.workers.sequence import Sequence
 
 
@@ -95,15 +96,15 @@ class HFRunner(ModelLimits):
         self.mask = self.mask[:0, :0]
         self.positions = self.positions[:0]
 
-    def run(self, batch: Batch) -> list[int]:
+    def run(self, batch: StepBatch) -> list[int]:
         with torch.inference_mode():
             if batch.is_prefill:
                 self._keep_rows(batch.keep)
-                return sample(self._prefill(batch.seqs), batch.seqs)
+                return sample(self._prefill(batch.seqs), batch.seqs, self.eos_token_ids)
             self._keep_rows(batch.seqs)
             by_id = {s.job_id: s for s in batch.seqs}
             ordered = [by_id[job_id] for job_id in self.rows]
-            tokens = dict(zip(self.rows, sample(self._decode(ordered), ordered)))
+            tokens = dict(zip(self.rows, sample(self._decode(ordered), ordered, self.eos_token_ids)))
             return [tokens[s.job_id] for s in batch.seqs]
 
     def _prefill(self, seqs: list[Sequence]) -> torch.Tensor:
@@ -128,9 +129,11 @@ class HFRunner(ModelLimits):
         causal = torch.ones((total, total), dtype=torch.bool, device=self.device).tril_()
         mask = (owner[:, None] == owner[None, :]) & causal
         cache = DynamicCache()
+        keep = prompt_logprobs.PackedKeep(seqs, lengths)
         out = self.model(input_ids=ids, attention_mask=mask[None, None],
-                         position_ids=positions[None], use_cache=True, logits_to_keep=ends - 1,
-                         **{self._cache_arg: cache})
+                         position_ids=positions[None], use_cache=True,
+                         logits_to_keep=torch.tensor(keep.keep, device=self.device)
+                         if keep.any else ends - 1, **{self._cache_arg: cache})
         # Row r of the rectangle, right-aligned: column c holds token
         # c - (width - length) of prompt r; left of it, padding (masked; the
         # pack's first token, so finite).
@@ -141,7 +144,7 @@ class HFRunner(ModelLimits):
         self._append_rows([s.job_id for s in seqs], [
             (layer.keys[0][:, source].transpose(0, 1), layer.values[0][:, source].transpose(0, 1))
             for layer in cache.layers], rows_mask)
-        return out.logits[0]
+        return keep.take(out.logits[0], seqs) if keep.any else out.logits[0]
 
     def _prefill_padded(self, seqs: list[Sequence]) -> torch.Tensor:
         """The prompts left-padded to the longest, the model making its own masks
@@ -156,10 +159,18 @@ class HFRunner(ModelLimits):
         ids, mask = ids.to(self.device), mask.to(self.device)
         positions = (mask.cumsum(dim=1) - 1).clamp_min(0)
         cache = DynamicCache()
+        # Every position's logits only where a prompt's log probabilities are asked for.
+        asking = [row for row, seq in enumerate(seqs) if prompt_logprobs.asks(seq)]
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions,
-                         use_cache=True, logits_to_keep=1, **{self._cache_arg: cache})
+                         use_cache=True, logits_to_keep=0 if asking else 1,
+                         **{self._cache_arg: cache})
         self._append_rows([s.job_id for s in seqs], [(layer.keys, layer.values)
                                                      for layer in cache.layers], mask)
+        for row in asking:
+            seq = seqs[row]
+            seq.prompt_logprobs = prompt_logprobs.compute(
+                out.logits[row, width - lengths[row]:], seq.prompt_ids,
+                seq.sampling.prompt_logprobs or 0)
         return out.logits[:, -1, :]
 
     def _decode(self, seqs: list[Sequence]) -> torch.Tensor:

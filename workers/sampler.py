@@ -26,30 +26,34 @@ from __future__ import annotations
 
 import hashlib
 from collections import Counter
+from collections.abc import Collection
 from collections.abc import Sequence as Seq
 from itertools import chain
 
 import torch
 
-from tokenfleet.shared.schemas import SamplingParams
+from tokenfleet.shared.wire.schemas import SamplingParams
 from tokenfleet.workers.logprobs import StepLogprobs, asking
 from tokenfleet.workers.sequence import Sequence
 
 
-def sample(logits: torch.Tensor, seqs: Seq[Sequence]) -> list[int]:
+def sample(logits: torch.Tensor, seqs: Seq[Sequence],
+           eos_token_ids: Collection[int] = ()) -> list[int]:
     """One token id per row of ``logits`` ([batch, vocab]); the rows whose job
-    asked for log probabilities get them in ``Sequence.made_logprobs``."""
+    asked for log probabilities get them in ``Sequence.made_logprobs``. A row
+    below its ``min_tokens`` cannot draw any of ``eos_token_ids``."""
     rows = asking(seqs)
     if not rows:
-        return sample_ids(logits, seqs).tolist()  # type: ignore[no-any-return]
+        return sample_ids(logits, seqs, eos_token_ids).tolist()  # type: ignore[no-any-return]
     # From the logits as the model gave them.
     logprobs = StepLogprobs(logits, seqs, rows, _to_device(torch.tensor(rows), logits.device))
-    return logprobs.attach(sample_ids(logits, seqs), seqs)
+    return logprobs.attach(sample_ids(logits, seqs, eos_token_ids), seqs)
 
 
-def sample_ids(logits: torch.Tensor, seqs: Seq[Sequence]) -> torch.Tensor:
+def sample_ids(logits: torch.Tensor, seqs: Seq[Sequence],
+               eos_token_ids: Collection[int] = ()) -> torch.Tensor:
     """The tokens of ``sample`` as a tensor on the logits' device (no host sync)."""
-    logits = adjusted(logits.float(), seqs)
+    logits = adjusted(logits.float(), seqs, eos_token_ids)
     params = [s.sampling for s in seqs]
     drawn = [row for row, p in enumerate(params) if p.temperature != 0.0]
     if not drawn:
@@ -62,7 +66,8 @@ def sample_ids(logits: torch.Tensor, seqs: Seq[Sequence]) -> torch.Tensor:
     return logits.argmax(dim=-1).index_copy(0, index, picked)
 
 
-def adjusted(logits: torch.Tensor, seqs: Seq[Sequence]) -> torch.Tensor:
+def adjusted(logits: torch.Tensor, seqs: Seq[Sequence],
+             eos_token_ids: Collection[int] = ()) -> torch.Tensor:
     """``logits`` as each row's request changes them before temperature."""
     params = [s.sampling for s in seqs]
     if any(p.logit_bias for p in params):
@@ -71,9 +76,25 @@ def adjusted(logits: torch.Tensor, seqs: Seq[Sequence]) -> torch.Tensor:
         logits = _penalise(logits, seqs)
     if any(p.presence_penalty or p.frequency_penalty for p in params):
         logits = _penalise_counts(logits, seqs)
+    if eos_token_ids and any(len(s.generated) < s.sampling.min_tokens for s in seqs):
+        logits = _no_end_yet(logits, seqs, eos_token_ids)
     if any(s.grammar is not None for s in seqs):
         logits = _grammar_masked(logits, seqs)
     return logits
+
+
+def _no_end_yet(logits: torch.Tensor, seqs: Seq[Sequence],
+                eos_token_ids: Collection[int]) -> torch.Tensor:
+    """vLLM's ``min_tokens``: a row that has made fewer tokens than it asks for
+    cannot end yet, so its end tokens are masked (after any bias, as vLLM does:
+    no bias brings one back early)."""
+    ends = sorted(eos_token_ids)
+    rows = [row for row, s in enumerate(seqs) if len(s.generated) < s.sampling.min_tokens]
+    row_of = [row for row in rows for _ in ends]
+    token = ends * len(rows)
+    host = (torch.tensor(row_of, dtype=torch.long), torch.tensor(token, dtype=torch.long))
+    index = tuple(_to_device(t, logits.device) for t in host)
+    return logits.index_put(index, torch.tensor(float("-inf"), device=logits.device))
 
 
 def _grammar_masked(logits: torch.Tensor, seqs: Seq[Sequence]) -> torch.Tensor:

@@ -25,7 +25,7 @@ from tokenfleet.workers.sequence import Sequence, SeqStatus
 
 
 @dataclass
-class Batch:
+class StepBatch:
     """One forward pass: ``seqs`` feed ``num_new[i]`` tokens each, from their
     ``num_computed``; ``sampled`` are those that make a token (their last
     token is in the pass), in order."""
@@ -83,7 +83,7 @@ class Scheduler:
         self.waiting = deque(s for s in self.waiting if s.job_id != job_id)
         self.running = [s for s in self.running if s.job_id != job_id]
 
-    def schedule(self) -> Batch | None:
+    def schedule(self) -> StepBatch | None:
         if self.max_step_tokens is not None:
             return self._schedule_chunked(self.max_step_tokens)
         if self.waiting and len(self.running) < self.max_batch:
@@ -104,12 +104,12 @@ class Scheduler:
             for seq in admitted:
                 seq.status = SeqStatus.RUNNING
             if admitted:
-                return Batch(admitted, is_prefill=True, keep=list(self.running))
+                return StepBatch(admitted, is_prefill=True, keep=list(self.running))
         if self.running:
-            return Batch(list(self.running), is_prefill=False)
+            return StepBatch(list(self.running), is_prefill=False)
         return None
 
-    def _schedule_chunked(self, budget: int) -> Batch | None:
+    def _schedule_chunked(self, budget: int) -> StepBatch | None:
         # A suspect of a failed batch runs alone, to its first token.
         suspect = next((s for s in self.running if s.isolate), None)
         if suspect is None and self.waiting and self.waiting[0].isolate and (
@@ -117,7 +117,7 @@ class Scheduler:
             suspect = self._admit()
         if suspect is not None:
             n = min(suspect.num_tokens - suspect.num_computed, budget)
-            return Batch([suspect], is_prefill=False, num_new=[n], admits=True,
+            return StepBatch([suspect], is_prefill=False, num_new=[n], admits=True,
                          keep=[s for s in self.running if s is not suspect])
         seqs: list[Sequence] = []
         num_new: list[int] = []
@@ -143,7 +143,7 @@ class Scheduler:
         if not seqs:
             return None
         chosen = set(map(id, seqs))
-        return Batch(seqs, is_prefill=False, num_new=num_new, admits=admits,
+        return StepBatch(seqs, is_prefill=False, num_new=num_new, admits=admits,
                      keep=[s for s in self.running if id(s) not in chosen])
 
     def _admit(self) -> Sequence:
@@ -160,7 +160,7 @@ class Scheduler:
         return (self.max_batch_tokens is None or not others
                 or reserved + self._reserve(seq) <= self.max_batch_tokens)
 
-    def ran(self, batch: Batch) -> None:
+    def ran(self, batch: StepBatch) -> None:
         """``batch`` ran: its tokens are in the cache, its prefilled sequences
         join the running batch."""
         for seq, n in zip(batch.seqs, batch.num_new):
@@ -170,7 +170,7 @@ class Scheduler:
         if batch.is_prefill:
             self.running.extend(batch.seqs)
 
-    def recover(self, batch: Batch) -> list[Sequence]:
+    def recover(self, batch: StepBatch) -> list[Sequence]:
         """The forward pass of ``batch`` raised and the runner's cache is gone.
 
         Every running sequence goes back to the front of the queue to be

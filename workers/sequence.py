@@ -7,8 +7,8 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from tokenfleet.shared.schemas import FinishReason, JobStatus, SamplingParams
-from tokenfleet.shared.structured import StructuredOutput
+from tokenfleet.shared.wire.schemas import FinishReason, JobStatus, SamplingParams
+from tokenfleet.shared.wire.structured import StructuredOutput
 from tokenfleet.workers.detokenizer import TextStream
 from tokenfleet.workers.logprobs import Logprobs
 
@@ -56,6 +56,9 @@ class Sequence:
     # in a queue: a step that fails after sampling leaves nothing that a later
     # token could pick up (the retry computes the same index again).
     made_logprobs: dict[int, Logprobs] = field(default_factory=dict)
+    # The prompt's log probabilities (``workers.prompt_logprobs``), once its
+    # prefill computed them, for a job that asked (``SamplingParams.prompt_logprobs``).
+    prompt_logprobs: list[Logprobs | None] | None = None
     # The most tokens it generates (resumed ones included) before it ends by
     # length: set by ``take_room`` when an engine takes it.
     max_generated: int = 0
@@ -118,7 +121,7 @@ class Sequence:
         if grammar is not None and not grammar.accept(token_id):
             # The step's mask allowed only what the grammar does: not the job's fault.
             end, error = FinishReason.ERROR, f"token {token_id} breaks the {grammar.label}"
-        elif token_id in eos_token_ids:
+        elif token_id in eos_token_ids and not self.sampling.ignore_eos:
             end = FinishReason.EOS
         elif grammar is not None and grammar.terminated:
             end = FinishReason.STOP  # the grammar is complete: nothing may follow

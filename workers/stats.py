@@ -1,5 +1,8 @@
 """A worker's own figures: what the heartbeat, ``inspect``, ``/metrics`` and
-the tests read. The engine thread writes them; other threads only read."""
+the tests read. Two threads write them, each its own fields: the engine thread
+the step's (``record_step``, ``failed_steps``, ``preempted``), the output
+thread the outputs' (``record_outputs`` through the output processor,
+``store_retries``); other threads only read (``as_dict`` copies)."""
 
 from __future__ import annotations
 
@@ -7,7 +10,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from tokenfleet.shared.keys import level_tenant
+from tokenfleet.shared.wire.keys import level_tenant
 from tokenfleet.workers.sequence import SeqOutput
 
 # The window of the rate a worker reports (its heartbeat, ``tokenfleet status``).

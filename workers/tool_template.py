@@ -5,7 +5,7 @@ A template that renders tools mentions ``tools`` (what
 ``apply_chat_template(..., tools=[...])`` passes it); the call format is the
 one it shows the model. The heartbeat carries the result (``tools``), so the
 gateway knows, before a job is queued, whether ``tool_choice`` "auto" can be
-served and how to parse the model's text (``tokenfleet.tool_parser``):
+served and how to parse the model's text (``tokenfleet.openai.tool_parser``):
 
 - ``""``: the template takes no tools (or there is no template);
 - ``hermes``: it writes ``<tool_call>...</tool_call>`` (Hermes, Qwen2.5, Qwen3);

@@ -27,9 +27,9 @@ from typing import Any
 import numpy as np
 
 from tokenfleet.shared import models
-from tokenfleet.shared.schemas import FinishReason
+from tokenfleet.shared.wire.schemas import FinishReason
 from tokenfleet.shared.settings import Settings
-from tokenfleet.workers import budget
+from tokenfleet.workers import budget, prompt_logprobs
 from tokenfleet.workers.engine import BatchShape, DeviceFailure, Engine, is_fatal_device_error
 from tokenfleet.workers.engines import BuiltEngine
 from tokenfleet.workers.logprobs import Logprobs
@@ -158,13 +158,19 @@ class VLLMEngine(Engine):
     def _sampling(self, seq: Sequence, budget: int) -> Any:
         s = seq.sampling
         return self._vllm.SamplingParams(
-            max_tokens=budget, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
+            # A resumed job's made tokens count towards its min_tokens.
+            max_tokens=budget, min_tokens=min(max(s.min_tokens - len(seq.generated), 0), budget),
+            temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
             seed=s.draw_seed, repetition_penalty=s.repetition_penalty,
             presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty,
             min_p=s.min_p, logit_bias=dict(s.logit_bias) or None, logprobs=s.logprobs,
+            # vLLM's from its prefill's logits, the first token's None, as the built-in engine's.
+            prompt_logprobs=s.prompt_logprobs if prompt_logprobs.asks(seq) else None,
             # vLLM stops on these too, so it never runs past a job's end; stop
             # strings are the fleet's (they match on the text every consumer sees).
-            stop_token_ids=sorted(self.eos_token_ids), detokenize=False,
+            # ignore_eos: vLLM's own, and no end tokens of the fleet's as stops.
+            ignore_eos=s.ignore_eos,
+            stop_token_ids=[] if s.ignore_eos else sorted(self.eos_token_ids), detokenize=False,
             output_kind=self._vllm.sampling_params.RequestOutputKind.DELTA,
             structured_outputs=self._structured(seq))
 
@@ -211,6 +217,8 @@ class VLLMEngine(Engine):
             made.extend((live, int(t)) for t in out.outputs[0].token_ids)
             if live.sampling.logprobs is not None:
                 _take_logprobs(live, out.outputs[0], live.sampling.logprobs)
+            if prompt_logprobs.asks(live) and getattr(out, "prompt_logprobs", None) is not None:
+                live.prompt_logprobs = _prompt_logprobs(live, out.prompt_logprobs)
             if out.finished:
                 self._gone(out.request_id)
                 self._ended_by_vllm.append(live)
@@ -239,3 +247,20 @@ def _take_logprobs(seq: Sequence, output: Any, wanted: int) -> None:
         seq.made_logprobs[base + k] = Logprobs(
             np.float32(ranked[int(token_id)].logprob), [int(i) for _, i, _ in top],
             np.array([lp for _, _, lp in top], dtype=np.float32))
+
+
+def _prompt_logprobs(seq: Sequence, ranked_at: Any) -> list[Logprobs | None]:
+    """vLLM's prompt log probabilities (None, then a dict per position: the
+    prompt token's and the top ``prompt_logprobs``, each with its rank), for
+    the prompt's own tokens (a resumed job's prefill runs on past them)."""
+    wanted = seq.sampling.prompt_logprobs or 0
+    made: list[Logprobs | None] = []
+    for token_id, ranked in zip(seq.prompt_ids, ranked_at):
+        if ranked is None:
+            made.append(None)
+            continue
+        top = sorted(((lp.rank, i, lp.logprob) for i, lp in ranked.items()
+                      if lp.rank is not None and lp.rank <= wanted))[:wanted]
+        made.append(Logprobs(np.float32(ranked[int(token_id)].logprob), [int(i) for _, i, _ in top],
+                             np.array([lp for _, _, lp in top], dtype=np.float32)))
+    return made

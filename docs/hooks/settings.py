@@ -3,7 +3,8 @@
 ``settings.md`` holds the line ``<!-- settings-table -->``; this hook puts in its
 place one table row per field of ``tokenfleet.shared.settings.Settings``: the
 environment variable, the processes that read it (``shared/settings_readers.py``),
-the type with its bounds, the default and the field's ``description``. The reference is the code's own list, so it cannot leave a
+the type with its bounds, the default and the field's ``description``. The reference is the code's
+own list, so it cannot leave a
 setting out.
 """
 
@@ -18,7 +19,7 @@ from tokenfleet.shared.settings_readers import READ_BY
 MARKER = "<!-- settings-table -->"
 PAGE = "settings.md"
 
-__all__ = ["env_name", "type_text", "render_table", "on_page_markdown"]
+__all__ = ["env_name", "on_page_markdown", "render_table", "type_text"]
 
 
 def default_text(value: Any) -> str:

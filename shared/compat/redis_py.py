@@ -122,13 +122,17 @@ async def shard_pubsub_command(pubsub: Any, verb: str, *channels: bytes) -> None
 # What redis-py's asyncio connection raises when a command is written on a
 # connection another task closed under it (the cluster client closes a node's
 # idle connections while they stay on its free list, after a connection error
-# on that node): no writer any more, or a closed transport.
-_CLOSED_UNDER_WRITE = ("object has no attribute 'writelines'", "the handler is closed")
+# on that node): no writer any more, or a closed transport. redis-py 8.2 and
+# newer check first and raise a ConnectionError of their own, which every
+# retry of the fleet already takes as one.
+_CLOSED_UNDER_WRITE = ("object has no attribute 'writelines'", "the handler is closed",
+                       "closed by the server before write")
 
 
 def closed_under_write(error: Exception) -> bool:
-    """Whether ``error`` (an AttributeError or RuntimeError out of a command)
+    """Whether ``error`` (an AttributeError, RuntimeError or, on newer redis-py,
+    ConnectionError out of a command)
     says the connection was closed before the command was written: nothing
     reached Redis, and redis-py dropped the connection, so it can go again."""
-    return isinstance(error, AttributeError | RuntimeError) and any(
+    return isinstance(error, AttributeError | RuntimeError | redis.exceptions.ConnectionError) and any(
         text in str(error) for text in _CLOSED_UNDER_WRITE)

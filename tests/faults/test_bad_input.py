@@ -11,9 +11,9 @@ import redis
 from hypothesis import HealthCheck, given, settings as hsettings, strategies as st
 
 from tokenfleet import FleetClient, IdempotencyConflict, InvalidRequest, PromptTooLong
-from tokenfleet.shared.keys import Keys
-from tokenfleet.shared.schemas import JobStatus
-from tokenfleet.shared.serialization import loads
+from tokenfleet.shared.wire.keys import Keys
+from tokenfleet.shared.wire.schemas import JobStatus
+from tokenfleet.shared.wire.serialization import loads
 from tokenfleet.workers.runner import HFRunner
 
 from helpers import FIGURES, dead_letters, queue_parts
@@ -106,7 +106,8 @@ def tallies() -> Any:
     yield
     FIGURES.append(("random input", {
         "submits": Tally.refused + Tally.accepted + Tally.conflicts, "refused": Tally.refused,
-        "idempotency_conflicts": Tally.conflicts, "accepted": Tally.accepted, "entries": Dead.count, "dead_lettered": Dead.count,
+        "idempotency_conflicts": Tally.conflicts, "accepted": Tally.accepted,
+        "entries": Dead.count, "dead_lettered": Dead.count,
         "worker_crashes": 0}))
 
 

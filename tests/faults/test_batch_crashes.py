@@ -25,7 +25,7 @@ import orjson
 import pytest
 import redis
 
-from tokenfleet.shared.keys import Keys
+from tokenfleet.shared.wire.keys import Keys
 
 from helpers import ChannelTally, direct_greedy, free_port, wait_until
 from placed_kill import frozen_mid_job
@@ -55,7 +55,7 @@ class GatewayProc:
                "PYTHONUNBUFFERED": "1"}
         self.log = tempfile.NamedTemporaryFile(prefix="gateway-", suffix=".log", delete=False)
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "tokenfleet.workers.cli", "gateway", "--host", "127.0.0.1",
+            [sys.executable, "-m", "tokenfleet.cli.app", "gateway", "--host", "127.0.0.1",
              "--port", str(self.port)], env=env, cwd=ROOT, stdout=self.log,
             stderr=subprocess.STDOUT)
         with httpx.Client(base_url=self.url) as http:

@@ -20,13 +20,14 @@ import pytest
 import redis
 from redis.exceptions import RedisError
 
-from tokenfleet import batch_failures, batch_records
-from tokenfleet.aio import AsyncFleetClient
-from tokenfleet.batch_driver import BatchDriver
-from tokenfleet.batch_records import Batch, cancel_batch, read_record
-from tokenfleet.files import delete_file
+from tokenfleet.batches import failures as batch_failures
+from tokenfleet.client import batch_records
+from tokenfleet.client.aio import AsyncFleetClient
+from tokenfleet.batches.driver import BatchDriver
+from tokenfleet.client.batch_records import Batch, cancel_batch, read_record
+from tokenfleet.files.records import delete_file
 from tokenfleet.shared.file_store import DirectoryStore
-from tokenfleet.shared.keys import level_queue
+from tokenfleet.shared.wire.keys import level_queue
 
 from gateway_server import pin_live_worker
 

@@ -21,9 +21,9 @@ import pytest
 import redis
 
 from tokenfleet import FleetClient
-from tokenfleet.shared.keys import GROUP, Keys
-from tokenfleet.shared.schemas import FinishReason, JobState, JobStatus, TokenEvent
-from tokenfleet.shared.serialization import loads
+from tokenfleet.shared.wire.keys import GROUP, Keys
+from tokenfleet.shared.wire.schemas import FinishReason, JobState, JobStatus, TokenEvent
+from tokenfleet.shared.wire.serialization import loads
 from tokenfleet.workers.runner import HFRunner
 
 from helpers import logged_count, queue_parts, wait_until

@@ -14,8 +14,8 @@ import pytest
 import redis
 
 from tokenfleet import AsyncFleetClient, FleetClient
-from tokenfleet.shared import redis_conn
-from tokenfleet.shared.keys import Keys
+from tokenfleet.shared.redis import connect as redis_conn
+from tokenfleet.shared.wire.keys import Keys
 
 from helpers import queue_parts
 

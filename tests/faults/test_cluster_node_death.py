@@ -28,8 +28,8 @@ import pytest
 import redis
 
 from tokenfleet import FleetClient
-from tokenfleet.shared.keys import Keys
-from tokenfleet.shared.schemas import FinishReason, JobStatus
+from tokenfleet.shared.wire.keys import Keys
+from tokenfleet.shared.wire.schemas import FinishReason, JobStatus
 from tokenfleet.workers.runner import HFRunner
 
 from helpers import RedisClusterServers, RedisServer, logged_count, redis_client, wait_until

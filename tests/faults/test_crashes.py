@@ -11,8 +11,8 @@ import pytest
 import redis
 
 from tokenfleet import FleetClient
-from tokenfleet.shared.keys import GROUP, Keys
-from tokenfleet.shared.schemas import JobStatus
+from tokenfleet.shared.wire.keys import GROUP, Keys
+from tokenfleet.shared.wire.schemas import JobStatus
 
 from helpers import (ChannelTally, direct_greedy, follow_all, logged_tokens, queue_parts,
                      redis_client, stream_fault, wait_until)

@@ -13,14 +13,15 @@ import pytest
 import redis
 
 from tokenfleet import FleetClient
-from tokenfleet.shared.keys import GROUP, Keys
-from tokenfleet.shared.schemas import JobStatus
+from tokenfleet.shared.wire.keys import GROUP, Keys
+from tokenfleet.shared.wire.schemas import JobStatus
 from tokenfleet.workers.engine import is_fatal_device_error
 from tokenfleet.workers.publisher import is_transient
 from tokenfleet.workers.runner import HFRunner
-from tokenfleet.workers.scheduler import Batch
+from tokenfleet.workers.scheduler import StepBatch
 from tokenfleet.workers import supervisor
-from tokenfleet.workers.service import FATAL_EXIT_CODE, JOB_FAULT_EXIT_CODE
+from tokenfleet.workers.exit_codes import FATAL as FATAL_EXIT_CODE
+from tokenfleet.workers.exit_codes import JOB_FAULT as JOB_FAULT_EXIT_CODE
 from tokenfleet.workers.supervisor import Child, Supervisor
 
 from helpers import dead_letters, direct_greedy, logged_tokens, queue_parts
@@ -46,7 +47,7 @@ class BreakingRunner(HFRunner):
         super().__init__(*loaded)
         self.good_steps, self.error, self.steps = good_steps, error, 0
 
-    def run(self, batch: Batch) -> list[int]:
+    def run(self, batch: StepBatch) -> list[int]:
         self.steps += 1
         if self.steps > self.good_steps:
             raise self.error

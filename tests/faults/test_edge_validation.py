@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import math
 import random
-import time
+import threading
 from typing import Any
 
 import pytest
@@ -16,8 +16,8 @@ from pydantic import ValidationError
 
 from tokenfleet import (AsyncFleetClient, FleetClient, IdempotencyConflict, InvalidRequest,
                         TokenfleetError)
-from tokenfleet.shared.keys import Keys
-from tokenfleet.shared.schemas import GenerationRequest, JobStatus
+from tokenfleet.shared.wire.keys import Keys
+from tokenfleet.shared.wire.schemas import GenerationRequest, JobStatus
 from tokenfleet.shared.settings import Settings
 
 from helpers import queue_parts, wait_until, written_keys
@@ -145,7 +145,7 @@ def _race_cancel_against_completion(client: FleetClient, rounds: int,
     for _ in range(rounds):
         job_id = client.submit("Once upon a time", max_new_tokens=rng.randint(1, 3),
                                temperature=0.0)
-        wait_until(lambda: client.status(job_id).status is not JobStatus.QUEUED,  # noqa: B023
+        wait_until(lambda: client.status(job_id).status is not JobStatus.QUEUED,
                    timeout=30, what="the job to start", interval=0.001)
         said = client.cancel(job_id)
         final = client.wait(job_id, timeout=30).status
@@ -195,15 +195,26 @@ def test_cancel_of_a_running_job_that_outlasts_the_wait_says_false(
     """With no time to wait, a running job is not (yet) known to be cancelled."""
     from tokenfleet.workers.runner import HFRunner
 
+    released = threading.Event()
+    steps = 0
+
     class Stuck(HFRunner):
         def run(self, batch):  # type: ignore[no-untyped-def]
-            time.sleep(0.2)  # a slow model step: the cancel lands before the next one
+            # The first step runs (the job is running); the next waits until
+            # the cancel has been asked, so the cancel lands between two steps.
+            nonlocal steps
+            steps += 1
+            if steps > 1:
+                assert released.wait(30), "the test never released the model"
             return super().run(batch)
 
     start_worker(runner=Stuck(*loaded_tiny))
     job_id = client.submit("Once upon a time", max_new_tokens=100)
     wait_until(lambda: client.status(job_id).status is JobStatus.RUNNING, timeout=30,
                what="the job to start")
-    assert client.cancel(job_id, timeout=0) is False
+    try:
+        assert client.cancel(job_id, timeout=0) is False
+    finally:
+        released.set()
     assert client.wait(job_id, timeout=30).status is JobStatus.CANCELLED
     assert client.cancel(job_id) is False  # ended: nothing to cancel

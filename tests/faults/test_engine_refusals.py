@@ -17,8 +17,8 @@ import pytest
 import redis
 
 from tokenfleet import FleetClient
-from tokenfleet.shared.keys import GROUP, Keys, level_queue
-from tokenfleet.shared.schemas import REFUSED_BY_WORKER, FinishReason, JobStatus
+from tokenfleet.shared.wire.keys import GROUP, Keys, level_queue
+from tokenfleet.shared.wire.schemas import REFUSED_BY_WORKER, FinishReason, JobStatus
 from tokenfleet.workers.hf_engine import HFEngine
 from tokenfleet.workers.sequence import Sequence
 
@@ -47,7 +47,7 @@ def log_as_resumed(r: redis.Redis, keys: Keys, job_id: str, token_ids: list[Any]
 def check_served_on(client: FleetClient, worker: Any, good: list[str]) -> None:
     """The good jobs succeeded, no step failed, and the worker still serves."""
     assert [client.wait(j, timeout=60).status for j in good] == [JobStatus.SUCCEEDED] * len(good)
-    assert worker.engine.stats.failed_steps == 0 and worker.failing == ""
+    assert worker.engine.stats.failed_steps == 0 and worker.engine_loop.failing == ""
     assert not worker.fatal.is_set() and all(t.is_alive() for t in worker.threads)
     after = client.submit("served after the refusals", max_new_tokens=4)
     assert client.wait(after, timeout=30).status is JobStatus.SUCCEEDED

@@ -18,9 +18,9 @@ import pytest
 import redis
 
 from tokenfleet import FleetClient
-from tokenfleet.fleet import fleet_status
-from tokenfleet.shared.keys import Keys
-from tokenfleet.shared.schemas import JobStatus
+from tokenfleet.client.fleet import fleet_status
+from tokenfleet.shared.wire.keys import Keys
+from tokenfleet.shared.wire.schemas import JobStatus
 
 from helpers import logged_count, stream_fault, wait_until
 

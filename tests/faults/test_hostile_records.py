@@ -16,9 +16,9 @@ import pytest
 import redis
 
 from tokenfleet import FleetClient
-from tokenfleet.shared.keys import GROUP, Keys, level_queue
-from tokenfleet.shared.schemas import JobStatus
-from tokenfleet.shared.serialization import loads
+from tokenfleet.shared.wire.keys import GROUP, Keys, level_queue
+from tokenfleet.shared.wire.schemas import JobStatus
+from tokenfleet.shared.wire.serialization import loads
 from tokenfleet.workers.admission import Admission
 
 from helpers import dead_letters, queue_parts, wait_until

@@ -13,9 +13,9 @@ import pytest
 import redis
 
 from tokenfleet import FleetClient
-from tokenfleet.shared.clock import redis_now
-from tokenfleet.shared.keys import Keys
-from tokenfleet.shared.schemas import JobStatus
+from tokenfleet.shared.redis.clock import redis_now
+from tokenfleet.shared.wire.keys import Keys
+from tokenfleet.shared.wire.schemas import JobStatus
 from tokenfleet.workers.identity import NameTaken, check_name
 
 from helpers import queue_parts, wait_until

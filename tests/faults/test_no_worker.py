@@ -24,9 +24,9 @@ from tokenfleet import (
     RedisAuthFailed,
     RedisUnavailable,
 )
-from tokenfleet.fleet import Repaired, fleet_status, repair_fleet
-from tokenfleet.shared.keys import Keys, job_model
-from tokenfleet.shared.schemas import FinishReason, JobStatus
+from tokenfleet.client.fleet import Repaired, fleet_status, repair_fleet
+from tokenfleet.shared.wire.keys import Keys, job_model
+from tokenfleet.shared.wire.schemas import FinishReason, JobStatus
 
 from helpers import free_port, wait_until
 
@@ -442,7 +442,7 @@ async def test_a_client_whose_only_contact_was_a_subscription_rides_out_a_restar
     between, that command waits for Redis to come back; it does not fail as
     if Redis had never been there (on a cluster the subscription reads the slot
     map, through no command)."""
-    from tokenfleet.shared.redis_conn import connect_async, ready
+    from tokenfleet.shared.redis.connect import connect_async, ready
 
     client = connect_async(aof_redis.url)
     try:

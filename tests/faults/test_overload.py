@@ -12,9 +12,9 @@ import pytest
 import redis
 
 from tokenfleet import FleetClient, QueueFull
-from tokenfleet.shared.keys import Keys, job_id_in
-from tokenfleet.shared.redis_conn import connect, is_cluster
-from tokenfleet.shared.serialization import loads
+from tokenfleet.shared.wire.keys import Keys, job_id_in
+from tokenfleet.shared.redis.connect import connect, is_cluster
+from tokenfleet.shared.wire.serialization import loads
 
 from helpers import wait_until
 

@@ -17,10 +17,10 @@ import pytest
 import redis
 
 from tokenfleet import FleetClient
-from tokenfleet.shared.keys import GROUP, Keys, job_model
-from tokenfleet.shared.schemas import JobStatus
-from tokenfleet.shared.serialization import loads, token_event
-from tokenfleet.shared.worker_scripts import log_entry_id
+from tokenfleet.shared.wire.keys import GROUP, Keys, job_model
+from tokenfleet.shared.wire.schemas import JobStatus
+from tokenfleet.shared.wire.serialization import loads, token_event
+from tokenfleet.shared.wire.worker_scripts import log_entry_id
 from tokenfleet.workers.runner import HFRunner
 
 from helpers import logged_count, wait_until

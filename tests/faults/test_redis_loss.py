@@ -8,7 +8,7 @@ import pytest
 import redis
 
 from tokenfleet import FleetClient
-from tokenfleet.shared.schemas import JobStatus
+from tokenfleet.shared.wire.schemas import JobStatus
 
 pytestmark = [pytest.mark.faults, pytest.mark.timeout(120)]
 

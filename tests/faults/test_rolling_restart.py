@@ -17,9 +17,9 @@ import pytest
 import redis
 
 from tokenfleet import FleetClient, NoWorker, WorkersGone
-from tokenfleet.shared.clock import redis_now
-from tokenfleet.shared.keys import Keys
-from tokenfleet.shared.schemas import JobStatus
+from tokenfleet.shared.redis.clock import redis_now
+from tokenfleet.shared.wire.keys import Keys
+from tokenfleet.shared.wire.schemas import JobStatus
 
 from gateway_server import gateway, port_of  # noqa: F401  (a fixture)
 from helpers import queue_parts, wait_until
@@ -78,7 +78,7 @@ class SteadyLoad:
 
 
 def test_a_rolling_restart_of_a_queues_only_worker_loses_no_request_and_gives_no_404(
-    gateway: Any, celery_workers: Any, r: redis.Redis, settings: Any,  # noqa: F811
+    gateway: Any, celery_workers: Any, r: redis.Redis, settings: Any,
     report: dict[str, Any],
 ) -> None:
     keys = Keys(settings.namespace)
@@ -106,7 +106,7 @@ def served_ago(r: redis.Redis, keys: Keys, queue: str, seconds: float) -> None:
 
 
 def test_a_queue_served_within_the_grace_queues_and_past_it_is_a_retryable_503(
-    gateway: Any, client: FleetClient, r: redis.Redis, settings: Any,  # noqa: F811
+    gateway: Any, client: FleetClient, r: redis.Redis, settings: Any,
 ) -> None:
     keys = Keys(settings.namespace)
     assert settings.no_worker_grace_s == 60.0

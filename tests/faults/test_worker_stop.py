@@ -16,12 +16,12 @@ import pytest
 import redis
 
 from tokenfleet import FleetClient
-from tokenfleet.shared.keys import GROUP, Keys
-from tokenfleet.shared.schemas import JobStatus
-from tokenfleet.shared.serialization import loads
+from tokenfleet.shared.wire.keys import GROUP, Keys
+from tokenfleet.shared.wire.schemas import JobStatus
+from tokenfleet.shared.wire.serialization import loads
 from tokenfleet.workers import service
 from tokenfleet.workers.runner import HFRunner
-from tokenfleet.workers.scheduler import Batch
+from tokenfleet.workers.scheduler import StepBatch
 
 from helpers import direct_greedy, free_port, queue_parts, wait_until
 
@@ -43,7 +43,7 @@ class HangingRunner(HFRunner):
         self.good_steps, self.steps = good_steps, 0
         self.hung, self.release = threading.Event(), threading.Event()
 
-    def run(self, batch: Batch) -> list[int]:
+    def run(self, batch: StepBatch) -> list[int]:
         self.steps += 1
         if self.steps > self.good_steps:
             self.hung.set()
@@ -61,7 +61,7 @@ class MalformedRunner(HFRunner):
         self.good_steps, self.steps = good_steps, 0
         self.broken = threading.Event()
 
-    def run(self, batch: Batch) -> list[int]:
+    def run(self, batch: StepBatch) -> list[int]:
         self.steps += 1
         if self.steps == self.good_steps + 1:
             self.broken.set()
@@ -69,7 +69,7 @@ class MalformedRunner(HFRunner):
             return self.broken_run(batch)
         return super().run(batch)
 
-    def broken_run(self, batch: Batch) -> list[int]:
+    def broken_run(self, batch: StepBatch) -> list[int]:
         return [] if not batch.is_prefill else super().run(batch)
 
 
@@ -77,7 +77,7 @@ class FailingForwardRunner(MalformedRunner):
     """While broken, the forward pass raises: a failure the engine recovers
     from itself, retrying the step."""
 
-    def broken_run(self, batch: Batch) -> list[int]:
+    def broken_run(self, batch: StepBatch) -> list[int]:
         raise RuntimeError("the forward pass failed")
 
 

@@ -22,9 +22,9 @@ import pytest
 import redis
 
 from tokenfleet import AsyncFleetClient, FleetClient
-from tokenfleet.shared.keys import Keys
-from tokenfleet.shared.redis_conn import node_client
-from tokenfleet.shared.schemas import JobStatus
+from tokenfleet.shared.wire.keys import Keys
+from tokenfleet.shared.redis.connect import node_client
+from tokenfleet.shared.wire.schemas import JobStatus
 
 from helpers import (
     ChannelTally,

@@ -17,9 +17,9 @@ import pytest
 import redis
 
 from tokenfleet import FleetClient
-from tokenfleet.shared.keys import Keys
-from tokenfleet.shared.schemas import JobStatus
-from tokenfleet.shared.worker_scripts import LOG_BAND
+from tokenfleet.shared.wire.keys import Keys
+from tokenfleet.shared.wire.schemas import JobStatus
+from tokenfleet.shared.wire.worker_scripts import LOG_BAND
 from tokenfleet.workers.runner import HFRunner
 
 from helpers import direct_greedy, follow_all, logged_count, logged_tokens, stream_fault, wait_until

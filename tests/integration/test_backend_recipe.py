@@ -22,9 +22,9 @@ import redis
 
 from tokenfleet import (AsyncFleetClient, EndEvent, FleetClient, InvalidRequest, JobStatus,
                         TokenfleetError)
-from tokenfleet.shared.keys import Keys
+from tokenfleet.shared.wire.keys import Keys
 from tokenfleet.workers.runner import HFRunner
-from tokenfleet.workers.scheduler import Batch
+from tokenfleet.workers.scheduler import StepBatch
 
 from helpers import wait_until
 
@@ -36,7 +36,7 @@ class SlowRunner(HFRunner):
     """The real model at a token every 20 ms: a 1,000-token job runs 20 s unless
     it is cancelled."""
 
-    def run(self, batch: Batch) -> list[int]:
+    def run(self, batch: StepBatch) -> list[int]:
         time.sleep(0.02)  # a big model's step time, not a synchronisation
         return super().run(batch)
 

@@ -18,13 +18,13 @@ import orjson
 import pytest
 import redis
 
-from tokenfleet.aio import AsyncFleetClient
-from tokenfleet.batch_records import create_batch
-from tokenfleet.shared.api_keys import create_key, new_key
-from tokenfleet.shared.keys import Keys, level_queue
-from tokenfleet.shared.schemas import ApiKey
+from tokenfleet.client.aio import AsyncFleetClient
+from tokenfleet.client.batch_records import create_batch
+from tokenfleet.shared.wire.api_keys import create_key, new_key
+from tokenfleet.shared.wire.keys import Keys, level_queue
+from tokenfleet.shared.wire.schemas import ApiKey
 from tokenfleet.shared.settings import Settings
-from tokenfleet.tenant_indexes import index_by_tenant
+from tokenfleet.files.tenant_indexes import index_by_tenant
 
 from gateway_server import gateways, pin_live_worker, port_of
 from helpers import wait_until
@@ -168,7 +168,7 @@ def test_an_upload_with_a_line_over_the_line_limit_is_refused_naming_it(
 def test_blank_lines_do_not_count_toward_the_line_limit(
     fleet: Callable[..., dict[str, Any]], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from tokenfleet import files
+    from tokenfleet.files import records as files
 
     monkeypatch.setattr(files, "MAX_BATCH_LINES", 4)
     found = fleet()

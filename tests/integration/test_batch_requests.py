@@ -13,16 +13,16 @@ from typing import Any
 
 import pytest
 import redis
-from fastapi.responses import Response
 from hypothesis import HealthCheck, given, settings as hypothesis_settings
 from hypothesis import strategies as st
 
-from tokenfleet.aio import AsyncFleetClient
-from tokenfleet.batch_client import CHAT, COMPLETIONS, endpoint_of, openai_body
-from tokenfleet.batch_lines import ready
-from tokenfleet.shared.errors import InvalidRequest
-from tokenfleet.shared.schemas import GenerationRequest
-from tokenfleet.shared.structured import StructuredOutput
+from tokenfleet.client.aio import AsyncFleetClient
+from tokenfleet.client.batches import CHAT, COMPLETIONS, endpoint_of, line_of
+from tokenfleet.batches.lines import LineError, parse, ready
+from tokenfleet.openai.translate import to_body
+from tokenfleet.shared.wire.errors import InvalidRequest
+from tokenfleet.shared.wire.schemas import GenerationRequest, SamplingParams
+from tokenfleet.shared.wire.structured import StructuredOutput
 
 from gateway_server import pin_live_worker
 
@@ -42,8 +42,9 @@ SPECS = [StructuredOutput(kind="json_object"),
          StructuredOutput(kind="grammar", grammar='root ::= "yes" | "no"')]
 
 words = st.text(st.characters(min_codepoint=32, max_codepoint=0x2FF), min_size=1, max_size=12)
-sampling = st.fixed_dictionaries({}, optional={
+sampling_fields = {
     "max_new_tokens": st.integers(1, 64),
+    "min_tokens": st.integers(0, 64),
     "temperature": st.floats(0, 2),
     "top_p": st.floats(0.01, 1),
     "top_k": st.integers(0, 50),
@@ -55,7 +56,14 @@ sampling = st.fixed_dictionaries({}, optional={
     "logit_bias": st.dictionaries(st.integers(0, 1000), st.floats(-100, 100), max_size=3),
     "min_p": st.floats(0, 1),
     "logprobs": st.integers(0, 5),
-})
+    "ignore_eos": st.booleans(),
+    "include_stop_str_in_output": st.booleans(),
+    "skip_special_tokens": st.booleans(),
+}
+sampling = st.fixed_dictionaries({}, optional=sampling_fields)
+# Only a completion's line carries the prompt's log probabilities.
+completion_sampling = st.fixed_dictionaries({}, optional={
+    **sampling_fields, "prompt_logprobs": st.integers(0, 5)})
 common = {"sampling": sampling, "webhook_url": st.just("https://hooks.example.com/done"),
           "structured_output": st.sampled_from(SPECS)}
 
@@ -67,10 +75,16 @@ def requests(draw: st.DrawFn) -> GenerationRequest:
     if draw(st.booleans()):
         fields = draw(st.fixed_dictionaries(
             {"messages": st.lists(st.fixed_dictionaries({
-                "role": st.sampled_from(["system", "user", "assistant"]), "content": words}),
-                min_size=1, max_size=3)},
+                "role": st.sampled_from(["system", "user", "assistant"]), "content": words},
+                optional={"name": words}), min_size=1, max_size=3)},
             optional={**common, "metadata": st.dictionaries(
-                st.sampled_from(["user", "team", "trace"]), words, max_size=3)}))
+                st.sampled_from(["user", "team", "trace"]), words, max_size=3),
+                "chat_template_kwargs": st.dictionaries(
+                    st.sampled_from(["enable_thinking", "style"]), st.booleans(), max_size=2),
+                "add_generation_prompt": st.just(False)}))
+        if fields.get("add_generation_prompt") is False and draw(st.booleans()):
+            fields["messages"].append({"role": "assistant", "content": "Well,"})
+            fields["continue_final_message"] = True
         if "structured_output" not in fields and draw(st.booleans()):
             fields["tools"] = [TOOL]  # tool_choice auto: not with a constrained output
     else:
@@ -79,11 +93,28 @@ def requests(draw: st.DrawFn) -> GenerationRequest:
             st.fixed_dictionaries({"prompt_token_ids": st.lists(st.integers(0, 1000),
                                                                 min_size=1, max_size=5)})))
         fields = {**prompt, **draw(st.fixed_dictionaries({}, optional={
-            **common, "metadata": st.fixed_dictionaries({"user": words})}))}
+            **common, "sampling": completion_sampling,
+            "metadata": st.fixed_dictionaries({"user": words})}))}
     fields.update(draw(st.fixed_dictionaries({}, optional={
         "priority": st.sampled_from(["high", "low"]), "tenant": st.just("someone"),
         "idempotency_key": words, "deadline_s": st.floats(1, 100)})))
     return GenerationRequest.model_validate(fields)
+
+
+def test_the_requests_drawn_set_every_field_a_line_can_carry() -> None:
+    # A new field of GenerationRequest or SamplingParams must be drawn above (or
+    # named here as one the batch sets, or no line can carry): else the
+    # property test below would pass without it.
+    drawn = {"prompt", "messages", "prompt_token_ids", "suffix", "sampling", "model",
+             "metadata", "structured_output", "tools", "webhook_url", "chat_template_kwargs",
+             "add_generation_prompt", "continue_final_message"}
+    assert set(GenerationRequest.model_fields) == drawn | BATCH_SET
+    sampled = {"max_new_tokens", "min_tokens", "temperature", "top_p", "top_k", "seed", "stop",
+               "repetition_penalty", "presence_penalty", "frequency_penalty", "logit_bias",
+               "min_p", "logprobs", "ignore_eos", "include_stop_str_in_output",
+               "skip_special_tokens", "prompt_logprobs"}
+    one_choice = {"choice_index"}  # a line is one choice: refused by to_body
+    assert set(SamplingParams.model_fields) == sampled | one_choice
 
 
 @pytest.fixture
@@ -101,12 +132,14 @@ def loop_client(settings: Any, r: redis.Redis) -> Iterator[tuple[asyncio.Abstrac
 
 def checked(loop: asyncio.AbstractEventLoop, client: AsyncFleetClient,
             request: GenerationRequest) -> GenerationRequest:
-    """The job the batch driver makes of the request's line."""
+    """The job the batch driver makes of the request's line, as submit_batch writes
+    it (the request as it is) and the driver reads it."""
     endpoint = endpoint_of(request)
+    parsed = parse(line_of(0, request, endpoint), endpoint)
+    assert isinstance(parsed.body, dict), f"the line has no body: {parsed.body}"
     made = loop.run_until_complete(ready(
-        client, openai_body(request), endpoint=endpoint, batch_id="batch_x", index=0,
+        client, parsed.body, endpoint=endpoint, batch_id="batch_x", index=0,
         tenant="acme", queues=None))
-    assert not isinstance(made, Response)
     assert hasattr(made, "job"), f"the line was refused: {made}"
     return made.job
 
@@ -130,9 +163,17 @@ def test_a_generation_request_in_a_batch_keeps_every_field(
 def test_a_field_a_line_cannot_carry_is_refused_by_name(fields: dict[str, Any],
                                                         named: str) -> None:
     with pytest.raises(InvalidRequest, match=f"^{named}:"):
-        openai_body(GenerationRequest.model_validate(fields))
+        to_body(GenerationRequest.model_validate(fields))
+    # A line written with it fails alone, naming it, when the driver reads it.
+    request = GenerationRequest.model_validate(fields)
+    endpoint = endpoint_of(request)
+    error = parse(line_of(0, request, endpoint), endpoint).body
+    assert isinstance(error, LineError) and error.message.startswith(f"{named}:")
 
 
 def test_the_endpoint_follows_the_request() -> None:
     assert endpoint_of(GenerationRequest(prompt="Hi")) == COMPLETIONS
     assert endpoint_of(GenerationRequest(messages=[{"role": "user", "content": "Hi"}])) == CHAT
+    # A line as a dict, written with the fleet's request rather than a body.
+    assert endpoint_of({"request": {"messages": [{"role": "user", "content": "Hi"}]}}) == CHAT
+    assert endpoint_of({"request": {"prompt": "Hi"}}) == COMPLETIONS

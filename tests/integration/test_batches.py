@@ -16,13 +16,13 @@ import orjson
 import pytest
 
 from tokenfleet import FleetClient
-from tokenfleet.aio import AsyncFleetClient
-from tokenfleet.batch_records import RequestCounts
-from tokenfleet.files import store_name
-from tokenfleet.shared.api_keys import create_key, new_key
+from tokenfleet.client.aio import AsyncFleetClient
+from tokenfleet.client.batch_records import RequestCounts
+from tokenfleet.files.records import store_name
+from tokenfleet.shared.wire.api_keys import create_key, new_key
 from tokenfleet.shared.file_store import open_store
-from tokenfleet.shared.keys import Keys
-from tokenfleet.shared.schemas import ApiKey
+from tokenfleet.shared.wire.keys import Keys
+from tokenfleet.shared.wire.schemas import ApiKey
 from tokenfleet.shared.settings import Settings
 
 from gateway_server import gateways, pin_live_worker, port_of
@@ -311,7 +311,7 @@ def test_a_line_that_ends_just_before_its_expiry_cancel_keeps_its_result(
     """The window ends while a line's job is queued; its job ends (succeeded)
     before the driver's cancel reaches it: the line is in the output file, not
     expired."""
-    from tokenfleet.batch_driver import BatchDriver
+    from tokenfleet.batches.driver import BatchDriver
 
     settings = settings.model_copy(update={"files_url": f"file://{tmp_path}/files"})
     pin_live_worker(redis_client(settings.redis_url), settings.namespace, "default")
@@ -348,9 +348,10 @@ def test_finalizing_twice_or_again_after_a_crash_leaves_no_orphan_file(
     """Two drivers finalize a batch at once (a lease that lapsed), and one
     stopped after registering its output file but before ending the batch:
     the ended batch names one output file, and the tenant lists no other."""
-    from tokenfleet import batch_ends, batch_output
-    from tokenfleet.batch_records import read_record
-    from tokenfleet.files import list_files
+    from tokenfleet.batches import ends as batch_ends
+    from tokenfleet.batches import output as batch_output
+    from tokenfleet.client.batch_records import read_record
+    from tokenfleet.files.records import list_files
 
     settings = settings.model_copy(update={"files_url": f"file://{tmp_path}/files"})
 
@@ -393,7 +394,7 @@ def test_finalizing_twice_or_again_after_a_crash_leaves_no_orphan_file(
 def test_a_line_collected_twice_is_counted_once(settings: Settings) -> None:
     """Two drivers (a lease that lapsed) or one after a crash collect the same
     line: it counts once, so the batch does not end before every line is done."""
-    from tokenfleet.shared.batch_scripts import batch_done
+    from tokenfleet.shared.wire.batch_scripts import batch_done
 
     r, keys = redis_client(settings.redis_url), Keys(settings.namespace)
     r.hset(keys.batch("batch_x"), mapping={"completed": 0, "failed": 0, "tokens": 0})
@@ -412,7 +413,7 @@ def test_a_driver_stopped_after_marking_lines_done_leaves_no_token_log_behind(
     """Driver a writes and marks lines done, then stops before it lets their
     jobs go (a power cut between the two): driver b lets them go, so no token
     log of a written line stays in Redis, and each line counts once."""
-    from tokenfleet.batch_driver import BatchDriver
+    from tokenfleet.batches.driver import BatchDriver
 
     settings = settings.model_copy(update={"files_url": f"file://{tmp_path}/files",
                                            "batch_window": 3})
@@ -484,7 +485,7 @@ def test_the_cli_submits_waits_writes_the_results_and_lists(
 ) -> None:
     from click.testing import CliRunner
 
-    from tokenfleet.workers.cli import main
+    from tokenfleet.cli.app import main
 
     settings = fleet["settings"]
     env = {"TOKENFLEET_REDIS_URL": settings.redis_url,
@@ -522,8 +523,8 @@ def test_a_stopped_drivers_batch_is_taken_over_and_each_line_runs_once(
     driver b takes the batch over when a's lease lapses: the lines a queued are
     the same jobs (their idempotency keys), and a part written twice (a crash
     between a part and its marks) yields each line once."""
-    from tokenfleet import batch_output
-    from tokenfleet.batch_driver import BatchDriver
+    from tokenfleet.batches import output as batch_output
+    from tokenfleet.batches.driver import BatchDriver
 
     settings = settings.model_copy(update={"files_url": f"file://{tmp_path}/files",
                                            "batch_window": 3})

@@ -10,7 +10,7 @@ import pytest
 import redis
 
 from tokenfleet import FleetClient, InvalidRequest, JobStatus
-from tokenfleet.shared.keys import job_id_in
+from tokenfleet.shared.wire.keys import job_id_in
 
 from gateway_server import gateway, port_of  # noqa: F401  (a fixture)
 from helpers import wait_until
@@ -126,7 +126,8 @@ FIELDS = [
     ("best_of", {"best_of": 1, "n": 2}, 400, "at least n"),
     ("echo", {"echo": True}, 200, None),
     ("echo", {"echo": 1}, 400, "boolean"),
-    ("echo", {"echo": True, "prompt": [1, 2]}, 400, "token ids"),
+    ("echo", {"echo": True, "prompt": [1, 2]}, 200, None),
+    ("echo", {"echo": True, "prompt": [1, 2], "stream": True}, 200, None),
     ("suffix", {"suffix": "The end."}, 400, "model 'default' has no fill-in-the-middle"),
     ("suffix", {"suffix": "The end.", "prompt": [1, 2]}, 400, "token ids"),
     ("suffix", {"suffix": ""}, 200, None),
@@ -136,12 +137,19 @@ FIELDS = [
     ("prompt", {"prompt": [1, True]}, 400, "item 1 is true"),
     ("prompt", {"prompt": [1, -2]}, 400, "item 1 is -2"),
     ("prompt", {"prompt": [1, 2**70]}, 400, f"item 1 is {2**70}"),
-    ("prompt", {"prompt": [[1], [2]]}, 400, "batched prompts"),
-    ("prompt", {"prompt": ["a", "b"]}, 400, "batched prompts"),
+    ("prompt", {"prompt": [[1], [2]]}, 200, None),
+    ("prompt", {"prompt": ["a", "b"]}, 200, None),
+    ("prompt", {"prompt": ["a", [2]]}, 400, "all text or all token ids"),
+    ("prompt", {"prompt": [[1], [2, 0.5]]}, 400, "item 1 of prompt 1 is 0.5"),
+    ("prompt", {"prompt": ["a", ""]}, 400, "empty"),
+    ("prompt", {"prompt": ["a"] * 257}, 400, "above the limit of 256"),
     ("prompt", {"prompt": []}, 400, "empty"),
     ("logprobs", {"logprobs": 1, "n": 2}, 200, None),
     ("logprobs", {"logprobs": 6}, 400, "less than or equal to 5"),
-    ("echo", {"echo": True, "logprobs": 1}, 400, "prompt's log probabilities"),
+    ("echo", {"echo": True, "logprobs": 1}, 200, None),
+    ("echo", {"echo": True, "logprobs": 1, "stream": True}, 200, None),
+    ("prompt_logprobs", {"prompt_logprobs": 2}, 200, None),
+    ("prompt_logprobs", {"prompt_logprobs": 21}, 400, "less than or equal to 20"),
 ]
 
 
@@ -203,3 +211,35 @@ def test_a_choice_that_ends_otherwise_ends_the_stream_with_its_error_and_cancels
                   if line.startswith("data: ")]
     assert events[-1] == "[DONE]" and "ended cancelled" in events[-2], events
     assert [client.wait(j, timeout=30).status for j in job_ids] == [JobStatus.CANCELLED] * 2
+
+
+def test_a_list_of_prompts_answers_each_prompts_choices_in_order_as_the_single_requests(
+    gateway: Any, start_worker: Any
+) -> None:
+    # lm-eval's --batch_size and LangChain's batch() send several prompts in one request.
+    start_worker()
+    oai = openai_client(gateway())
+    prompts = ["Once upon a time", "The capital of", "In the beginning"]
+    ask = {"model": "default", "max_tokens": 5, "temperature": 0.0}
+    singles = [oai.completions.create(prompt=p, **ask) for p in prompts]
+    both = oai.completions.create(prompt=prompts, n=2, echo=True, **ask)
+    assert [c.index for c in both.choices] == list(range(6))
+    for p, single in enumerate(singles):
+        for i in range(2):  # prompt-major, then n
+            assert both.choices[p * 2 + i].text == prompts[p] + single.choices[0].text
+    assert both.usage.prompt_tokens == sum(s.usage.prompt_tokens for s in singles)
+    assert both.usage.completion_tokens == 2 * sum(s.usage.completion_tokens for s in singles)
+
+    ids = oai.completions.create(prompt=[[1, 2, 3], [4, 5]], logprobs=1, echo=True, **ask)
+    assert [len(c.logprobs.tokens) for c in ids.choices] == [3 + 5, 2 + 5]
+
+    streamed = oai.completions.create(prompt=prompts, echo=True, stream=True,
+                                      stream_options={"include_usage": True}, **ask)
+    texts = ["", "", ""]
+    usage = None
+    for chunk in streamed:
+        for choice in chunk.choices:
+            texts[choice.index] += choice.text
+        usage = chunk.usage or usage
+    assert texts == [p + s.choices[0].text for p, s in zip(prompts, singles)]
+    assert usage is not None and usage.prompt_tokens == both.usage.prompt_tokens

@@ -9,9 +9,9 @@ import pytest
 import redis
 
 from tokenfleet import FleetClient
-from tokenfleet.pubsub_pool import PubSubPool
-from tokenfleet.shared.redis_conn import connect
-from tokenfleet.shared.schemas import JobStatus
+from tokenfleet.client.pubsub_pool import PubSubPool
+from tokenfleet.shared.redis.connect import connect
+from tokenfleet.shared.wire.schemas import JobStatus
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -18,9 +18,9 @@ from typing import Any
 import pytest
 
 from tokenfleet import FleetClient
-from tokenfleet.shared.keys import Keys
-from tokenfleet.shared.schemas import JobStatus
-from tokenfleet.shared.serialization import loads
+from tokenfleet.shared.wire.keys import Keys
+from tokenfleet.shared.wire.schemas import JobStatus
+from tokenfleet.shared.wire.serialization import loads
 
 from gateway_server import gateway  # noqa: F401  (a fixture)
 from helpers import (ChannelTally, RedisClusterServers, direct_greedy, follow_all, stream_fault,
@@ -102,7 +102,7 @@ def test_kill_9_on_a_cluster_with_two_queues_loses_nothing_and_runs_nothing_twic
 def test_the_client_and_status_on_a_cluster(
     settings: Any, client: FleetClient, start_worker: Any, r: Any,
 ) -> None:
-    from tokenfleet.fleet import fleet_status
+    from tokenfleet.client.fleet import fleet_status
 
     keys = Keys(settings.namespace)
     start_worker("w1@cluster")

@@ -27,8 +27,8 @@ import pytest
 import redis.asyncio
 
 from tokenfleet import FleetClient
-from tokenfleet.shared.keys import GROUP, Keys
-from tokenfleet.shared.schemas import JobStatus
+from tokenfleet.shared.wire.keys import GROUP, Keys
+from tokenfleet.shared.wire.schemas import JobStatus
 
 from helpers import RedisClusterServers, direct_greedy, follow_all, stream_fault
 from placed_kill import frozen_mid_job
@@ -98,8 +98,8 @@ async def test_a_subscription_whose_node_dies_moves_to_another_node() -> None:
     # at random: when that node dies, the subscriptions move to a live one
     # (messages go on arriving), rather than the streams falling back to
     # re-reading their logs every second for good.
-    from tokenfleet.shared.redis_conn import connect_async
-    from tokenfleet.subscriptions import Subscriptions
+    from tokenfleet.shared.redis.connect import connect_async
+    from tokenfleet.client.subscriptions import Subscriptions
 
     servers = RedisClusterServers(masters=3, replicas=1, node_timeout_ms=1000,
                                   full_coverage=False)

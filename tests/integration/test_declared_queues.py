@@ -20,9 +20,9 @@ from click.testing import CliRunner, Result
 from prometheus_client.parser import text_string_to_metric_families
 
 from tokenfleet import AsyncFleetClient, FleetClient, NoWorker
-from tokenfleet.fleet import fleet_status, plain
-from tokenfleet.shared.keys import PRIORITIES
-from tokenfleet.shared.schemas import JobStatus
+from tokenfleet.client.fleet import fleet_status, plain
+from tokenfleet.shared.wire.keys import PRIORITIES
+from tokenfleet.shared.wire.schemas import JobStatus
 from tokenfleet.shared.settings import get_settings
 
 from gateway_server import gateway  # noqa: F401  (a fixture)
@@ -34,7 +34,7 @@ POOL = "pool"
 
 
 def cli(settings: Any, *args: str) -> Result:
-    from tokenfleet.workers.cli import main
+    from tokenfleet.cli.app import main
 
     result = CliRunner().invoke(main, list(args), env={
         "TOKENFLEET_REDIS_URL": settings.redis_url, "TOKENFLEET_NAMESPACE": settings.namespace})
@@ -56,7 +56,7 @@ def exporter(settings: Any) -> Iterator[int]:
     port = free_port()
     env = {**os.environ, "TOKENFLEET_REDIS_URL": settings.redis_url,
            "TOKENFLEET_NAMESPACE": settings.namespace}
-    proc = subprocess.Popen([sys.executable, "-m", "tokenfleet.workers.cli", "metrics-exporter",
+    proc = subprocess.Popen([sys.executable, "-m", "tokenfleet.cli.app", "metrics-exporter",
                              "--host", "127.0.0.1", "--port", str(port)],
                             env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     wait_until(lambda: proc.poll() is not None or scrape(port), timeout=60,
@@ -113,7 +113,7 @@ def test_a_declared_queue_takes_jobs_with_no_worker_and_a_worker_drains_its_back
 
 
 def test_only_a_declared_queue_takes_jobs_with_no_worker_and_the_gateway_lists_it(
-    client: FleetClient, settings: Any, gateway: Any  # noqa: F811
+    client: FleetClient, settings: Any, gateway: Any
 ) -> None:
     with pytest.raises(NoWorker):
         client.submit("nobody", model=POOL)

@@ -12,9 +12,9 @@ import redis
 import torch
 
 from tokenfleet import AsyncFleetClient, FleetClient, InvalidRequest
-from tokenfleet.shared.keys import GROUP, Keys
-from tokenfleet.shared.schemas import GenerationRequest, JobStatus, SamplingParams
-from tokenfleet.shared.serialization import loads
+from tokenfleet.shared.wire.keys import GROUP, Keys
+from tokenfleet.shared.wire.schemas import GenerationRequest, JobStatus, SamplingParams
+from tokenfleet.shared.wire.serialization import loads
 
 from helpers import logged_tokens, stream_fault, wait_until
 

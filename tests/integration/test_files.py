@@ -17,12 +17,12 @@ import openai
 import pytest
 import redis
 
-from tokenfleet import files
-from tokenfleet.shared.api_keys import create_key, new_key
+from tokenfleet.files import records as files
+from tokenfleet.shared.wire.api_keys import create_key, new_key
 from tokenfleet.shared.file_store import store_for
-from tokenfleet.shared.keys import Keys
+from tokenfleet.shared.wire.keys import Keys
 from tokenfleet.shared.s3_store import S3Store
-from tokenfleet.shared.schemas import ApiKey
+from tokenfleet.shared.wire.schemas import ApiKey
 
 from gateway_server import gateways, port_of
 from helpers import wait_until

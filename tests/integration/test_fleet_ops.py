@@ -16,8 +16,8 @@ import redis
 from prometheus_client.parser import text_string_to_metric_families
 
 from tokenfleet import FleetClient, NoWorker
-from tokenfleet.shared.keys import Keys
-from tokenfleet.shared.schemas import JobStatus
+from tokenfleet.shared.wire.keys import Keys
+from tokenfleet.shared.wire.schemas import JobStatus
 
 from helpers import free_port, wait_until
 
@@ -37,7 +37,7 @@ def test_jobs_route_to_the_worker_of_their_model_and_unserved_queues_show(
     with pytest.raises(NoWorker, match="no live worker serves queue 'gamma'"):
         client.submit("nobody", model="gamma", require_worker=True)
     waiting = client.submit("nobody yet", model="gamma", require_worker=False)
-    from tokenfleet.fleet import fleet_status
+    from tokenfleet.client.fleet import fleet_status
 
     report = fleet_status(client)
     gamma = next(q for q in report["queues"] if q["queue"] == "gamma")
@@ -128,13 +128,13 @@ def test_three_workers_two_models_share_the_load_and_status_shows_them_all(
     celery_workers("cpu@host3", model="tiny-random", TOKENFLEET_QUEUE="beta")
     env = {**os.environ, "TOKENFLEET_REDIS_URL": settings.redis_url,
            "TOKENFLEET_NAMESPACE": settings.namespace}
-    during = subprocess.run([sys.executable, "-m", "tokenfleet.workers.cli", "status", "--json"], env=env,
+    during = subprocess.run([sys.executable, "-m", "tokenfleet.cli.app", "status", "--json"], env=env,
                             cwd=ROOT, capture_output=True, text=True, timeout=60)
     report = json.loads(during.stdout)
     assert {q["queue"] for q in report["queues"]} == {"alpha", "beta"}
     assert {w["name"]: (w["queue"], w["device"]) for w in report["workers"]} == {
         "cpu@host1": ("alpha", "cpu"), "cpu@host2": ("alpha", "cpu"), "cpu@host3": ("beta", "cpu")}
-    shown = subprocess.run([sys.executable, "-m", "tokenfleet.workers.cli", "status"], env={**env, "COLUMNS": "200"},
+    shown = subprocess.run([sys.executable, "-m", "tokenfleet.cli.app", "status"], env={**env, "COLUMNS": "200"},
                            cwd=ROOT, capture_output=True, text=True, timeout=60).stdout
     for name in ("alpha", "beta", "cpu@host1", "cpu@host2", "cpu@host3", "tiny-random", "tokens/s"):
         assert name in shown
@@ -153,8 +153,8 @@ def test_flower_lists_the_workers(settings: Any, celery_workers: Any) -> None:
     port = free_port()
     env = {**os.environ, "TOKENFLEET_REDIS_URL": settings.redis_url,
            "TOKENFLEET_NAMESPACE": settings.namespace, "FLOWER_UNAUTHENTICATED_API": "true"}
-    flower = subprocess.Popen([sys.executable, "-m", "celery", "-A", "tokenfleet.workers.app", "flower", f"--port={port}",
-                               "--address=127.0.0.1"], env=env, cwd=ROOT,
+    flower = subprocess.Popen([sys.executable, "-m", "celery", "-A", "tokenfleet.workers.app", "flower",
+                               f"--port={port}", "--address=127.0.0.1"], env=env, cwd=ROOT,
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         def listed() -> Any:

@@ -12,10 +12,10 @@ import pytest
 import redis
 
 from tokenfleet import FleetClient
-from tokenfleet.openai_structured import AUTO_REFUSED
-from tokenfleet.shared import errors
-from tokenfleet.shared.keys import Keys, job_id_in
-from tokenfleet.shared.schemas import JobStatus
+from tokenfleet.openai.structured import AUTO_REFUSED
+from tokenfleet.shared.wire import errors
+from tokenfleet.shared.wire.keys import Keys, job_id_in, level_queue
+from tokenfleet.shared.wire.schemas import JobStatus, QueueEntry
 from tokenfleet.shared.settings import Settings
 
 from gateway_server import gateway, pin_live_worker, port_of, sse_events  # noqa: F401  (a fixture)
@@ -223,7 +223,7 @@ def test_openai_fields_the_gateway_cannot_honour_are_400_naming_them(
     messages = [([{"role": "tool", "content": "42", "tool_call_id": "c1"}], "messages[0].role"),
                 ([{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}],
                  "messages[0].content"),
-                ([{"role": "user", "content": "hi", "name": "ann"}], "messages[0]"),
+                ([{"role": "user", "content": "hi", "name": 7}], "messages[0].name"),
                 ([], None)]
     for value, param in messages:
         response = http.post("/v1/chat/completions", json={"messages": value})
@@ -294,8 +294,8 @@ def test_a_gateway_started_while_redis_is_down_answers_503_from_the_first_reques
 def test_completion_errors_are_400_in_openai_shape_naming_the_param(gateway: Any) -> None:
     http = gateway()
     cases = [({"prompt": "hi", "n": 99}, "n"), ({"prompt": "hi", "max_tokens": 10**6}, "max_tokens"),
-             ({"prompt": "hi", "temperature": -1}, "temperature"), ({"prompt": ["a", "b"]}, "prompt"),
-             ({"prompt": ""}, None), ({"model": "no/slashes", "prompt": "hi"}, "model"),
+             ({"prompt": "hi", "temperature": -1}, "temperature"), ({"prompt": ["a", 1.5]}, "prompt"),
+             ({"prompt": ""}, "prompt"), ({"model": "no/slashes", "prompt": "hi"}, "model"),
              ({"max_tokens": 3}, "prompt")]
     for body, param in cases:
         response = http.post("/v1/completions", json=body)
@@ -566,3 +566,215 @@ def test_a_model_no_live_worker_serves_is_404_model_not_found_naming_the_served_
             assert found["error"]["code"] == "model_not_found"
             assert found["error"]["param"] == "model"
     assert not list(r.scan_iter(match=f"{settings.namespace}:job:*"))
+
+
+def test_service_tier_runs_the_chat_at_its_level_and_the_answer_says_which(
+    gateway: Any, start_worker: Any, r: redis.Redis, settings: Any
+) -> None:
+    # flex is the batch level, priority the high level: seen on the queue's
+    # streams, where the jobs wait (the pinned worker never reads).
+    pin_live_worker(r, settings.namespace, "waiting")
+    start_worker()
+    http = gateway()
+    keys = Keys(settings.namespace)
+    levels = ("high", "normal", "batch")
+    hi = [{"role": "user", "content": "hi"}]
+
+    def waiting() -> dict[str, int]:
+        return {level: r.xlen(keys.queue(level_queue("waiting", level))) for level in levels}
+
+    for tier, level in (("flex", "batch"), ("priority", "high"), ("default", "normal"),
+                        ("auto", "normal"), (None, "normal")):
+        tiered = {} if tier is None else {"service_tier": tier}
+        before = waiting()  # other tests' jobs may wait there too
+        with http.stream("POST", "/v1/chat/completions", json={
+                "messages": hi, "model": "waiting", "stream": True,
+                "prompt_cache_key": "user-42", "prompt_cache_retention": "in_memory",
+                **tiered}) as streamed:
+            assert streamed.status_code == 200
+            queued = {name: count - before[name] for name, count in waiting().items()}
+        assert queued == {name: int(name == level) for name in levels}, (tier, queued)
+        # The client gone, its job is cancelled and leaves the queue.
+        wait_until(lambda: waiting() == before, 10, "the cancelled job to leave its queue")
+        # Served, the answer says the tier it ran at.
+        answer = http.post("/v1/chat/completions", json={"messages": hi, "max_tokens": 2,
+                                                          **tiered})
+        assert answer.status_code == 200, answer.text
+        assert answer.json()["service_tier"] == {"flex": "flex", "priority": "priority"}.get(
+            tier or "", "default")
+    for field, value in (("service_tier", "scale"), ("prompt_cache_retention", "24h"),
+                         ("prompt_cache_options", {"mode": "explicit"}),
+                         ("moderation", {"model": "x"}), ("prompt_cache_key", 7)):
+        refused = http.post("/v1/chat/completions", json={"messages": hi, field: value})
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == field, (
+            field, refused.text)
+
+
+def test_vllms_text_and_template_fields_are_honoured(
+    gateway: Any, start_worker: Any, loaded_tiny: Any
+) -> None:
+    # What clients written for vLLM send in extra_body.
+    _, tok = loaded_tiny
+    start_worker()
+    http = gateway()
+    hi = [{"role": "user", "content": "hi"}]
+    base = {"max_tokens": 6, "temperature": 0.0}
+    plain = http.post("/v1/completions", json={"prompt": "Once upon a time", **base}).json()
+    text = plain["choices"][0]["text"]
+    stop = text[2:4]
+    for include, expected in ((False, text[:2]), (True, text[:4])):
+        cut = http.post("/v1/completions", json={"prompt": "Once upon a time", **base,
+                                                 "stop": [stop],
+                                                 "include_stop_str_in_output": include})
+        assert cut.status_code == 200, cut.text
+        assert cut.json()["choices"][0]["text"] == expected, (include, text, stop)
+    # An end token, drawn for sure and not ending the job, written as text.
+    eos = {"logit_bias": {str(tok.eos_token_id): 100}, "ignore_eos": True, **base}
+    for skip, shown in ((True, ""), (False, tok.eos_token * 6)):
+        marked = http.post("/v1/completions", json={"prompt": "x", **eos,
+                                                    "skip_special_tokens": skip})
+        assert marked.json()["choices"][0]["text"] == shown, marked.text
+    for fields in ({"chat_template_kwargs": {"enable_thinking": False}},
+                   {"add_generation_prompt": False},
+                   {"messages": [*hi, {"role": "assistant", "content": "Hello"}],
+                    "continue_final_message": True}):
+        response = http.post("/v1/chat/completions", json={"messages": hi, **base, **fields})
+        assert response.status_code == 200, (fields, response.text)
+    for field, value in (("chat_template_kwargs", {"chat_template": "{{ 1 }}"}),
+                         ("return_tokens_as_token_ids", 1),
+                         ("include_stop_str_in_output", "yes")):
+        refused = http.post("/v1/chat/completions", json={"messages": hi, field: value})
+        assert refused.status_code == 400, refused.text
+        assert refused.json()["error"]["param"] == field, refused.text
+
+
+def test_return_tokens_as_token_ids_names_each_logprob_token_by_its_id(
+    gateway: Any, start_worker: Any, client: FleetClient
+) -> None:
+    # vLLM's: tokens that decode alike (or to nothing) are told apart.
+    start_worker()
+    http = gateway()
+    ask = {"max_tokens": 5, "temperature": 0.0, "return_tokens_as_token_ids": True}
+    done = http.post("/v1/completions", json={"prompt": "Once upon a time", "logprobs": 2,
+                                               "echo": True, **ask}).json()
+    made = client.status(done["id"].removeprefix("cmpl-")).token_ids
+    lp = done["choices"][0]["logprobs"]
+    assert lp["tokens"][-len(made):] == [f"token_id:{t}" for t in made]
+    assert all(t.startswith("token_id:") for t in lp["tokens"])  # the echoed prompt's too
+    assert all(k.startswith("token_id:") for top in lp["top_logprobs"][1:] for k in top)
+    chat = http.post("/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 2,
+        **ask}).json()
+    made = client.status(chat["id"].removeprefix("chatcmpl-")).token_ids
+    content = chat["choices"][0]["logprobs"]["content"]
+    assert [c["token"] for c in content] == [f"token_id:{t}" for t in made]
+    assert all(t["token"].startswith("token_id:") for c in content for t in c["top_logprobs"])
+    streamed = http.post("/v1/completions", json={"prompt": "Once upon a time", "logprobs": 1,
+                                                   "stream": True, **ask})
+    tokens = [token for line in streamed.text.splitlines() if line.startswith("data: {")
+              for choice in orjson.loads(line[6:])["choices"]
+              for token in (choice["logprobs"] or {}).get("tokens", [])]
+    assert tokens and all(t.startswith("token_id:") for t in tokens)
+
+
+def test_min_tokens_is_honoured_on_completions_and_chat(
+    gateway: Any, start_worker: Any, loaded_tiny: Any
+) -> None:
+    # A bias of 100 on EOS ends a job at its first token, unless min_tokens holds it off.
+    _, tok = loaded_tiny
+    start_worker()
+    http = gateway()
+    bias = {"logit_bias": {str(tok.eos_token_id): 100}, "max_tokens": 12, "temperature": 0.0}
+    asks = [("/v1/completions", {"prompt": "Once upon a time"}),
+            ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})]
+    for route, body in asks:
+        made = {}
+        for min_tokens in (None, 5):
+            extra = {} if min_tokens is None else {"min_tokens": min_tokens}
+            response = http.post(route, json={**body, **bias, **extra})
+            assert response.status_code == 200, response.text
+            made[min_tokens] = response.json()["usage"]["completion_tokens"]
+        assert made[None] <= 1 and made[5] >= 5, (route, made)
+
+
+def test_named_messages_are_answered_and_go_on_the_queue_with_their_names(
+    gateway: Any, start_worker: Any, r: redis.Redis, settings: Any
+) -> None:
+    # What LangChain sends for HumanMessage(name=...) and AIMessage(name=...), and
+    # multi-agent graphs for each agent's message.
+    start_worker()
+    http = gateway()
+    named = [{"role": "system", "content": "be brief"},
+             {"role": "user", "content": "hi", "name": "ann"},
+             {"role": "assistant", "content": "hello", "name": "researcher"},
+             {"role": "user", "content": "go on", "name": "ann"}]
+    response = http.post("/v1/chat/completions", json={"messages": named, "max_tokens": 4})
+    assert response.status_code == 200, response.text
+    assert response.json()["choices"][0]["finish_reason"] in ("stop", "length")
+    # On a queue whose (pinned) worker never reads, the entry stays to be read.
+    pin_live_worker(r, settings.namespace, "waiting")
+    with http.stream("POST", "/v1/chat/completions", json={
+            "messages": named, "model": "waiting", "stream": True}) as streamed:
+        assert streamed.status_code == 200
+        (_, fields), = r.xrange(Keys(settings.namespace).queue("waiting"))
+    entry = QueueEntry.model_validate_json(fields[b"data"])
+    assert [m.name for m in entry.request.messages or []] == [None, "ann", "researcher", "ann"]
+
+
+def test_ignore_eos_makes_every_choice_exactly_max_tokens_long(
+    gateway: Any, start_worker: Any, loaded_tiny: Any
+) -> None:
+    # vllm bench serve --ignore-eos and guidellm fix the output length this way,
+    # streamed: the usage and the chunks both count max_tokens.
+    _, tok = loaded_tiny
+    start_worker()
+    http = gateway()
+    ask = {"logit_bias": {str(tok.eos_token_id): 100}, "max_tokens": 9, "temperature": 0.0,
+           "ignore_eos": True}
+    asks = [("/v1/completions", {"prompt": "Once upon a time"}),
+            ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})]
+    for route, body in asks:
+        response = http.post(route, json={**body, **ask, "n": 2})
+        assert response.status_code == 200, response.text
+        answer = response.json()
+        assert answer["usage"]["completion_tokens"] == 18, (route, answer["usage"])
+        assert {c["finish_reason"] for c in answer["choices"]} == {"length"}
+        streamed = http.post(route, json={**body, **ask, "stream": True,
+                                          "stream_options": {"include_usage": True}})
+        assert streamed.status_code == 200, streamed.text
+        last = [line for line in streamed.text.splitlines() if line.startswith("data: {")][-1]
+        assert orjson.loads(last[6:])["usage"]["completion_tokens"] == 9, route
+    refused = http.post("/v1/completions", json={"prompt": "x", "ignore_eos": "yes"})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "ignore_eos"
+
+
+def test_continuous_usage_stats_puts_each_choices_usage_so_far_in_every_chunk(
+    gateway: Any, start_worker: Any
+) -> None:
+    # vLLM's stream option, which guidellm sends: a client counts tokens as they come.
+    start_worker()
+    http = gateway()
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    asks = [("/v1/completions", {"prompt": "Once upon a time"}),
+            ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})]
+    for route, body in asks:
+        streamed = http.post(route, json={**body, "max_tokens": 8, "temperature": 0.0, "n": 2,
+                                          "ignore_eos": True, "stream": True,
+                                          "stream_options": options})
+        assert streamed.status_code == 200, streamed.text
+        chunks = [orjson.loads(line[6:]) for line in streamed.text.splitlines()
+                  if line.startswith("data: {")]
+        final = chunks[-1]["usage"]
+        made: dict[int, list[int]] = {0: [], 1: []}
+        for chunk in chunks[:-1]:
+            if chunk["choices"] and ("text" in chunk["choices"][0]
+                                     or chunk["choices"][0].get("delta", {}).get("content")
+                                     or chunk["choices"][0]["finish_reason"]):
+                assert chunk["usage"]["prompt_tokens"] == final["prompt_tokens"], (route, chunk)
+                made[chunk["choices"][0]["index"]].append(chunk["usage"]["completion_tokens"])
+        for counts in made.values():
+            assert counts == sorted(counts) and counts[-1] == 8, (route, made)
+        assert final["completion_tokens"] == 16
+    refused = http.post("/v1/completions", json={"prompt": "x", "stream": True,
+                                                 "stream_options": {"include_usage": 1}})
+    assert refused.status_code == 400 and "stream_options" in refused.text

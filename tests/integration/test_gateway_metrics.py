@@ -11,9 +11,9 @@ import redis
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 
-from tokenfleet.shared.api_keys import create_key, new_key
-from tokenfleet.shared.keys import Keys
-from tokenfleet.shared.schemas import ApiKey
+from tokenfleet.shared.wire.api_keys import create_key, new_key
+from tokenfleet.shared.wire.keys import Keys
+from tokenfleet.shared.wire.schemas import ApiKey
 
 from gateway_server import gateway  # noqa: F401  (a fixture)
 from helpers import wait_until

@@ -17,11 +17,11 @@ import pytest
 import redis
 from click.testing import CliRunner
 
-from tokenfleet.shared.api_keys import create_key, new_key
-from tokenfleet.shared.keys import Keys
-from tokenfleet.shared.schemas import ApiKey
+from tokenfleet.shared.wire.api_keys import create_key, new_key
+from tokenfleet.shared.wire.keys import Keys
+from tokenfleet.shared.wire.schemas import ApiKey
 from tokenfleet.shared.settings import Settings
-from tokenfleet.workers.cli import main as cli
+from tokenfleet.cli.app import main as cli
 
 from gateway_server import gateways, pin_live_worker
 from helpers import RedisServer, redis_client, wait_until
@@ -135,8 +135,8 @@ def test_another_tenant_gets_404_reading_streaming_or_cancelling_a_job(fleet: An
     mine = http.get(f"/v1/jobs/{job_id}", headers=bearer(key_a))
     assert mine.status_code == 200 and mine.json()["tenant"] == "team-a"
     never = f"{IDLE}:{uuid.uuid4().hex}"
-    for method, path in (("GET", f"/v1/jobs/{{}}"), ("GET", f"/v1/jobs/{{}}/events"),
-                         ("DELETE", f"/v1/jobs/{{}}")):
+    for method, path in (("GET", "/v1/jobs/{}"), ("GET", "/v1/jobs/{}/events"),
+                         ("DELETE", "/v1/jobs/{}")):
         theirs = http.request(method, path.format(job_id), headers=bearer(key_b))
         missing = http.request(method, path.format(never), headers=bearer(key_b))
         assert theirs.status_code == missing.status_code == 404, (method, path)
@@ -314,7 +314,7 @@ def test_no_key_reaches_redis_or_a_log_line(fleet: Any, caplog: pytest.LogCaptur
 
 def test_no_auth_serves_without_keys_and_says_so(fleet: Any,
                                                  caplog: pytest.LogCaptureFixture) -> None:
-    caplog.set_level(logging.WARNING, logger="tokenfleet.gateway")
+    caplog.set_level(logging.WARNING, logger="tokenfleet.gateway.app")
     http = fleet["start"](gateway_auth="off")
     assert "API keys are off" in caplog.text
     assert http.get("/v1/models").status_code == 200
@@ -322,7 +322,7 @@ def test_no_auth_serves_without_keys_and_says_so(fleet: Any,
 
 def test_a_fresh_install_serves_without_a_key_until_one_is_made(
         redis_url: str, caplog: pytest.LogCaptureFixture) -> None:
-    caplog.set_level(logging.WARNING, logger="tokenfleet.gateway")
+    caplog.set_level(logging.WARNING, logger="tokenfleet.gateway.app")
     settings = Settings(redis_url=redis_url, namespace=f"t{uuid.uuid4().hex[:10]}",
                         gateway_key_cache_s=0.2)
     with gateways(settings) as start:
@@ -376,7 +376,7 @@ def test_revoking_the_last_key_leaves_an_auto_gateway_closed(redis_url: str) -> 
 
 def test_after_redis_loses_its_data_running_gateways_and_on_gateways_stay_closed(
         caplog: pytest.LogCaptureFixture) -> None:
-    caplog.set_level(logging.WARNING, logger="tokenfleet.gateway")
+    caplog.set_level(logging.WARNING, logger="tokenfleet.gateway.app")
     server = RedisServer()  # its own: the test empties it
     try:
         settings = Settings(redis_url=server.url, namespace="wiped", gateway_key_cache_s=0.2)

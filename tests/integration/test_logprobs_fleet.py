@@ -19,9 +19,9 @@ import pytest
 import torch
 
 from tokenfleet import FleetClient, TokenEvent
-from tokenfleet.gateway import server_config
-from tokenfleet.openai_logprobs import CompletionLogprobs, chat_logprobs
-from tokenfleet.shared.schemas import JobStatus
+from tokenfleet.gateway.app import server_config
+from tokenfleet.openai.logprobs import CompletionLogprobs, chat_logprobs
+from tokenfleet.shared.wire.schemas import JobStatus
 from tokenfleet.shared.settings import Settings
 from tokenfleet.workers.runner import HFRunner
 
@@ -223,7 +223,7 @@ def test_limits_are_400s_naming_the_field_and_the_limit(served: Served) -> None:
 
 
 def test_an_answer_over_the_logprob_budget_is_refused_up_front_unless_streamed(
-    gateway: Any  # noqa: F811
+    gateway: Any
 ) -> None:
     http: httpx.Client = gateway(max_logprob_values=10_000)
     chat = {"messages": CHAT, "n": 4, "max_tokens": 128, "logprobs": True, "top_logprobs": 20}
@@ -268,8 +268,10 @@ def test_large_logprob_answers_are_built_off_the_gateways_event_loop(
             shaped_on_loop.append(on_loop())
             return super().__call__(events)
 
-    monkeypatch.setattr("tokenfleet.openai_chat.chat_logprobs", chat_shape)
-    monkeypatch.setattr("tokenfleet.openai_compat.CompletionLogprobs", CompletionShape)
+    monkeypatch.setattr("tokenfleet.gateway.chat.chat_logprobs", chat_shape)
+    monkeypatch.setattr("tokenfleet.openai.chat.chat_logprobs", chat_shape)
+    monkeypatch.setattr("tokenfleet.gateway.completions.CompletionLogprobs", CompletionShape)
+    monkeypatch.setattr("tokenfleet.openai.completions.CompletionLogprobs", CompletionShape)
     chat = {"model": "default", "messages": CHAT, "max_tokens": 160, "n": 16, "logprobs": True,
             "top_logprobs": 20, "seed": 7}
     completion = {"model": "default", "prompt": PROMPT, "max_tokens": 160, "n": 16,

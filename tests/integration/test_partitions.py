@@ -29,10 +29,10 @@ import pytest
 import redis
 
 from tokenfleet import FleetClient
-from tokenfleet.shared.declared import queue_partitions, set_partitions
-from tokenfleet.shared.keys import Keys, job_model, partitions_of
-from tokenfleet.shared.schemas import JobStatus
-from tokenfleet.shared.serialization import loads
+from tokenfleet.shared.wire.declared import queue_partitions, set_partitions
+from tokenfleet.shared.wire.keys import Keys, job_model, partitions_of
+from tokenfleet.shared.wire.schemas import JobStatus
+from tokenfleet.shared.wire.serialization import loads
 
 from helpers import (ChannelTally, RedisClusterServers, RedisServer, direct_greedy,
                      wait_until)
@@ -149,7 +149,7 @@ def cli(settings: Any, *args: str) -> Any:
     from click.testing import CliRunner
 
     from tokenfleet.shared.settings import get_settings
-    from tokenfleet.workers.cli import main
+    from tokenfleet.cli.app import main
 
     result = CliRunner().invoke(main, list(args), env={
         "TOKENFLEET_REDIS_URL": settings.redis_url, "TOKENFLEET_NAMESPACE": settings.namespace})
@@ -176,14 +176,14 @@ def test_a_partitioned_queue_on_one_redis(single: Any, start_worker: Any) -> Non
                              require_worker=False) == first
         doomed = ids.pop()
         client.cancel(doomed)
-        from tokenfleet.fleet import fleet_status
+        from tokenfleet.client.fleet import fleet_status
 
         row = next(q for q in fleet_status(client)["queues"] if q["queue"] == "parts")
         assert row["partitions"] == PARTS and row["depth"] == len(ids) + 1, row
         # What an autoscaler reads: the queue once, its partitions' jobs summed.
         from prometheus_client import generate_latest
 
-        from tokenfleet.backlog_metrics import registry
+        from tokenfleet.exporter.backlog import registry
 
         text = generate_latest(registry(r, keys)).decode()
         assert f'tokenfleet_queue_backlog{{priority="normal",queue="parts"}} {len(ids) + 1}.0' \
@@ -198,8 +198,8 @@ def test_a_partitioned_queue_on_one_redis(single: Any, start_worker: Any) -> Non
 
 
 def test_a_queue_of_one_partition_keeps_its_names() -> None:
-    from tokenfleet.protocol import pick_partition
-    from tokenfleet.shared.schemas import GenerationRequest
+    from tokenfleet.client.protocol import pick_partition
+    from tokenfleet.shared.wire.schemas import GenerationRequest
 
     keys = Keys("ns")
     assert partitions_of("default", 1) == ["default"]

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from tokenfleet import FleetClient
-from tokenfleet.shared.schemas import FinishReason, JobStatus
+from tokenfleet.shared.wire.schemas import FinishReason, JobStatus
 from tokenfleet.workers.null_runner import null_tokenizer
 
 from plugin_engine import NAME, install

@@ -14,8 +14,8 @@ import pytest
 import redis
 
 from tokenfleet import FleetClient
-from tokenfleet.shared.keys import Keys
-from tokenfleet.shared.schemas import JobStatus
+from tokenfleet.shared.wire.keys import Keys
+from tokenfleet.shared.wire.schemas import JobStatus
 
 from helpers import free_port, wait_until
 

@@ -9,8 +9,8 @@ import pytest
 import redis
 
 from tokenfleet import FleetClient, QueueFull
-from tokenfleet.shared.keys import Keys
-from tokenfleet.shared.schemas import FinishReason, JobStatus
+from tokenfleet.shared.wire.keys import Keys
+from tokenfleet.shared.wire.schemas import FinishReason, JobStatus
 from tokenfleet.workers.runner import HFRunner
 
 from helpers import wait_until

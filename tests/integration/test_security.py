@@ -11,7 +11,7 @@ import pytest
 import redis
 
 from tokenfleet import FleetClient
-from tokenfleet.shared.schemas import JobStatus
+from tokenfleet.shared.wire.schemas import JobStatus
 from tokenfleet.shared.settings import Settings
 
 from helpers import RedisServer, wait_until

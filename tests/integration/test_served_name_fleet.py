@@ -16,7 +16,7 @@ import redis
 from gateway_server import gateway  # noqa: F401
 from helpers import wait_until
 
-from tokenfleet.shared.keys import Keys
+from tokenfleet.shared.wire.keys import Keys
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -24,13 +24,13 @@ ROOT = Path(__file__).resolve().parents[2]
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_a_worker_of_model_tiny_serves_model_tiny_to_an_openai_client(
-        settings: Any, r: redis.Redis, gateway: Any, tmp_path: Path) -> None:  # noqa: F811
+        settings: Any, r: redis.Redis, gateway: Any, tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if k not in ("TOKENFLEET_QUEUE", "TOKENFLEET_MODEL")}
     env.update(TOKENFLEET_REDIS_URL=settings.redis_url, TOKENFLEET_NAMESPACE=settings.namespace,
                TOKENFLEET_HEARTBEAT_S="0.5", TOKENFLEET_BLOCK_MS="20", TOKENFLEET_TORCH_THREADS="1")
     log = tmp_path / "worker.log"
     with log.open("w") as sink:
-        worker = subprocess.Popen([sys.executable, "-m", "tokenfleet.workers.cli", "worker",
+        worker = subprocess.Popen([sys.executable, "-m", "tokenfleet.cli.app", "worker",
                                    "--gpus", "none", "--model", "tiny"], env=env, cwd=ROOT,
                                   stdout=sink, stderr=subprocess.STDOUT, start_new_session=True)
     try:

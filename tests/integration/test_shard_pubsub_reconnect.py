@@ -16,9 +16,9 @@ from typing import Any
 import pytest
 
 from helpers import RedisServer
-from tokenfleet import subscriptions as subscriptions_module
-from tokenfleet.shared.redis_conn import connect_async
-from tokenfleet.subscriptions import MOVED, Subscriptions
+from tokenfleet.client import subscriptions as subscriptions_module
+from tokenfleet.shared.redis.connect import connect_async
+from tokenfleet.client.subscriptions import MOVED, Subscriptions
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -72,7 +72,15 @@ async def test_a_node_left_while_a_subscribe_awaits_subscribes_its_listeners_aga
     async def reread() -> None:
         pass
 
-    subscriptions = Subscriptions(client, moved=reread)
+    listening: dict[bytes, int] = {}
+    heard_again = asyncio.Event()
+
+    def on_listen(channel: bytes) -> None:
+        listening[channel] = listening.get(channel, 0) + 1
+        if channel == b"race:{a}" and listening[channel] == 2:
+            heard_again.set()
+
+    subscriptions = Subscriptions(client, moved=reread, on_listen=on_listen)
 
     async def follow_b() -> bytes:
         async with subscriptions.listen("race:{b}") as b:
@@ -92,7 +100,8 @@ async def test_a_node_left_while_a_subscribe_awaits_subscribes_its_listeners_aga
                 return await asyncio.wait_for(again.get(), 10)
 
         again = asyncio.ensure_future(follow_a_again())
-        await asyncio.sleep(0)  # it listens (waits for its confirmation) before the send returns
+        # It listens (waits for its confirmation) before the held send returns.
+        await asyncio.wait_for(heard_again.wait(), 10)
         hold.set()
         assert await asyncio.wait_for(again, 30) == b"after"
     finally:

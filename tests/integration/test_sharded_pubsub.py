@@ -25,9 +25,9 @@ import pytest
 import redis
 
 from tokenfleet import AsyncFleetClient, FleetClient
-from tokenfleet.shared.keys import Keys
-from tokenfleet.shared.schemas import JobStatus
-from tokenfleet.shared.serialization import loads
+from tokenfleet.shared.wire.keys import Keys
+from tokenfleet.shared.wire.schemas import JobStatus
+from tokenfleet.shared.wire.serialization import loads
 
 from gateway_server import gateway  # noqa: F401  (a fixture)
 from helpers import RedisClusterServers, stream_fault, wait_until

@@ -16,7 +16,7 @@ import pytest
 import redis
 
 from tokenfleet import FleetClient, JobStatus
-from tokenfleet.shared.errors import InvalidRequest
+from tokenfleet.shared.wire.errors import InvalidRequest
 from tokenfleet.shared.settings import Settings
 
 from structured_helpers import HI, SCHEMA, fifty_schema_answers, serving

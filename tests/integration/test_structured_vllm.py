@@ -14,11 +14,11 @@ import pytest
 
 pytest.importorskip("vllm")
 
-import openai  # noqa: E402
+import openai
 
-from tokenfleet.shared.settings import Settings  # noqa: E402
+from tokenfleet.shared.settings import Settings
 
-from structured_helpers import HI, SCHEMA, fifty_schema_answers, serving  # noqa: E402
+from structured_helpers import HI, SCHEMA, fifty_schema_answers, serving
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(300), pytest.mark.slow]
 

@@ -12,12 +12,12 @@ import httpx
 import pytest
 from prometheus_client import generate_latest
 
-from tokenfleet.backlog_metrics import registry
-from tokenfleet.shared.api_keys import create_key, new_key
-from tokenfleet.shared.keys import Keys
-from tokenfleet.shared.schemas import ApiKey
+from tokenfleet.exporter.backlog import registry
+from tokenfleet.shared.wire.api_keys import create_key, new_key
+from tokenfleet.shared.wire.keys import Keys
+from tokenfleet.shared.wire.schemas import ApiKey
 from tokenfleet.shared.settings import Settings
-from tokenfleet.tenant_refusals import REASONS, reason_of
+from tokenfleet.gateway.tenant_refusals import REASONS, reason_of
 
 from gateway_server import gateways, pin_live_worker
 from helpers import redis_client, wait_until

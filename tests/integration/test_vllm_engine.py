@@ -21,9 +21,10 @@ import redis
 vllm = pytest.importorskip("vllm")
 
 from tokenfleet import FleetClient, JobStatus  # noqa: E402
-from tokenfleet.shared.keys import GROUP, Keys  # noqa: E402
-from tokenfleet.shared.schemas import FinishReason  # noqa: E402
+from tokenfleet.shared.wire.keys import GROUP, Keys  # noqa: E402
+from tokenfleet.shared.wire.schemas import FinishReason  # noqa: E402
 from tokenfleet.shared.settings import Settings  # noqa: E402
+from tokenfleet.workers.output_processor import step  # noqa: E402
 
 from helpers import ChannelTally, direct_greedy, wait_until  # noqa: E402
 from placed_kill import frozen_mid_job  # noqa: E402
@@ -81,7 +82,7 @@ def serving(settings: Any, engine: Any) -> Iterator[Any]:
 
 def test_greedy_equals_vllm_offline_generate_and_transformers(
         tiny_dir: Path, engine: Any, loaded_tiny: Any) -> None:
-    from tokenfleet.shared.schemas import SamplingParams
+    from tokenfleet.shared.wire.schemas import SamplingParams
     from tokenfleet.workers.detokenizer import TextStream
     from tokenfleet.workers.sequence import Sequence
 
@@ -92,7 +93,7 @@ def test_greedy_equals_vllm_offline_generate_and_transformers(
     for seq in seqs:
         vllm_engine.add(seq)
     while vllm_engine.has_work:
-        vllm_engine.step()
+        step(vllm_engine)
 
     # vLLM's own offline API, in a process of its own: a second engine in this
     # one would share (and, deleted, tear down) vLLM's process-wide state.
@@ -278,7 +279,9 @@ class FailingLLM:
 @pytest.mark.parametrize("good,code", [(2, 75), (0, 70)])
 def test_a_failed_vllm_step_on_a_working_device_exits_as_a_job_fault(
         client: FleetClient, settings: Any, loaded_tiny: Any, good: int, code: int) -> None:
-    from tokenfleet.workers.service import FATAL_EXIT_CODE, JOB_FAULT_EXIT_CODE, Worker
+    from tokenfleet.workers.exit_codes import FATAL as FATAL_EXIT_CODE
+    from tokenfleet.workers.exit_codes import JOB_FAULT as JOB_FAULT_EXIT_CODE
+    from tokenfleet.workers.service import Worker
     from tokenfleet.workers.vllm_engine import VLLMEngine
 
     assert (JOB_FAULT_EXIT_CODE, FATAL_EXIT_CODE) == (75, 70)
@@ -297,7 +300,7 @@ def test_penalties_bias_and_min_p_give_the_built_in_engines_tokens(
         engine: Any, loaded_tiny: Any) -> None:
     # vLLM applies them itself; the built-in sampler by OpenAI's formulas: greedy,
     # the two engines make the same tokens.
-    from tokenfleet.shared.schemas import SamplingParams
+    from tokenfleet.shared.wire.schemas import SamplingParams
     from tokenfleet.workers.detokenizer import TextStream
     from tokenfleet.workers.hf_engine import HFEngine
     from tokenfleet.workers.runner import HFRunner
@@ -316,7 +319,7 @@ def test_penalties_bias_and_min_p_give_the_built_in_engines_tokens(
         for seq in seqs:
             engine_.add(seq)
         while engine_.has_work:
-            engine_.step()
+            step(engine_)
         return [s.generated for s in seqs]
 
     model, _ = loaded_tiny
@@ -361,7 +364,7 @@ def test_greedy_logprobs_equal_transformers_log_softmax_as_the_built_in_engines_
     # a penalised row's values are still transformers' log_softmax of its tokens.
     import torch
 
-    from tokenfleet.shared.schemas import SamplingParams
+    from tokenfleet.shared.wire.schemas import SamplingParams
     from tokenfleet.workers.detokenizer import TextStream
     from tokenfleet.workers.sequence import Sequence
 
@@ -375,7 +378,7 @@ def test_greedy_logprobs_equal_transformers_log_softmax_as_the_built_in_engines_
         vllm_engine.add(seq)
     made: dict[str, list[Any]] = {s.job_id: [] for s in seqs}
     while vllm_engine.has_work:
-        for out in vllm_engine.step():
+        for out in step(vllm_engine):
             if out.token_id is not None:
                 made[out.seq.job_id].append(out.logprobs)
     for seq in seqs:
@@ -391,3 +394,62 @@ def test_greedy_logprobs_equal_transformers_log_softmax_as_the_built_in_engines_
             top = expected[position].topk(seq.sampling.logprobs)
             assert lp.top_ids == top.indices.tolist()
             assert lp.top_logprobs.tolist() == pytest.approx(top.values.tolist(), abs=1e-4)
+
+
+def test_min_tokens_holds_off_an_eos_the_bias_makes_certain_on_vllm(engine: Any) -> None:
+    # vLLM masks the end tokens itself (SamplingParams.min_tokens), as the
+    # built-in sampler does (tests/test_min_tokens.py).
+    from tokenfleet.shared.wire.schemas import SamplingParams
+    from tokenfleet.workers.detokenizer import TextStream
+    from tokenfleet.workers.sequence import Sequence
+
+    vllm_engine, tok = engine
+    eos = min(vllm_engine.eos_token_ids)
+
+    def made(**ask: Any) -> list[int]:
+        seq = Sequence(str(ask), tok(PROMPTS[0])["input_ids"],
+                       SamplingParams(max_new_tokens=12, temperature=0.0,
+                                      logit_bias={eos: 100.0}, **ask), TextStream(tok))
+        vllm_engine.add(seq)
+        while vllm_engine.has_work:
+            step(vllm_engine)
+        return seq.generated
+
+    assert len(made()) == 1
+    tokens = made(min_tokens=5)
+    assert len(tokens) == 6 and eos not in tokens[:5]
+    # ignore_eos: the biased end token is drawn and the job runs to its length.
+    tokens = made(ignore_eos=True)
+    assert len(tokens) == 12 and eos in tokens
+
+
+@pytest.mark.slow
+def test_prompt_logprobs_equal_transformers_log_softmax_as_the_built_in_engines_do(
+        engine: Any, loaded_tiny: Any) -> None:
+    import torch
+
+    from tokenfleet.shared.wire.schemas import SamplingParams
+    from tokenfleet.workers.detokenizer import TextStream
+    from tokenfleet.workers.sequence import Sequence
+
+    vllm_engine, tok = engine
+    model, _ = loaded_tiny
+    seqs = [Sequence(f"p{i}", tok(PROMPTS[i])["input_ids"],
+                     SamplingParams(max_new_tokens=2, temperature=0.0, prompt_logprobs=ask),
+                     TextStream(tok)) for i, ask in enumerate([2, None])]
+    for seq in seqs:
+        vllm_engine.add(seq)
+    while vllm_engine.has_work:
+        step(vllm_engine)
+    asked, plain = seqs
+    assert plain.prompt_logprobs is None
+    got = asked.prompt_logprobs
+    assert got is not None and len(got) == len(asked.prompt_ids) and got[0] is None
+    with torch.inference_mode():
+        logits = model(torch.tensor([asked.prompt_ids])).logits[0].float()
+    expected = torch.log_softmax(logits, dim=-1)
+    for position, (token_id, lp) in enumerate(zip(asked.prompt_ids[1:], got[1:])):
+        assert lp is not None
+        assert abs(float(lp.logprob) - float(expected[position, token_id])) < 1e-4
+        top = expected[position].topk(2)
+        assert lp.top_ids == top.indices.tolist()

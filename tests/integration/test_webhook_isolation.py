@@ -20,7 +20,7 @@ from standardwebhooks import Webhook
 from standardwebhooks.webhooks import WebhookVerificationError
 
 from tokenfleet import InvalidRequest
-from tokenfleet.workers.cli import main
+from tokenfleet.cli.app import main
 
 from gateway_server import gateway  # noqa: F401  (a fixture)
 from test_webhooks import (LOOPBACK, SECRET, Fleet, Receiver, fleet_of, hook_settings,  # noqa: F401
@@ -333,7 +333,7 @@ async def _all_dead(fleet: Fleet, tenant: str, n: int) -> Any:
 
 
 def test_the_gateway_refuses_an_internal_webhook_url_and_batch_metadata_with_a_400(
-        gateway: Any, receiver: Receiver) -> None:  # noqa: F811
+        gateway: Any, receiver: Receiver) -> None:
     http = gateway()
     for url in internal_forms(receiver.port):
         bad = http.post("/v1/completions", json={"model": "default", "prompt": "Hi",

@@ -29,11 +29,11 @@ from redis.exceptions import ResponseError
 from standardwebhooks import Webhook
 
 from tokenfleet import AsyncFleetClient, InvalidRequest
-from tokenfleet.fleet import repair_fleet
-from tokenfleet.shared.schemas import JobStatus
+from tokenfleet.client.fleet import repair_fleet
+from tokenfleet.shared.wire.schemas import JobStatus
 from tokenfleet.shared.webhook_outbox import add_event
-from tokenfleet.webhook_delivery import GROUP, Deliverer
-from tokenfleet.workers.cli import main
+from tokenfleet.webhooks.delivery import GROUP, Deliverer
+from tokenfleet.cli.app import main
 
 from gateway_server import gateway  # noqa: F401  (a fixture)
 
@@ -372,7 +372,7 @@ async def test_a_deliverer_killed_mid_retry_leaves_the_retry_to_another(
         env = {**os.environ, "TOKENFLEET_REDIS_URL": s.redis_url, "TOKENFLEET_NAMESPACE": s.namespace,
                "TOKENFLEET_WEBHOOK_SECRET": SECRET, "TOKENFLEET_WEBHOOK_BACKOFF_S": "1",
                "TOKENFLEET_WEBHOOK_ALLOW": LOOPBACK}
-        proc = subprocess.Popen([sys.executable, "-m", "tokenfleet.workers.cli", "webhooks",
+        proc = subprocess.Popen([sys.executable, "-m", "tokenfleet.cli.app", "webhooks",
                                  "deliver"], cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
                                 stderr=subprocess.PIPE)
         try:

@@ -11,19 +11,19 @@ import httpx
 import pytest
 
 from tokenfleet import FleetClient, JobStatus
-from tokenfleet.shared.api_keys import create_key, new_key
-from tokenfleet.shared.keys import Keys
-from tokenfleet.shared.schemas import ApiKey
-from tokenfleet.shared.settings import Settings, get_settings
+from tokenfleet.shared.wire.api_keys import create_key, new_key
+from tokenfleet.shared.wire.keys import Keys
+from tokenfleet.shared.wire.schemas import ApiKey
+from tokenfleet.shared.settings import get_settings
 
 from gateway_server import gateway  # noqa: F401 (a fixture)
-from helpers import redis_client, wait_until
+from helpers import assert_built_as_in_production, redis_client, wait_until
 
 pytestmark = pytest.mark.timeout(180)
 
 
 def test_a_job_over_its_workers_own_limits_fails_with_the_reason_and_frees_its_place(
-    settings: Any, gateway: Any, loaded_tiny: Any, monkeypatch: pytest.MonkeyPatch  # noqa: F811
+    settings: Any, gateway: Any, loaded_tiny: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from tokenfleet.workers.build import hf_engine
     from tokenfleet.workers.runner import HFRunner
@@ -37,9 +37,11 @@ def test_a_job_over_its_workers_own_limits_fails_with_the_reason_and_frees_its_p
     get_settings.cache_clear()
     model, tokenizer = loaded_tiny
     runner = HFRunner(model, tokenizer)
-    worker_settings = Settings()
+    worker_settings = get_settings()  # as a Celery worker's bootstep reads them
     worker = Worker(worker_settings, hf_engine(worker_settings, runner, runner.eos_token_ids,
                                                runner.max_model_len), tokenizer, name="w@env")
+    assert_built_as_in_production(worker)
+    assert worker.settings.max_stop_strings == 2
     worker.start()
     r = redis_client(settings.redis_url)
     keys = Keys(settings.namespace)

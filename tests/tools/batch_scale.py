@@ -38,9 +38,9 @@ import orjson
 import psutil
 import redis
 
-from tokenfleet.aio import AsyncFleetClient
-from tokenfleet.shared.keys import Keys
-from tokenfleet.workers.bench.procs import (CeleryProc, RedisProc, ServerProc, free_port,
+from tokenfleet.client.aio import AsyncFleetClient
+from tokenfleet.shared.wire.keys import Keys
+from tokenfleet.bench.procs import (CeleryProc, RedisProc, ServerProc, free_port,
                                            wait_for)
 
 WORDS = "the value of a list is returned when the module calls its function".split()
@@ -67,7 +67,7 @@ def fleet(max_batch: int, step_ms: float, window: int) -> Iterator[Fleet]:
     common = {"TOKENFLEET_REDIS_URL": redis_proc.url, "TOKENFLEET_NAMESPACE": namespace,
               "TOKENFLEET_BATCH_WINDOW": str(window)}
     port = free_port()
-    gateway = ServerProc("gateway", [sys.executable, "-m", "tokenfleet.workers.cli", "gateway",
+    gateway = ServerProc("gateway", [sys.executable, "-m", "tokenfleet.cli.app", "gateway",
                                      "--host", "127.0.0.1", "--port", str(port)], port,
                          {**common, "TOKENFLEET_FILES_URL": f"file://{files}",
                           "TOKENFLEET_GATEWAY_AUTH": "off"})

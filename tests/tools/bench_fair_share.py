@@ -21,11 +21,11 @@ import uuid
 import redis
 
 from tokenfleet import FleetClient
-from tokenfleet.protocol import build_request, submission
-from tokenfleet.shared.client_scripts import Admission
-from tokenfleet.shared.keys import Keys
+from tokenfleet.client.protocol import build_request, submission
+from tokenfleet.shared.wire.client_scripts import SubmitVerdict
+from tokenfleet.shared.wire.keys import Keys
 from tokenfleet.shared.settings import get_settings
-from tokenfleet.workers.bench.procs import CeleryProc, wait_for
+from tokenfleet.bench.procs import CeleryProc, wait_for
 
 
 class Fleet:
@@ -79,7 +79,7 @@ class Fleet:
             pipe.execute_command(*sub.call.command())
         t0 = time.perf_counter()
         replies = pipe.execute()
-        assert all(s.call.decode(x).admission is Admission.QUEUED for s, x in zip(subs, replies))
+        assert all(s.call.decode(x).admission is SubmitVerdict.QUEUED for s, x in zip(subs, replies))
         wait_for(lambda: self.ended >= target, 600, f"{jobs} jobs to end")
         elapsed = time.perf_counter() - t0
         self._done = target

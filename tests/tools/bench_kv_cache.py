@@ -13,8 +13,8 @@ from __future__ import annotations
 import argparse
 import json
 
-from tokenfleet.workers.bench.modes import Direct
-from tokenfleet.workers.bench.workload import WORDS, Job, make_jobs
+from tokenfleet.bench.modes import Direct
+from tokenfleet.bench.workload import WORDS, Job, make_jobs
 
 
 def long_prompt(tokenizer: object, tokens: int) -> str:

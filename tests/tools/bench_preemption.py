@@ -20,10 +20,10 @@ import statistics
 import uuid
 
 from tokenfleet import FleetClient, JobStatus
-from tokenfleet.protocol import build_request, submission
-from tokenfleet.shared.client_scripts import Admission
+from tokenfleet.client.protocol import build_request, submission
+from tokenfleet.shared.wire.client_scripts import SubmitVerdict
 from tokenfleet.shared.settings import get_settings
-from tokenfleet.workers.bench.procs import CeleryProc, wait_for
+from tokenfleet.bench.procs import CeleryProc, wait_for
 
 BATCH_TOKENS = 1024  # a batch job outlasts many rounds
 
@@ -65,7 +65,7 @@ class Fleet:
         for sub in subs:
             pipe.execute_command(*sub.call.command())
         for sub, reply in zip(subs, pipe.execute()):
-            assert sub.call.decode(reply).admission is Admission.QUEUED
+            assert sub.call.decode(reply).admission is SubmitVerdict.QUEUED
         return [sub.job_id for sub in subs]
 
     def keep_batch_full(self, max_batch: int) -> None:

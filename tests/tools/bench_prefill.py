@@ -17,12 +17,13 @@ import time
 import torch
 
 from tokenfleet.shared import models
-from tokenfleet.shared.schemas import SamplingParams
+from tokenfleet.shared.wire.schemas import SamplingParams
 from tokenfleet.shared.settings import Settings
-from tokenfleet.workers.bench.workload import make_jobs
+from tokenfleet.bench.workload import make_jobs
 from tokenfleet.workers.build import hf_engine, model_runner
 from tokenfleet.workers.detokenizer import TextStream
 from tokenfleet.workers.sequence import Sequence
+from tokenfleet.workers.output_processor import step
 
 
 def burst(settings: Settings, runner: object, tok: object, jobs: int, new: int,
@@ -38,7 +39,7 @@ def burst(settings: Settings, runner: object, tok: object, jobs: int, new: int,
     firsts: dict[str, float] = {}
     tokens = 0
     while engine.has_work:
-        for out in engine.step():
+        for out in step(engine):
             if out.token_id is not None:
                 tokens += 1
                 firsts.setdefault(out.seq.job_id, time.perf_counter() - started)

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from tokenfleet.shared.schemas import SamplingParams
+from tokenfleet.shared.wire.schemas import SamplingParams
 from tokenfleet.workers import sampler
 from tokenfleet.workers.detokenizer import TextStream
 from tokenfleet.workers.sequence import Sequence

@@ -23,9 +23,9 @@ from typing import Any
 
 import torch
 
-from tokenfleet.workers.bench.modes import BenchEnv, Direct, FleetSession
-from tokenfleet.workers.bench.procs import RedisProc
-from tokenfleet.workers.bench.workload import WORKLOADS, make_jobs
+from tokenfleet.bench.modes import BenchEnv, Direct, FleetSession
+from tokenfleet.bench.procs import RedisProc
+from tokenfleet.bench.workload import WORKLOADS, make_jobs
 
 KEPT = ("tokens_per_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "mean_batch")
 

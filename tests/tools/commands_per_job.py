@@ -17,11 +17,11 @@ from contextlib import ExitStack, closing
 import redis
 
 from tokenfleet import FleetClient
-from tokenfleet.shared.keys import Keys
+from tokenfleet.shared.wire.keys import Keys
 from tokenfleet.shared.settings import get_settings
-from tokenfleet.workers.bench.modes import BenchEnv
-from tokenfleet.workers.bench.procs import CeleryProc, RedisProc, wait_for
-from tokenfleet.workers.bench.redis_cost import sample
+from tokenfleet.bench.modes import BenchEnv
+from tokenfleet.bench.procs import CeleryProc, RedisProc, wait_for
+from tokenfleet.bench.redis_cost import sample
 from tokenfleet.workers.null_runner import NULL_MODEL
 
 

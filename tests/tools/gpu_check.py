@@ -70,7 +70,7 @@ class MemoryWatch:
 def pinning(model: str, say: Any) -> dict[str, Any]:
     """Each planned process sees only its GPUs; one real worker serves one job."""
     from tokenfleet import FleetClient
-    from tokenfleet.workers.bench.procs import RedisProc
+    from tokenfleet.bench.procs import RedisProc
     from tokenfleet.workers.pinning import plan, visible_gpus
 
     gpus = visible_gpus()
@@ -89,7 +89,7 @@ def pinning(model: str, say: Any) -> dict[str, Any]:
     log = Path(os.environ.get("OUT", "/tmp")) / "gpu_check_worker.log"
     watch = MemoryWatch()
     with log.open("w") as sink:
-        worker = subprocess.Popen([sys.executable, "-m", "tokenfleet.workers.cli", "worker",
+        worker = subprocess.Popen([sys.executable, "-m", "tokenfleet.cli.app", "worker",
                                    "--model", model, "--queue", "default",
                                    "--loglevel", "INFO"],
                                   env=env, stdout=sink, stderr=subprocess.STDOUT)
@@ -181,8 +181,8 @@ def main() -> None:
     say("== bench: direct, fleet")
     from rich.console import Console
 
-    from tokenfleet.workers.bench.report import render
-    from tokenfleet.workers.bench.run import BenchConfig, run_bench
+    from tokenfleet.bench.report import render
+    from tokenfleet.bench.run import BenchConfig, run_bench
 
     if args.device == "cuda":
         torch.cuda.reset_peak_memory_stats()

@@ -26,10 +26,10 @@ from typing import Any
 
 import redis
 
-from tokenfleet.shared.keys import Keys
-from tokenfleet.shared.schemas import FinishReason, SamplingParams
+from tokenfleet.shared.wire.keys import Keys
+from tokenfleet.shared.wire.schemas import FinishReason, SamplingParams
 from tokenfleet.shared.settings import get_settings
-from tokenfleet.workers.bench.procs import RedisProc
+from tokenfleet.bench.procs import RedisProc
 from tokenfleet.workers.detokenizer import TextStream
 from tokenfleet.workers.null_runner import null_tokenizer
 from tokenfleet.workers.publisher import Publisher

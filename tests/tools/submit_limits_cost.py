@@ -14,10 +14,10 @@ import uuid
 import redis
 
 from tokenfleet import FleetClient
-from tokenfleet.shared.keys import Keys
-from tokenfleet.shared.limits import worker_limits
+from tokenfleet.shared.wire.keys import Keys
+from tokenfleet.shared.wire.limits import worker_limits
 from tokenfleet.shared.settings import Settings
-from tokenfleet.workers.bench.procs import RedisProc
+from tokenfleet.bench.procs import RedisProc
 
 
 def usec_per_eval(r: redis.Redis) -> float:

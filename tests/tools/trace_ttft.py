@@ -22,10 +22,10 @@ from typing import Any
 
 import redis
 
-from tokenfleet.workers.bench.modes import BenchEnv
-from tokenfleet.workers.bench.procs import RedisProc, cpu_seconds
-from tokenfleet.workers.bench.vs_vllm import QUEUE, Fleet
-from tokenfleet.workers.bench.workload import make_jobs
+from tokenfleet.bench.modes import BenchEnv
+from tokenfleet.bench.procs import RedisProc, cpu_seconds
+from tokenfleet.bench.vs_vllm import QUEUE, Fleet
+from tokenfleet.bench.workload import make_jobs
 
 
 async def burst(url: str, prompts: list[str], max_tokens: int) -> tuple[float, list[float]]:

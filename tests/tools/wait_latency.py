@@ -15,7 +15,7 @@ import uuid
 import redis
 
 from tokenfleet import FleetClient
-from tokenfleet.shared.keys import Keys
+from tokenfleet.shared.wire.keys import Keys
 
 
 def main() -> None:

@@ -1,0 +1,1 @@
+"""Prometheus exporters read from Redis (``tokenfleet metrics-exporter``)."""

@@ -1,0 +1,1 @@
+"""Webhooks: each tenant's lane of events, signed and posted until they land."""

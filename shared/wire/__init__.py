@@ -1,0 +1,1 @@
+"""What crosses Redis: wire types, limits, key names, and the Lua scripts with their typed bindings."""
