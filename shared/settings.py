@@ -328,6 +328,10 @@ class Settings(BaseSettings):
     # How long finished records, token logs and idempotency keys stay readable.
     result_ttl_s: int = Field(default=24 * 3600, ge=1, description=(
         "Seconds a finished job's record and token log stay readable."))
+    # OpenAI keeps a stored response 30 days.
+    responses_ttl: int = Field(default=30 * 24 * 3600, ge=1, description=(
+        "Seconds a stored response (POST /v1/responses) stays readable, continuable with "
+        "previous_response_id and resumable, from its creation."))
     idempotency_ttl_s: int = Field(default=24 * 3600, ge=1, description=(
         "Seconds an idempotency key keeps naming its job."))
 

@@ -54,6 +54,7 @@ READ_BY: dict[str, str] = {
     "max_metadata_bytes": EACH,
     "max_n": CLIENT,
     "max_logprob_values": GATEWAY,
+    "responses_ttl": GATEWAY,
     "grammar_compile_s": ALL,
     "grammar_cache_mb": WORKER,
     "max_batch_tokens": WORKER,

@@ -8,6 +8,8 @@
 - OpenAI-compatible ``POST /v1/completions`` (``tokenfleet.gateway.completions``),
   ``POST /v1/chat/completions`` (``tokenfleet.gateway.chat``), ``GET /v1/models`` and
   ``GET /v1/models/{id}`` (the queues live workers serve, and the declared ones);
+- OpenAI's Responses API, ``/v1/responses`` (``tokenfleet.gateway.responses``): stored,
+  resumable from any gateway, and in the background;
 - OpenAI's Files API, ``/v1/files`` (``tokenfleet.gateway.files``);
 - OpenAI-compatible ``/v1/batches`` (``tokenfleet.gateway.batches``), whose
   lines every gateway's batch driver runs;
@@ -68,13 +70,15 @@ from tokenfleet.gateway.health import HEALTH_TIMEOUT_S, GatewayServer
 from tokenfleet.gateway.metrics import GatewayMetrics, MeasureRequests, first_token
 from tokenfleet.gateway.health import router as health_router
 from tokenfleet.gateway.key_limits import KeyLimits, submit_as_caller
+from tokenfleet.gateway.request_body import (BodyTooLarge, fleet, keepalive_s, openai_body,
+                                             read_body)
+from tokenfleet.gateway import responses as openai_responses
 from tokenfleet.openai.errors import (
     BODY_TIMEOUT,
     METHOD_NOT_ALLOWED,
     MODEL_NOT_FOUND,
     REDIS_BUSY,
     REDIS_DOWN,
-    TOO_LARGE,
     UNKNOWN_URL,
     Refusal,
     fleet_refusal,
@@ -100,39 +104,6 @@ from tokenfleet.webhooks.delivery import Deliverer
 log = logging.getLogger("tokenfleet.gateway.app")
 
 router = APIRouter()
-
-
-class BodyTooLarge(Exception):
-    def __init__(self, limit: int) -> None:
-        super().__init__(
-            f"request body is larger than this gateway's limit of {limit} bytes "
-            "(TOKENFLEET_MAX_PAYLOAD_BYTES): send a shorter prompt or raise the limit"
-        )
-
-
-async def read_body(request: Request, limit: int) -> bytes:
-    """The raw body, refused as soon as it passes ``limit`` bytes (before any parsing).
-
-    A declared Content-Length is checked first; a chunked body is counted as it
-    arrives, so an oversized one is never held in memory whole.
-    """
-    declared = request.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > limit:
-        raise BodyTooLarge(limit)
-    body = bytearray()
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > limit:
-            raise BodyTooLarge(limit)
-    return bytes(body)
-
-
-def fleet(request: Request) -> AsyncFleetClient:
-    return cast(AsyncFleetClient, request.app.state.fleet)
-
-
-def keepalive_s(request: Request) -> float:
-    return fleet(request).settings.sse_keepalive_s
 
 
 def json_response(state: JobState, status_code: int = 200) -> Response:
@@ -182,12 +153,14 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                    else None)
         webhooks = app.state.webhooks = Deliverer(
             app.state.fleet.redis, app.state.fleet.keys, settings).start(settings.gateway_webhooks)
+        app.state.finishers = openai_responses.Finishers()
         try:
             async with openai_batches.driving(app):
                 yield
         finally:
             if warning is not None:
                 warning.cancel()
+            await app.state.finishers.close()
             await webhooks.stop()
             await app.state.limits.close()
             await app.state.fleet.close()
@@ -196,6 +169,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.include_router(router)
     app.include_router(openai_files.router)
     app.include_router(openai_batches.router)
+    app.include_router(openai_responses.router)
     app.include_router(health_router)
     app.add_middleware(BodyDeadline, timeout_s=settings.body_timeout_s)
     app.add_middleware(CountRefusals)  # inside Authenticate: it reads the key it set
@@ -429,22 +403,18 @@ async def _state(request: Request, job_id: str) -> JobState:
 
 @router.post("/v1/completions")
 async def completions(request: Request) -> Response:
-    client = fleet(request)
-    try:
-        body = await read_body(request, client.settings.max_payload_bytes)
-    except BodyTooLarge as exc:
-        return error_response(TOO_LARGE.error(str(exc)))
-    return await openai_compat.complete(client, body, request, keepalive_s(request))
+    body = await openai_body(request)
+    if isinstance(body, Response):
+        return body
+    return await openai_compat.complete(fleet(request), body, request, keepalive_s(request))
 
 
 @router.post("/v1/chat/completions")
 async def chat_completions(request: Request) -> Response:
-    client = fleet(request)
-    try:
-        body = await read_body(request, client.settings.max_payload_bytes)
-    except BodyTooLarge as exc:
-        return error_response(TOO_LARGE.error(str(exc)))
-    return await openai_chat.chat(client, body, request, keepalive_s(request))
+    body = await openai_body(request)
+    if isinstance(body, Response):
+        return body
+    return await openai_chat.chat(fleet(request), body, request, keepalive_s(request))
 
 
 @router.get("/v1/models")

@@ -113,6 +113,10 @@ BATCH_NOT_FOUND = Refusal(
     404, INVALID, "not_found", False,
     "no such batch, or a batch's input file that does not exist (the batches API)",
     "no batch '<id>' (or: no file '<id>'): never made, or another tenant's")
+RESPONSE_NOT_FOUND = Refusal(
+    404, INVALID, "not_found", False,
+    "no such stored response, or another tenant's (the Responses API; previous_response_id too)",
+    "no response '<id>': never made, not stored, deleted or expired")
 FILE_NOT_FOUND = Refusal(
     404, INVALID, None, False, "no such file, or another tenant's (the files API)",
     "no file '<id>': never uploaded, or deleted")
@@ -120,7 +124,7 @@ UNKNOWN_URL = Refusal(
     404, INVALID, "unknown_url", False,
     "a path no route of the gateway serves (/v1/embeddings, /v1/moderations, /v1/audio/...)",
     "Invalid URL (<method> <path>): this gateway does not serve it (it serves /v1/completions, "
-    "/v1/chat/completions, /v1/models, /v1/files, /v1/batches and /v1/jobs)")
+    "/v1/chat/completions, /v1/responses, /v1/models, /v1/files, /v1/batches and /v1/jobs)")
 METHOD_NOT_ALLOWED = Refusal(
     405, INVALID, "method_not_allowed", False,
     "a path the gateway serves, with another method (its Allow header lists them)",
@@ -209,7 +213,7 @@ REDIS_BUSY = Refusal(
 REFUSALS = (INVALID_JSON, UNRECOGNIZED, INVALID_VALUE, UNSUPPORTED, CONTEXT_LENGTH, OVER_LIMIT,
             NO_CHAT_TEMPLATE, INVALID_API_KEY, QUEUE_NOT_ALLOWED, PRIORITY_NOT_ALLOWED,
             MODEL_NOT_FOUND, JOB_NOT_FOUND,
-            BATCH_NOT_FOUND, FILE_NOT_FOUND, UNKNOWN_URL, METHOD_NOT_ALLOWED,
+            BATCH_NOT_FOUND, RESPONSE_NOT_FOUND, FILE_NOT_FOUND, UNKNOWN_URL, METHOD_NOT_ALLOWED,
             BODY_TIMEOUT, IDEMPOTENCY_CONFLICT, TOO_LARGE, RATE_LIMITED, TOKEN_RATE_LIMITED,
             OVER_TOKEN_RATE, TENANT_QUEUE_FULL, QUEUE_FULL, JOB_REFUSED, JOB_FAILED,
             REDIS_REFUSED, REDIS_DOWN, MODEL_UNAVAILABLE, REDIS_BUSY)
@@ -238,7 +242,7 @@ def fleet_refusal(exc: Exception, path: str) -> tuple[Refusal, str, str | None]:
                else str(exc))
     param = None
     if name == "PromptTooLong":
-        param = "messages" if path == "/v1/chat/completions" else "prompt"
+        param = {"/v1/chat/completions": "messages", "/v1/responses": "input"}.get(path, "prompt")
     elif name in ("QueueNotAllowed", "WorkersGone"):
         param = "model"
     elif name == "PriorityNotAllowed":

@@ -319,6 +319,12 @@ class Keys:
         listing reads (never another tenant's records) and its file count."""
         return f"{self.namespace}:files:t:{tenant}"
 
+    def response(self, response_id: str) -> str:
+        """String: a stored response's record, JSON (``producer/openai/stored_responses.py``):
+        its job, its request as a chat, its input items, and its final object once
+        its job ended; kept ``TOKENFLEET_RESPONSES_TTL`` from its creation."""
+        return f"{self.namespace}:resp:{{{response_id}}}"
+
     def batch(self, batch_id: str) -> str:
         """Hash: one batch's record (``producer/client/batch_records.py``): OpenAI's batch
         object's fields, its tenant and the driver's position in its input. The

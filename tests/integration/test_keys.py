@@ -3,6 +3,7 @@ real gateways (two, sharing one Redis) and a worker on the tiny model."""
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 import uuid
@@ -79,7 +80,9 @@ def submit(http: httpx.Client, key: str, queue: str = IDLE, **body: Any) -> http
 ROUTES = [("GET", "/v1/models"), ("GET", "/v1/models/default"), ("POST", "/v1/jobs"),
           ("GET", "/v1/jobs/default:00"), ("DELETE", "/v1/jobs/default:00"),
           ("GET", "/v1/jobs/default:00/events"), ("POST", "/v1/completions"),
-          ("POST", "/v1/chat/completions")]
+          ("POST", "/v1/chat/completions"), ("POST", "/v1/responses"),
+          ("GET", "/v1/responses/resp_00"), ("DELETE", "/v1/responses/resp_00"),
+          ("POST", "/v1/responses/resp_00/cancel"), ("GET", "/v1/responses/resp_00/input_items")]
 
 
 def test_every_route_but_health_refuses_a_request_without_a_valid_key(fleet: Any) -> None:
@@ -146,6 +149,33 @@ def test_another_tenant_gets_404_reading_streaming_or_cancelling_a_job(fleet: An
     # A body may not name another tenant than its key's.
     other = submit(http, key_a, tenant="team-b")
     assert other.status_code == 400 and "tenant" in other.text
+
+
+def test_another_tenant_gets_404_on_every_route_of_a_response(fleet: Any) -> None:
+    key_a, _ = fleet["make_key"]("team-a")
+    key_b, _ = fleet["make_key"]("team-b")
+    http = fleet["one"]
+    made = http.post("/v1/responses", headers=bearer(key_a),
+                     json={"model": IDLE, "input": "hello", "background": True})
+    assert made.status_code == 200, made.text
+    rid = made.json()["id"]
+    never = f"resp_{uuid.uuid4().hex}"
+    for method, path, params in (("GET", "/v1/responses/{}", {}),
+                                 ("GET", "/v1/responses/{}", {"stream": "true"}),
+                                 ("GET", "/v1/responses/{}/input_items", {}),
+                                 ("POST", "/v1/responses/{}/cancel", {}),
+                                 ("DELETE", "/v1/responses/{}", {})):
+        theirs = http.request(method, path.format(rid), headers=bearer(key_b), params=params)
+        missing = http.request(method, path.format(never), headers=bearer(key_b), params=params)
+        assert theirs.status_code == missing.status_code == 404, (method, path)
+        # Told exactly what an id never made is told: the id is not confirmed.
+        assert theirs.json() == json.loads(missing.text.replace(never, rid))
+    continued = http.post("/v1/responses", headers=bearer(key_b),
+                          json={"model": IDLE, "input": "more", "previous_response_id": rid})
+    assert continued.status_code == 404
+    assert continued.json()["error"]["param"] == "previous_response_id"
+    assert http.get(f"/v1/responses/{rid}", headers=bearer(key_a)).json()["status"] == "queued"
+    assert http.delete(f"/v1/responses/{rid}", headers=bearer(key_a)).json()["deleted"] is True
 
 
 def test_at_rpm_60_the_61st_request_is_429_and_two_gateways_share_the_budget(

@@ -1,0 +1,149 @@
+"""Stored responses: a response's record in Redis, and its events and final
+object made from its job (no HTTP: the routes are ``tokenfleet.gateway.responses``).
+
+A response is a fleet job underneath (priority, fair share, limits, preemption,
+crash recovery all apply); its record (``Keys.response``) holds what the job
+does not: the request as the chat it became, the input items, the earlier
+turns, and, once the job ended, the response's final object, which outlives the
+job's record (``TOKENFLEET_RESPONSES_TTL``, 30 days as OpenAI; a job's record
+and log keep ``TOKENFLEET_RESULT_TTL_S``). Every gateway reads the same record,
+so any of them serves a response another made, and its event stream: the events
+are made from the job's token log (``ResponseEvents``), the same at every
+replay, so a stream resumes at any sequence number with nothing repeated or lost.
+
+The final object is written by whoever sees the job end first: the gateway that
+answers the request, the task a gateway runs for each background response it
+made, or any later read. Each makes the same object from the same log.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncGenerator
+from typing import Any
+
+from pydantic import BaseModel
+
+from tokenfleet.client.aio import AsyncFleetClient
+from tokenfleet.openai.answer import events as log_events
+from tokenfleet.openai.answer import logged
+from tokenfleet.openai.chat import ChatRequest, constrained
+from tokenfleet.openai.logprobs import chat_logprobs
+from tokenfleet.openai.response_events import ResponseEvents, text_logprobs
+from tokenfleet.openai.responses import output_messages
+from tokenfleet.shared.wire.errors import JobNotFound
+from tokenfleet.shared.wire.ownership import tenant_or_default
+from tokenfleet.shared.wire.schemas import JobState, JobStatus
+
+
+class ResponseRecord(BaseModel):
+    id: str
+    job_id: str
+    tenant: str | None = None
+    base: dict[str, Any]  # the response object as created
+    chat: dict[str, Any]  # the chat request it became (its tool call, its logprobs)
+    fmt: str | None = None  # the queue's tool-call format, with tool_choice "auto"
+    input_items: list[dict[str, Any]]
+    # The conversation as chat messages up to this response's output: the earlier
+    # turns and this input (the instructions apart: they are not carried over).
+    messages: list[dict[str, Any]]
+    final: dict[str, Any] | None = None  # the response object once its job ended
+
+    @property
+    def ids(self) -> str:
+        """What the response's item ids are made of."""
+        return self.id.removeprefix("resp_")
+
+    def turns(self) -> list[dict[str, Any]]:
+        """The conversation a next response continues: this one's, with its output."""
+        assert self.final is not None
+        return [*self.messages, *output_messages(self.final["output"])]
+
+    def writer(self) -> ResponseEvents:
+        ask = ChatRequest.model_validate(self.chat)
+        _structured, _field, call = constrained(ask)
+        logprobs = text_logprobs(ask.named_shape(chat_logprobs)) if ask.logprobs else None
+        return ResponseEvents(self.base, self.ids, call=call, fmt=self.fmt, logprobs=logprobs)
+
+
+async def save(client: AsyncFleetClient, record: ResponseRecord) -> None:
+    """A new record, kept ``responses_ttl`` s."""
+    await client.redis.set(client.keys.response(record.id), record.model_dump_json(),
+                           ex=client.settings.responses_ttl)
+
+
+async def load(client: AsyncFleetClient, response_id: str, tenant: str | None,
+               any_tenant: bool = False) -> ResponseRecord | None:
+    """The record, or None: never made, expired, deleted, or another tenant's
+    (told the same: ``tokenfleet.shared.wire.ownership``)."""
+    raw = await client.redis.get(client.keys.response(response_id))
+    if raw is None:
+        return None
+    record = ResponseRecord.model_validate_json(raw)
+    if not any_tenant and tenant_or_default(tenant) != tenant_or_default(record.tenant):
+        return None
+    return record
+
+
+async def delete(client: AsyncFleetClient, record: ResponseRecord) -> None:
+    await client.redis.delete(client.keys.response(record.id))
+
+
+async def finish(client: AsyncFleetClient, record: ResponseRecord, state: JobState
+                 ) -> dict[str, Any]:
+    """The final object of a response whose job ended (``state``), stored in
+    its record (its time to live kept) unless it was already."""
+    if record.final is not None:
+        return record.final
+    writer = record.writer()
+    writer.opening()
+    try:
+        writer.feed(log_events(await logged(client, record.job_id)))
+    except ValueError:
+        pass  # a log without the log probabilities asked for: the object says what it can
+    record.final = writer.close(state)[-1]["response"]
+    if record.base["store"]:
+        await client.redis.set(client.keys.response(record.id), record.model_dump_json(),
+                               xx=True, keepttl=True)
+    return record.final
+
+
+async def current(client: AsyncFleetClient, record: ResponseRecord) -> dict[str, Any]:
+    """The response object now: final once its job ended, else its status."""
+    if record.final is not None:
+        return record.final
+    try:
+        state = await client.status(record.job_id)
+    except JobNotFound:
+        return {**record.base, "status": "failed",
+                "error": {"code": "server_error",
+                          "message": "the response's job record expired before it ended"}}
+    if state.status.is_terminal:
+        return await finish(client, record, state)
+    return {**record.base, "status": "in_progress" if state.status is JobStatus.RUNNING
+            else record.base["status"]}
+
+
+async def events(client: AsyncFleetClient, record: ResponseRecord
+                 ) -> AsyncGenerator[list[dict[str, Any]], None]:
+    """The response's events from the first, in lists as they come: made from its
+    job's token log while the job keeps it, from the final object after."""
+    writer = record.writer()
+    yield writer.opening()
+    try:
+        await client.status(record.job_id)
+    except JobNotFound:
+        if record.final is None:
+            raise
+        yield writer.replay(record.final)
+        return
+    async for batch in client.stream_batches(record.job_id):
+        if out := writer.feed(batch):
+            yield out
+    state = await client.status(record.job_id)
+    out = writer.close(state)
+    if record.final is None:
+        record.final = out[-1]["response"]
+        if record.base["store"]:
+            await client.redis.set(client.keys.response(record.id),
+                                   record.model_dump_json(), xx=True, keepttl=True)
+    yield out
