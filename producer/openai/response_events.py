@@ -184,10 +184,11 @@ class ResponseEvents:
                                   part=self._part("", None)))
         self.text.append(text)
         self.text_logprobs += values or []
-        out.append(self.event("response.output_text.delta",
-                              item_id=self.items[self.message]["id"],
-                              output_index=self.message, content_index=0, delta=text,
-                              logprobs=values or []))
+        if text or values:  # an empty message (forced) has no delta
+            out.append(self.event("response.output_text.delta",
+                                  item_id=self.items[self.message]["id"],
+                                  output_index=self.message, content_index=0, delta=text,
+                                  logprobs=values or []))
         return out
 
     def _part(self, text: str, values: list[dict[str, Any]] | None) -> dict[str, Any]:
