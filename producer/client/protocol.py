@@ -186,6 +186,8 @@ def submission(request: GenerationRequest, keys: Keys, settings: Settings,
         record["tenant"] = request.tenant
     if request.webhook_url is not None:
         record["webhook_url"] = request.webhook_url  # job_webhook.lua reads it at the end
+    if request.response_id is not None:
+        record["response_id"] = request.response_id  # and this, to name the event
     idem = request.idempotency_key
     return Submission(job_id, client_scripts.submit(
         keys, job_id=job_id, model=queue, priority=request.priority,

@@ -129,13 +129,18 @@ async def create_response(request: Request) -> Response:
     made = await chat_request(client, orjson.dumps(chat))
     if isinstance(made, OpenAIError):
         return error_response(renamed(made))
-    job_ids = await submit_constrained(request, client, [made.job], 1, made.field)
+    rid = f"resp_{uuid.uuid4().hex}"
+    # A background response's end goes to the fleet's webhook URL (as OpenAI's to a
+    # project's), unless the request names its own.
+    hook = made.job.webhook_url or (client.settings.webhook_url or None
+                                    if ask.background else None)
+    job = made.job.model_copy(update={"response_id": rid, "webhook_url": hook})
+    job_ids = await submit_constrained(request, client, [job], 1, made.field)
     if isinstance(job_ids, Response):
         return job_ids
-    hex_id = uuid.uuid4().hex
     record = ResponseRecord(
-        id=f"resp_{hex_id}", job_id=job_ids[0], tenant=_tenant(request),
-        base=created(f"resp_{hex_id}", ask, made.job, time.time()), chat=chat,
+        id=rid, job_id=job_ids[0], tenant=_tenant(request),
+        base=created(rid, ask, made.job, time.time()), chat=chat,
         fmt=made.fmt, input_items=input_items(ask),
         messages=chat["messages"][0 if ask.instructions is None else 1:])
     if ask.stored:

@@ -243,6 +243,9 @@ class GenerationRequest(_Wire):
     # Where the job's end (job.completed, job.failed, ...) is posted, signed as
     # Standard Webhooks (docs/webhooks.md).
     webhook_url: str | None = None
+    # The stored response this job is (POST /v1/responses): its webhook events
+    # are then OpenAI's response.* naming the response (job_webhook.lua).
+    response_id: str | None = Field(default=None, pattern=r"^resp_[0-9a-f]{32}$")
 
     @field_validator("model")
     @classmethod

@@ -19,15 +19,19 @@ import pytest
 from pydantic import BaseModel
 
 from tokenfleet.shared.settings import Settings
+from tokenfleet.shared.wire.keys import Keys
 from tokenfleet.workers.sequence import Sequence
 
-from gateway_server import sse_events
-from helpers import wait_until
+from gateway_server import gateways, sse_events
+from helpers import redis_client, wait_until
 from scripted import ScriptedRunner
 from structured_helpers import serving
 from tool_templates import HERMES_TEMPLATE, with_template
 
 pytestmark = pytest.mark.timeout(120)
+
+# Each job's prompt as the "default" worker's engine was given it (token ids, by job id).
+PROMPTS: dict[str, list[int]] = {}
 
 SAID = "Hello there, friend."
 CALL = '<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>'
@@ -58,7 +62,11 @@ def stack(redis_url: str, loaded_tiny: Any) -> Iterator[tuple[Settings, openai.O
 
     def saying(text: str) -> Any:
         ids = tok.encode(text, add_special_tokens=False)
-        return lambda seq: ids[len(seq.generated)] if len(seq.generated) < len(ids) else eos
+
+        def next_token(seq: Sequence) -> int:
+            PROMPTS[seq.job_id] = list(seq.prompt_ids)
+            return ids[len(seq.generated)] if len(seq.generated) < len(ids) else eos
+        return next_token
 
     def slowly(seq: Sequence) -> int:
         time.sleep(0.01)  # a larger model's pace: 1024 tokens take seconds
@@ -180,6 +188,31 @@ def test_previous_response_id_continues_the_conversation(
         oa.responses.create(model="default", input="Once more.", previous_response_id=first.id)
     assert refused.value.body["param"] == "previous_response_id"  # type: ignore[index]
     assert first.id in refused.value.body["message"]  # type: ignore[index]
+
+
+def test_twenty_turns_across_two_gateways_render_as_the_chat_route_renders(
+        stack: tuple[Settings, openai.OpenAI]) -> None:
+    settings, oa = stack
+    keys, r = Keys(settings.namespace), redis_client(settings.redis_url)
+    with gateways(settings) as start:
+        other = openai.OpenAI(base_url=f"{start().base_url}/v1", api_key="unused",
+                              max_retries=0, timeout=60)
+        messages: list[Any] = [{"role": "system", "content": "Be brief."}]
+        previous = None
+        for turn in range(20):
+            here = (oa, other)[turn % 2]  # each turn on the other gateway
+            made = here.responses.create(model="default", input=f"Turn {turn}.",
+                                         instructions="Be brief.", max_output_tokens=16,
+                                         previous_response_id=previous)
+            assert made.status == "completed", made
+            messages.append({"role": "user", "content": f"Turn {turn}."})
+            chat = here.chat.completions.create(model="default", messages=messages,
+                                                max_tokens=16)
+            job_id = json.loads(r.get(keys.response(made.id)))["job_id"]
+            assert PROMPTS[job_id] == PROMPTS[chat.id.removeprefix("chatcmpl-")], turn
+            messages.append({"role": "assistant", "content": made.output_text})
+            previous = made.id
+    r.close()
 
 
 def test_a_deleted_response_is_gone(stack: tuple[Settings, openai.OpenAI]) -> None:

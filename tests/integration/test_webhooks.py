@@ -35,7 +35,7 @@ from tokenfleet.shared.webhook_outbox import add_event
 from tokenfleet.webhooks.delivery import GROUP, Deliverer
 from tokenfleet.cli.app import main
 
-from gateway_server import gateway  # noqa: F401  (a fixture)
+from gateway_server import gateway, pin_live_worker  # noqa: F401  (a fixture)
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -249,6 +249,31 @@ async def test_a_job_webhook_arrives_once_when_the_job_completes(
         await fleet.client.wait(other, timeout=30)
         assert await fleet.redis.xlen(outbox) == 0
         assert [r.id for r in receiver.received] == [got[0].id]
+
+
+async def test_a_background_responses_end_is_posted_as_openais_response_event(
+        hook_settings: Any, receiver: Receiver, start_worker: Any, gateway: Any,
+        r: Any) -> None:
+    """POST /v1/responses with background: the fleet's webhook URL gets
+    response.completed (a response that ran) and response.cancelled (one
+    cancelled in its queue), each naming the response, once."""
+    receiver.start()
+    start_worker()
+    pin_live_worker(r, hook_settings.namespace, "idle")  # its jobs stay queued
+    http = gateway(webhook_url=receiver.url, webhook_secret=SECRET,
+                   webhook_backoff_s=0.05, webhook_allow=LOOPBACK)
+    done = http.post("/v1/responses", json={"model": "default", "input": "Hi",
+                                            "background": True, "max_output_tokens": 4})
+    queued = http.post("/v1/responses", json={"model": "idle", "input": "Hi",
+                                              "background": True})
+    done_id, queued_id = done.json()["id"], queued.json()["id"]
+    assert http.post(f"/v1/responses/{queued_id}/cancel").json()["status"] == "cancelled"
+    got = await receiver.until(lambda r: len(r) >= 2, 30, "both responses' webhooks")
+    payloads = {p["data"]["id"]: p["type"] for p in (g.verified() for g in got)}
+    finished = http.get(f"/v1/responses/{done_id}").json()["status"]
+    assert payloads == {done_id: f"response.{finished}", queued_id: "response.cancelled"}
+    assert finished in ("completed", "incomplete")
+    assert len(receiver.received) == 2
 
 
 async def test_a_job_cancelled_or_expired_in_its_queue_is_posted_so(

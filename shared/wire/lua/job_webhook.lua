@@ -10,16 +10,27 @@
 -- twice. Its id comes from the job's, the same if anything were to repeat it.
 local JOB_EVENTS = {succeeded = 'job.completed', failed = 'job.failed',
                     cancelled = 'job.cancelled', expired = 'job.expired'}
+-- A stored response's job (its record names the response): OpenAI's events, whose
+-- data is the response's id (a receiver reads the response with it).
+local RESPONSE_EVENTS = {succeeded = 'response.completed', failed = 'response.failed',
+                         cancelled = 'response.cancelled', expired = 'response.failed'}
 
 local function job_webhook(outbox, job, status, now)
-  local cur = redis.call('HMGET', job, 'webhook_url', 'id', 'finish_reason', 'error', 'tenant')
-  local url, id = cur[1], cur[2]
+  local cur = redis.call('HMGET', job, 'webhook_url', 'id', 'finish_reason', 'error', 'tenant',
+                         'response_id')
+  local url, id, response = cur[1], cur[2], cur[6]
   if not url or not id or not JOB_EVENTS[status] then return end
-  local data = {id = id, status = status, finished_at = tonumber(now)}
-  if cur[3] and cur[3] ~= '' then data['finish_reason'] = cur[3] end
-  if cur[4] and cur[4] ~= '' then data['error'] = cur[4] end
+  local kind, data = JOB_EVENTS[status], {id = id, status = status, finished_at = tonumber(now)}
+  if response then
+    kind, data = RESPONSE_EVENTS[status], {id = response}
+    if status == 'succeeded' and cur[3] == 'length' then kind = 'response.incomplete' end
+    id = response
+  else
+    if cur[3] and cur[3] ~= '' then data['finish_reason'] = cur[3] end
+    if cur[4] and cur[4] ~= '' then data['error'] = cur[4] end
+  end
   -- The tenant picks the event's delivery lane and signing secret (none: the default's).
   redis.call('XADD', outbox, '*', 'id', 'msg_' .. string.gsub(id, '[^%w]', '_'),
-             'type', JOB_EVENTS[status], 'data', cjson.encode(data), 'url', url,
+             'type', kind, 'data', cjson.encode(data), 'url', url,
              'tenant', cur[5] or 'default')
 end
