@@ -258,7 +258,8 @@ class Settings(BaseSettings):
     # webhook-signature: HMAC-SHA256 with the secret).
     webhook_url: str = Field(default="", description=(
         "Where batch events (batch.completed, batch.failed, batch.expired, batch.cancelled) "
-        "are delivered; empty: nowhere, unless a batch or a job names its own."))
+        "and background responses' (response.completed, ...) are delivered; empty: nowhere, "
+        "unless a batch, a response or a job names its own."))
     webhook_secret: str = Field(default="", description=(
         "The Standard Webhooks signing secret (whsec_<base64>, or any string); required when a "
         "webhook URL is set."))
