@@ -134,7 +134,8 @@ def refused(ask: ResponsesRequest) -> OpenAIError | None:
         value = getattr(ask, name)
         if value is not None and value != {} and not (
                 name == "reasoning" and isinstance(value, dict)
-                and not any(v is not None for v in value.values())):
+                and value.get("effort") in (None, "none")
+                and all(v is None for k, v in value.items() if k != "effort")):
             return UNSUPPORTED.error(why, param=name)
     if ask.truncation not in (None, "disabled"):
         return UNSUPPORTED.error("truncation 'auto' is not supported by this gateway: an input "

@@ -18,6 +18,7 @@ made, or any later read. Each makes the same object from the same log.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncGenerator
 from typing import Any
 
@@ -94,17 +95,24 @@ async def finish(client: AsyncFleetClient, record: ResponseRecord, state: JobSta
     its record (its time to live kept) unless it was already."""
     if record.final is not None:
         return record.final
-    writer = record.writer()
-    writer.opening()
-    try:
-        writer.feed(log_events(await logged(client, record.job_id)))
-    except ValueError:
-        pass  # a log without the log probabilities asked for: the object says what it can
-    record.final = writer.close(state)[-1]["response"]
+    log = await logged(client, record.job_id)
+    # Off the event loop: a long answer with log probabilities is seconds of Python.
+    record.final = await asyncio.to_thread(_final, record, log, state)
     if record.base["store"]:
         await client.redis.set(client.keys.response(record.id), record.model_dump_json(),
                                xx=True, keepttl=True)
     return record.final
+
+
+def _final(record: ResponseRecord, log: list[bytes], state: JobState) -> dict[str, Any]:
+    writer = record.writer()
+    writer.opening()
+    try:
+        writer.feed(log_events(log))
+    except ValueError:
+        pass  # a log without the log probabilities asked for: the object says what it can
+    final: dict[str, Any] = writer.close(state)[-1]["response"]
+    return final
 
 
 async def current(client: AsyncFleetClient, record: ResponseRecord) -> dict[str, Any]:

@@ -55,7 +55,8 @@ def stack(redis_url: str, loaded_tiny: Any) -> Iterator[tuple[Settings, openai.O
 
     settings = Settings(queue="default", redis_url=redis_url,
                         namespace=f"t{uuid.uuid4().hex[:10]}", block_ms=20, heartbeat_s=0.5,
-                        max_batch=8, prefetch=8, max_batch_tokens=8192)
+                        max_batch=8, prefetch=8, max_batch_tokens=16384,
+                        max_prompt_tokens=16384)  # a chain of 50 turns
     model, tiny = loaded_tiny
     tok = with_template(tiny, HERMES_TEMPLATE)
     eos = int(tok.eos_token_id)
@@ -73,7 +74,7 @@ def stack(redis_url: str, loaded_tiny: Any) -> Iterator[tuple[Settings, openai.O
         return 65 + len(seq.generated) % 26
 
     def engine(next_token: Any) -> Any:
-        return HFEngine(Scheduler(max_batch=8, eos_token_ids={eos}, max_model_len=4096),
+        return HFEngine(Scheduler(max_batch=8, eos_token_ids={eos}, max_model_len=16384),
                         ScriptedRunner(next_token))
 
     others = [Worker(settings.model_copy(update={"queue": "tools"}), engine(saying(CALL)), tok,
@@ -215,6 +216,18 @@ def test_twenty_turns_across_two_gateways_render_as_the_chat_route_renders(
     r.close()
 
 
+def test_a_chain_of_50_turns(stack: tuple[Settings, openai.OpenAI]) -> None:
+    _, oa = stack
+    previous = None
+    for turn in range(50):
+        made = oa.responses.create(model="default", input=f"Turn {turn}.",
+                                   previous_response_id=previous, max_output_tokens=16)
+        assert made.status == "completed", turn
+        previous = made.id
+    # The last turn's prompt holds every turn before it, and their answers.
+    assert made.usage is not None and made.usage.input_tokens > 50 * 4
+
+
 def test_a_deleted_response_is_gone(stack: tuple[Settings, openai.OpenAI]) -> None:
     _, oa = stack
     made = oa.responses.create(model="default", input="Say hello.")
@@ -321,6 +334,7 @@ def test_the_models_own_call_and_its_output_in_the_next_turn(
 
 @pytest.mark.parametrize("field, value, param", [
     ("reasoning", {"effort": "high"}, "reasoning"),
+    ("reasoning", {"summary": "auto"}, "reasoning"),
     ("tools", [{"type": "web_search"}], "tools[0]"),
     ("truncation", "auto", "truncation"),
     ("include", ["file_search_call.results"], "include"),
