@@ -153,7 +153,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                    else None)
         webhooks = app.state.webhooks = Deliverer(
             app.state.fleet.redis, app.state.fleet.keys, settings).start(settings.gateway_webhooks)
-        app.state.finishers = openai_responses.Finishers()
+        app.state.finishers = openai_responses.Finishers(app.state.fleet)
         try:
             async with openai_batches.driving(app):
                 yield

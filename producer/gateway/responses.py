@@ -49,7 +49,9 @@ from tokenfleet.openai.stored_responses import (
     events,
     finish,
     load,
+    pending,
     save,
+    sweep,
 )
 from tokenfleet.shared.wire.errors import JobNotFound
 from tokenfleet.shared.wire.schemas import JobStatus
@@ -59,27 +61,44 @@ router = APIRouter()
 # How long a cancel waits for a running job to stop (its worker's next step).
 CANCEL_WAIT_S = 10.0
 MAX_INPUT_ITEMS = 100  # input_items' largest page, as OpenAI's
+SWEEP_EVERY_S = 30.0
 
 
 class Finishers:
-    """The tasks that store the final object of each background response this
-    gateway made, once its job ends; cancelled at shutdown (a later read
-    stores it then)."""
+    """What stores the final object of background responses: a task per response
+    this gateway made, waiting for its job's end; and a sweep, every
+    ``SWEEP_EVERY_S``, of those whose gateway died before their end
+    (``stored_responses.sweep``). Cancelled at shutdown."""
 
-    def __init__(self) -> None:
+    def __init__(self, client: AsyncFleetClient) -> None:
+        self.client = client
         self.tasks: set[asyncio.Task[None]] = set()
+        self._spawn(self._sweep())
 
-    def start(self, client: AsyncFleetClient, record: ResponseRecord) -> None:
-        task = asyncio.create_task(self._finish(client, record))
+    def start(self, record: ResponseRecord) -> None:
+        self._spawn(self._finish(record))
+
+    def _spawn(self, work: Any) -> None:
+        task = asyncio.create_task(work)
         self.tasks.add(task)
         task.add_done_callback(self.tasks.discard)
 
-    async def _finish(self, client: AsyncFleetClient, record: ResponseRecord) -> None:
+    async def _finish(self, record: ResponseRecord) -> None:
         try:
-            await finish(client, record, await client.wait(record.job_id))
+            await finish(self.client, record, await self.client.wait(record.job_id))
+            await self.client.redis.zrem(self.client.keys.responses_pending(), record.id)
         except (RedisError, OSError, JobNotFound) as exc:
-            log.warning("background response %s: its final object was not stored (%s); the "
-                        "next read of it stores it", record.id, exc)
+            log.warning("background response %s: its final object was not stored (%s); a "
+                        "gateway's sweep stores it", record.id, exc)
+
+    async def _sweep(self) -> None:
+        while True:
+            await asyncio.sleep(SWEEP_EVERY_S)
+            try:
+                await sweep(self.client)
+            except (RedisError, OSError) as exc:
+                log.warning("the sweep of background responses failed (%s): again in %.0f s",
+                            exc, SWEEP_EVERY_S)
 
     async def close(self) -> None:
         for task in self.tasks:
@@ -117,10 +136,11 @@ async def create_response(request: Request) -> Response:
         earlier = await _record(request, ask.previous_response_id)
         if earlier is None:
             return _not_found(ask.previous_response_id, "previous_response_id")
-        if (await current(client, earlier))["status"] in ("queued", "in_progress"):
+        status = (await current(client, earlier))["status"]
+        if earlier.final is None or status == "failed":
             return error_response(INVALID_VALUE.error(
-                f"previous response '{earlier.id}' has not ended yet: continue it once it "
-                "has", param="previous_response_id"))
+                f"previous response '{earlier.id}' is {status}: continue a response once "
+                "it has ended with an output", param="previous_response_id"))
         history = earlier.turns()
     try:
         chat = chat_body(ask, history)
@@ -130,11 +150,9 @@ async def create_response(request: Request) -> Response:
     if isinstance(made, OpenAIError):
         return error_response(renamed(made))
     rid = f"resp_{uuid.uuid4().hex}"
-    # A background response's end goes to the fleet's webhook URL (as OpenAI's to a
-    # project's), unless the request names its own.
-    hook = made.job.webhook_url or (client.settings.webhook_url or None
-                                    if ask.background else None)
-    job = made.job.model_copy(update={"response_id": rid, "webhook_url": hook})
+    # A background response's end is posted as OpenAI's response.* event, to the
+    # request's webhook_url, else to the fleet's (job_webhook.lua).
+    job = made.job.model_copy(update={"response_id": rid}) if ask.background else made.job
     job_ids = await submit_constrained(request, client, [job], 1, made.field)
     if isinstance(job_ids, Response):
         return job_ids
@@ -146,7 +164,8 @@ async def create_response(request: Request) -> Response:
     if ask.stored:
         await save(client, record)
     if ask.background:
-        request.app.state.finishers.start(client, record)
+        await pending(client, record)
+        request.app.state.finishers.start(record)
         if ask.stream:
             return sse.response(_stream(client, record, -1, request.scope),
                                 keepalive_s(request))
@@ -160,7 +179,7 @@ async def create_response(request: Request) -> Response:
     final = await finish(client, record, state)
     if state.status in (JobStatus.FAILED, JobStatus.EXPIRED):
         return error_response(failed(state).error(failure(state)))
-    return JSONResponse(final)
+    return JSONResponse(final["response"])
 
 
 async def _foreground(client: AsyncFleetClient, record: ResponseRecord, scope: Any

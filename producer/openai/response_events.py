@@ -85,6 +85,7 @@ class ResponseEvents:
         self.text_logprobs: list[dict[str, Any]] = []
         self.arguments: list[str] = []  # the fixed call's, as they come
         self.held: list[str] = []  # a call that names its function: held to the end
+        self.space = ""  # whitespace the model's own calls may follow (tool_choice "auto")
         self.calls = 0
 
     def event(self, kind: str, **fields: Any) -> dict[str, Any]:
@@ -112,8 +113,9 @@ class ResponseEvents:
                     out += self._arguments(event.text)
             elif self.parser is not None:
                 content, calls = self.parser.feed(event.text)
-                out += self._content(content, None)
+                out += self._auto_content(content)
                 for call in calls:
+                    self.space = ""  # between calls, or before one: not a message
                     out += self._whole_call(call["function"]["name"],
                                             call["function"]["arguments"])
             elif event.text or self.logprobs is not None:
@@ -131,10 +133,13 @@ class ResponseEvents:
         if end["status"] in ("completed", "incomplete"):
             if self.parser is not None:
                 rest, calls = self.parser.end()
-                out += self._content(rest, None)
+                out += self._auto_content(rest)
                 for call in calls:
+                    self.space = ""
                     out += self._whole_call(call["function"]["name"],
                                             call["function"]["arguments"])
+                if self.space and not self.calls:  # text with no call: kept whole
+                    out += self._content(self.space, None)
             elif self.call is not None and self.call.name is None:
                 made = self.call.calls("".join(self.held))
                 if made is None:
@@ -152,11 +157,13 @@ class ResponseEvents:
         return [*out, self.event(END_EVENTS[end["status"]],
                                  response=self.response(**end))]
 
-    def replay(self, final: dict[str, Any]) -> list[dict[str, Any]]:
+    def replay(self, last: dict[str, Any]) -> list[dict[str, Any]]:
         """The events after :meth:`opening` of a response whose job's log is gone,
-        from its final object: each item whole."""
+        from its last event (its final object): each item whole, and the last
+        event as it was sent, its sequence number with it (so a client resuming
+        after any number it saw gets the end)."""
         out: list[dict[str, Any]] = []
-        for item in final["output"]:
+        for item in last["response"]["output"]:
             if item["type"] == "message":
                 part = item["content"][0] if item["content"] else {}
                 out += self._content(part.get("text", ""), part.get("logprobs"), force=True)
@@ -164,7 +171,17 @@ class ResponseEvents:
                 out += self._item_done(self.message, item["status"])
             else:
                 out += self._whole_call(item["name"], item["arguments"])
-        return [*out, self.event(END_EVENTS[final["status"]], response=final)]
+        return [*out, last]
+
+    def _auto_content(self, text: str) -> list[dict[str, Any]]:
+        """Text around the model's own calls: whitespace is held until text
+        follows it (as the chat route's parser, whitespace alone between or
+        around calls is no message)."""
+        text, self.space = self.space + text, ""
+        if text and not text.strip():
+            self.space = text
+            return []
+        return self._content(text, None)
 
     def _content(self, text: str, values: list[dict[str, Any]] | None,
                  force: bool = False) -> list[dict[str, Any]]:

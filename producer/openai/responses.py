@@ -146,6 +146,9 @@ def refused(ask: ResponsesRequest) -> OpenAIError | None:
             return UNSUPPORTED.error(f"include {value!r} is not supported by this gateway: it "
                                      "can include 'message.output_text.logprobs'",
                                      param="include")
+    if ask.webhook_url is not None and not ask.background:
+        return UNSUPPORTED.error("webhook_url is for background responses: a response in the "
+                                 "foreground ends with its request", param="webhook_url")
     if ask.background and not ask.stored:
         return UNSUPPORTED.error("background responses are stored: send store true (or leave "
                                  "it unset) with background", param="background")
@@ -197,8 +200,10 @@ def messages(items: list[Any]) -> list[dict[str, Any]]:
             call = {"id": item.get("call_id"), "type": "function",
                     "function": {"name": item.get("name"), "arguments": item.get("arguments")}}
             last = out[-1] if out else None
-            if last is not None and last["role"] == "assistant" and "tool_calls" in last:
-                last["tool_calls"].append(call)
+            # A turn's text and its calls are one assistant message, as the chat
+            # route takes them.
+            if last is not None and last["role"] == "assistant":
+                last.setdefault("tool_calls", []).append(call)
             else:
                 out.append({"role": "assistant", "content": None, "tool_calls": [call]})
         elif kind == "function_call_output":
@@ -230,9 +235,11 @@ def _text(content: Any, i: int) -> str | list[dict[str, Any]]:
 
 
 def output_messages(output: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """A stored response's output items as the assistant's chat messages."""
-    return messages([item for item in output if item.get("type") in ("message",
-                                                                       "function_call")])
+    """A stored response's output items as the assistant's chat messages; a call
+    the model did not finish (out of tokens, cancelled: its arguments cut short)
+    is not part of the conversation."""
+    return messages([item for item in output if item.get("type") == "message"
+                     or (item.get("type") == "function_call" and item.get("status") == "completed")])
 
 
 def chat_body(ask: ResponsesRequest, history: list[dict[str, Any]]) -> dict[str, Any]:
@@ -265,8 +272,8 @@ def chat_body(ask: ResponsesRequest, history: list[dict[str, Any]]) -> dict[str,
     if ask.logprobs:
         body["logprobs"] = True
         body["top_logprobs"] = ask.top_logprobs or 0
-    if ask.stream:
-        body["stream"] = True
+    # Never "stream": a response's whole object is built and stored however it is
+    # sent, so the chat's bound on an answer's log probabilities always applies.
     return body
 
 

@@ -325,6 +325,11 @@ class Keys:
         its job ended; kept ``TOKENFLEET_RESPONSES_TTL`` from its creation."""
         return f"{self.namespace}:resp:{{{response_id}}}"
 
+    def responses_pending(self) -> str:
+        """Sorted set: background responses whose end no gateway stored yet, scored
+        by when a gateway's sweep should look at each next."""
+        return f"{self.namespace}:resp-pending"
+
     def batch(self, batch_id: str) -> str:
         """Hash: one batch's record (``producer/client/batch_records.py``): OpenAI's batch
         object's fields, its tenant and the driver's position in its input. The

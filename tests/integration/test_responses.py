@@ -7,6 +7,7 @@ model's own is random); the tokenizer, the engine, Redis and the gateway are rea
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 import uuid
@@ -18,6 +19,8 @@ import openai
 import pytest
 from pydantic import BaseModel
 
+from tokenfleet import AsyncFleetClient
+from tokenfleet.openai.stored_responses import sweep
 from tokenfleet.shared.settings import Settings
 from tokenfleet.shared.wire.keys import Keys
 from tokenfleet.workers.sequence import Sequence
@@ -263,6 +266,56 @@ def test_a_background_response_is_cancelled(stack: tuple[Settings, openai.OpenAI
     cancelled = oa.responses.cancel(made.id)
     assert cancelled.status == "cancelled"
     assert oa.responses.retrieve(made.id).status == "cancelled"
+
+
+def test_a_background_response_whose_gateway_stopped_is_stored_by_a_sweep(
+        stack: tuple[Settings, openai.OpenAI]) -> None:
+    settings, _ = stack
+    keys, r = Keys(settings.namespace), redis_client(settings.redis_url)
+    with gateways(settings) as start:
+        made = start().post("/v1/responses", json={
+            "model": "slow", "input": "Go on.", "background": True, "max_output_tokens": 300})
+        rid = made.json()["id"]
+    # That gateway is gone before the response ended, and its finisher with it.
+    job_id = json.loads(r.get(keys.response(rid)))["job_id"]
+    wait_until(lambda: r.hget(keys.job(job_id), "status") == b"succeeded", timeout=60,
+               what="the response's job to end")
+    assert json.loads(r.get(keys.response(rid)))["final"] is None
+
+    async def swept() -> int:
+        async with AsyncFleetClient(settings=settings) as client:
+            return await sweep(client, now=time.time() + 3600)  # every entry is due
+
+    assert asyncio.run(swept()) >= 1
+    final = json.loads(r.get(keys.response(rid)))["final"]
+    assert final["response"]["status"] == "incomplete"
+    assert final["response"]["usage"]["output_tokens"] == 300
+    assert r.zscore(keys.responses_pending(), rid) is None
+    r.close()
+
+
+def test_once_its_jobs_log_expired_a_response_streams_from_its_final_object(
+        stack: tuple[Settings, openai.OpenAI], http: httpx.Client) -> None:
+    settings, oa = stack
+    keys, r = Keys(settings.namespace), redis_client(settings.redis_url)
+    made = oa.responses.create(model="default", input="Say hello.")
+    events = stream_of(http, made.id)
+    job_id = json.loads(r.get(keys.response(made.id)))["job_id"]
+    r.delete(keys.job(job_id), keys.out(job_id))  # what its TTL does after a day
+    replayed = stream_of(http, made.id)
+    assert replayed[-1] == events[-1]
+    assert "".join(e["delta"] for e in replayed if e["type"] == "response.output_text.delta") \
+        == SAID
+    # A client that saw all but the end gets the end.
+    assert stream_of(http, made.id, after=events[-2]["sequence_number"]) == [events[-1]]
+    assert oa.responses.retrieve(made.id).output_text == SAID
+    r.close()
+
+
+def stream_of(http: httpx.Client, rid: str, after: int = -1) -> list[dict[str, Any]]:
+    with http.stream("GET", f"/responses/{rid}",
+                     params={"stream": "true", "starting_after": after}) as got:
+        return [json.loads(e["data"]) for e in sse_events(got.iter_lines())]
 
 
 def test_a_foreground_response_cannot_be_cancelled(stack: tuple[Settings, openai.OpenAI]

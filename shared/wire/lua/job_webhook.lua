@@ -19,7 +19,9 @@ local function job_webhook(outbox, job, status, now)
   local cur = redis.call('HMGET', job, 'webhook_url', 'id', 'finish_reason', 'error', 'tenant',
                          'response_id')
   local url, id, response = cur[1], cur[2], cur[6]
-  if not url or not id or not JOB_EVENTS[status] then return end
+  -- A background response's event goes to the fleet's URL where it names none
+  -- (an empty url: the deliverer's TOKENFLEET_WEBHOOK_URL, as a batch's).
+  if not (url or response) or not id or not JOB_EVENTS[status] then return end
   local kind, data = JOB_EVENTS[status], {id = id, status = status, finished_at = tonumber(now)}
   if response then
     kind, data = RESPONSE_EVENTS[status], {id = response}
@@ -31,6 +33,6 @@ local function job_webhook(outbox, job, status, now)
   end
   -- The tenant picks the event's delivery lane and signing secret (none: the default's).
   redis.call('XADD', outbox, '*', 'id', 'msg_' .. string.gsub(id, '[^%w]', '_'),
-             'type', kind, 'data', cjson.encode(data), 'url', url,
+             'type', kind, 'data', cjson.encode(data), 'url', url or '',
              'tenant', cur[5] or 'default')
 end
