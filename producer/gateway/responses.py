@@ -167,7 +167,7 @@ async def create_response(request: Request) -> Response:
         await pending(client, record)
         request.app.state.finishers.start(record)
         if ask.stream:
-            return sse.response(_stream(client, record, -1, request.scope),
+            return sse.response(_stream(client, record, -1, request.scope, fresh=True),
                                 keepalive_s(request))
         return JSONResponse(record.base)
     if ask.stream:
@@ -187,17 +187,17 @@ async def _foreground(client: AsyncFleetClient, record: ResponseRecord, scope: A
     """A response streamed to the request that made it: cancelled if its client
     leaves before the end, as a chat's stream is."""
     async with cancel_unless_ended(client, [record.job_id]) as ended:
-        async for frame in _stream(client, record, -1, scope):
+        async for frame in _stream(client, record, -1, scope, fresh=True):
             yield frame
         ended.set()
 
 
-async def _stream(client: AsyncFleetClient, record: ResponseRecord, after: int, scope: Any
-                  ) -> AsyncIterator[bytes]:
+async def _stream(client: AsyncFleetClient, record: ResponseRecord, after: int, scope: Any,
+                  fresh: bool = False) -> AsyncIterator[bytes]:
     """The response's events after sequence number ``after``, each a Server-Sent
-    Event named by its type."""
+    Event named by its type (``fresh``: the request that made it)."""
     timed = False
-    async with contextlib.aclosing(events(client, record)) as batches:
+    async with contextlib.aclosing(events(client, record, fresh)) as batches:
         async for batch in batches:
             frame = b"".join(sse.event(orjson.dumps(e), name=e["type"])
                              for e in batch if e["sequence_number"] > after)

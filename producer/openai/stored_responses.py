@@ -197,15 +197,17 @@ async def current(client: AsyncFleetClient, record: ResponseRecord) -> dict[str,
     return dict(record.final["response"])
 
 
-async def events(client: AsyncFleetClient, record: ResponseRecord
+async def events(client: AsyncFleetClient, record: ResponseRecord, fresh: bool = False
                  ) -> AsyncGenerator[list[dict[str, Any]], None]:
     """The response's events from the first, in lists as they come: made from its
     job's token log while the job keeps it; after, from the final object (each
-    item whole, the last event numbered as it was first sent)."""
+    item whole, the last event numbered as it was first sent). ``fresh``: the
+    job was just submitted (its record is there: not read to see)."""
     writer = record.writer()
     yield writer.opening()
     try:
-        await client.status(record.job_id)
+        if not fresh:
+            await client.status(record.job_id)
     except JobNotFound:
         if record.final is None:
             await finish(client, record, None)
