@@ -125,3 +125,9 @@ def test_the_progress_line_says_done_failed_total_rate_and_time_left() -> None:
     line = progress(BatchRecord(batch=batch, tenant="default", tokens=500), elapsed_s=10.0)
     assert line == ("batch_1 in_progress: 20 done / 5 failed / 100 total, 50.0 tokens/s, "
                     "ETA 30s")
+
+
+def test_a_request_naming_a_stored_response_is_no_batch_line() -> None:
+    request = GenerationRequest(prompt="Hi", response_id="resp_" + "0" * 32)
+    with pytest.raises(InvalidRequest, match="response_id: a batch line is no stored response"):
+        to_body(request)

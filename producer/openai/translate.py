@@ -200,6 +200,9 @@ def to_body(request: GenerationRequest) -> dict[str, Any]:
     if request.sampling.choice_index:
         raise InvalidRequest("sampling.choice_index: a batch line is one choice, the first; "
                              "send its seed for another draw")
+    if request.response_id is not None:
+        raise InvalidRequest("response_id: a batch line is no stored response (POST "
+                             "/v1/responses makes those); leave it unset")
     if chat:
         body.update(request.model_dump(include=set(TEMPLATE_FIELDS), exclude_defaults=True))
     body.update(_metadata(request.metadata, chat))

@@ -268,12 +268,14 @@ async def test_a_background_responses_end_is_posted_as_openais_response_event(
                                               "background": True})
     done_id, queued_id = done.json()["id"], queued.json()["id"]
     assert http.post(f"/v1/responses/{queued_id}/cancel").json()["status"] == "cancelled"
-    got = await receiver.until(lambda r: len(r) >= 2, 30, "both responses' webhooks")
+    got = await receiver.until(lambda r: len({g.id for g in r}) >= 2, 60,
+                               "both responses' webhooks")
     payloads = {p["data"]["id"]: p["type"] for p in (g.verified() for g in got)}
     finished = http.get(f"/v1/responses/{done_id}").json()["status"]
     assert payloads == {done_id: f"response.{finished}", queued_id: "response.cancelled"}
     assert finished in ("completed", "incomplete")
-    assert len(receiver.received) == 2
+    # One event each (a webhook id names one event, however often it is tried).
+    assert len({g.id for g in receiver.received}) == 2
 
 
 async def test_a_job_cancelled_or_expired_in_its_queue_is_posted_so(
