@@ -83,6 +83,12 @@ def caller(state: Any) -> ApiKey | None:
     return key
 
 
+def caller_tenant(state: Any) -> str | None:
+    """The tenant of the key a request came with, None on an open gateway."""
+    key = caller(state)
+    return None if key is None else key.tenant
+
+
 async def announce(mode: str, book: KeyBook) -> None:
     """Say at start, loudly, whether this gateway asks for keys."""
     if mode == "off":

@@ -29,7 +29,7 @@ from redis.exceptions import RedisError
 
 from tokenfleet.client.aio import AsyncFleetClient
 from tokenfleet.gateway.error_response import error_response
-from tokenfleet.gateway.auth import caller
+from tokenfleet.gateway.auth import caller, caller_tenant
 from tokenfleet.batches.driver import BatchDriver
 from tokenfleet.client.batch_records import Batch, cancel_batch, create_batch, get_batch, list_batches
 from tokenfleet.files.records import get_file
@@ -52,11 +52,6 @@ class CreateBatch(BaseModel):
     endpoint: str
     completion_window: str = "24h"
     metadata: dict[str, Any] | None = None
-
-
-def _tenant(request: Request) -> str | None:
-    key = caller(request.state)
-    return None if key is None else key.tenant
 
 
 def _client(request: Request) -> AsyncFleetClient:
@@ -94,7 +89,7 @@ async def create(request: Request) -> Response:
         return error_response(INVALID_VALUE.error(
             problem.replace("webhook_url", "metadata.webhook_url", 1),
             param="metadata.webhook_url"))
-    tenant = _tenant(request)
+    tenant = caller_tenant(request.state)
     file = await get_file(client.redis, client.keys, ask.input_file_id, tenant)
     if file is None:
         return _missing("file", ask.input_file_id)
@@ -117,7 +112,7 @@ async def create(request: Request) -> Response:
 @router.get("/v1/batches/{batch_id}")
 async def retrieve(batch_id: str, request: Request) -> Response:
     client = _client(request)
-    batch = await get_batch(client.redis, client.keys, batch_id, _tenant(request))
+    batch = await get_batch(client.redis, client.keys, batch_id, caller_tenant(request.state))
     return _missing("batch", batch_id) if batch is None else _answer(batch)
 
 
@@ -127,7 +122,7 @@ async def listed(request: Request, after: str | None = None, limit: int = 20) ->
     if not 1 <= limit <= 100:
         return error_response(INVALID_VALUE.error(f"invalid 'limit': {limit}; from 1 to 100",
                                                   param="limit"))
-    batches, more = await list_batches(client.redis, client.keys, _tenant(request),
+    batches, more = await list_batches(client.redis, client.keys, caller_tenant(request.state),
                                        after=after, limit=limit)
     body = {"object": "list", "data": [b.model_dump(mode="json") for b in batches],
             "first_id": batches[0].id if batches else None,
@@ -138,7 +133,7 @@ async def listed(request: Request, after: str | None = None, limit: int = 20) ->
 @router.post("/v1/batches/{batch_id}/cancel")
 async def cancel(batch_id: str, request: Request) -> Response:
     client = _client(request)
-    batch = await cancel_batch(client.redis, client.keys, batch_id, _tenant(request))
+    batch = await cancel_batch(client.redis, client.keys, batch_id, caller_tenant(request.state))
     return _missing("batch", batch_id) if batch is None else _answer(batch)
 
 

@@ -31,7 +31,7 @@ from starlette.requests import ClientDisconnect
 from tokenfleet.files import records as files
 from tokenfleet.client.aio import AsyncFleetClient
 from tokenfleet.gateway.error_response import error_response
-from tokenfleet.gateway.auth import caller
+from tokenfleet.gateway.auth import caller_tenant
 from tokenfleet.files.records import FileObject
 from tokenfleet.openai.errors import FILE_NOT_FOUND, INVALID_VALUE, Refusal
 from tokenfleet.shared.wire.errors import InvalidRequest
@@ -62,11 +62,6 @@ def _store(request: Request) -> FileStore:
     return store_for(_fleet(request).settings.files_url)
 
 
-def _tenant(request: Request) -> str | None:
-    key = caller(request.state)
-    return None if key is None else key.tenant
-
-
 def _refuse(request: Request, refusal: Refusal, message: str, *, param: str | None = None,
             headers: dict[str, str] | None = None) -> Response:
     note(request.state, refusal)  # the reason a tenant's refusal is counted under
@@ -92,7 +87,7 @@ async def upload(request: Request) -> Response:
                        param="file", headers={"Connection": "close"})
     fleet = _fleet(request)
     try:
-        await files.check_room(fleet.redis, fleet.keys, _tenant(request),
+        await files.check_room(fleet.redis, fleet.keys, caller_tenant(request.state),
                                fleet.settings.files_max_per_tenant)
     except InvalidRequest as exc:  # refused before a byte of it is read
         return _refuse(request, INVALID_VALUE, str(exc), param="file",
@@ -112,7 +107,7 @@ async def upload(request: Request) -> Response:
         return _refuse(request, INVALID_VALUE, message, param=_field_of(message),
                        headers=None if whole else {"Connection": "close"})
     try:
-        await files.register(fleet.redis, fleet.keys, file, _tenant(request))
+        await files.register(fleet.redis, fleet.keys, file, caller_tenant(request.state))
     except BaseException:  # Redis out of reach: no file nobody can list or delete
         await asyncio.to_thread(store.delete, files.store_name(file.id))
         raise
@@ -188,7 +183,7 @@ async def list_files(request: Request) -> Response:
                        f"limit: must be a whole number from 1 to {MAX_LIST}, got {limit_text!r}",
                        param="limit")
     fleet = _fleet(request)
-    found = await files.list_files(fleet.redis, fleet.keys, _tenant(request),
+    found = await files.list_files(fleet.redis, fleet.keys, caller_tenant(request.state),
                                    purpose=query.get("purpose"), limit=MAX_LIST)
     if order == "asc":
         found.reverse()
@@ -206,7 +201,7 @@ async def list_files(request: Request) -> Response:
 @router.get("/v1/files/{file_id}")
 async def retrieve(file_id: str, request: Request) -> Response:
     fleet = _fleet(request)
-    file = await files.get_file(fleet.redis, fleet.keys, file_id, _tenant(request))
+    file = await files.get_file(fleet.redis, fleet.keys, file_id, caller_tenant(request.state))
     if file is None:
         return _not_found(request, file_id)
     return JSONResponse(file.model_dump())
@@ -216,7 +211,7 @@ async def retrieve(file_id: str, request: Request) -> Response:
 async def delete(file_id: str, request: Request) -> Response:
     fleet = _fleet(request)
     if not await files.delete_file(fleet.redis, fleet.keys, _store(request), file_id,
-                                   _tenant(request)):
+                                   caller_tenant(request.state)):
         return _not_found(request, file_id)
     return JSONResponse({"id": file_id, "object": "file", "deleted": True})
 
@@ -224,7 +219,7 @@ async def delete(file_id: str, request: Request) -> Response:
 @router.get("/v1/files/{file_id}/content")
 async def content(file_id: str, request: Request) -> Response:
     fleet = _fleet(request)
-    file = await files.get_file(fleet.redis, fleet.keys, file_id, _tenant(request))
+    file = await files.get_file(fleet.redis, fleet.keys, file_id, caller_tenant(request.state))
     if file is None:
         return _not_found(request, file_id)
     try:

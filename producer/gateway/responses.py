@@ -31,7 +31,7 @@ from redis.exceptions import RedisError
 from tokenfleet.client.aio import AsyncFleetClient
 from tokenfleet.gateway import sse
 from tokenfleet.gateway.answer import cancel_unless_ended
-from tokenfleet.gateway.auth import caller
+from tokenfleet.gateway.auth import caller, caller_tenant
 from tokenfleet.gateway.completions import submit_constrained
 from tokenfleet.gateway.error_response import error_response
 from tokenfleet.gateway.fanout import cancel_quietly, wait_while_connected
@@ -106,11 +106,6 @@ class Finishers:
         await asyncio.gather(*self.tasks, return_exceptions=True)
 
 
-def _tenant(request: Request) -> str | None:
-    key = caller(request.state)
-    return None if key is None else key.tenant
-
-
 def _not_found(response_id: str, param: str | None = None) -> Response:
     return error_response(RESPONSE_NOT_FOUND.error(
         f"no response '{response_id}': never made, not stored, deleted or expired",
@@ -118,7 +113,7 @@ def _not_found(response_id: str, param: str | None = None) -> Response:
 
 
 async def _record(request: Request, response_id: str) -> ResponseRecord | None:
-    return await load(fleet(request), response_id, _tenant(request),
+    return await load(fleet(request), response_id, caller_tenant(request.state),
                       any_tenant=caller(request.state) is None)
 
 
@@ -157,7 +152,7 @@ async def create_response(request: Request) -> Response:
     if isinstance(job_ids, Response):
         return job_ids
     record = ResponseRecord(
-        id=rid, job_id=job_ids[0], tenant=_tenant(request),
+        id=rid, job_id=job_ids[0], tenant=caller_tenant(request.state),
         base=created(rid, ask, made.job, time.time()), chat=chat,
         fmt=made.fmt, input_items=input_items(ask),
         messages=chat["messages"][0 if ask.instructions is None else 1:])

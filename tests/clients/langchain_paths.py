@@ -31,22 +31,9 @@ from typing import Any
 import httpx
 from langchain_core.messages import AIMessage, HumanMessage, SystemMessage
 from langchain_openai import ChatOpenAI, OpenAI
+from offline import Fail, local_only
 
 PROMPTS = [f"prompt {i}" for i in range(20)]
-LOOPBACK = ("127.0.0.1", "::1", "localhost")
-
-
-def local_only(event: str, args: tuple[Any, ...]) -> None:
-    if event == "socket.connect":
-        address = args[1]
-        if isinstance(address, tuple) and address[0] not in LOOPBACK:
-            raise RuntimeError(f"a connection to {address} was attempted: nothing may download")
-    elif event == "socket.getaddrinfo" and args[0] not in LOOPBACK:
-        raise RuntimeError(f"a lookup of {args[0]!r} was attempted: nothing may download")
-
-
-class Fail(Exception):
-    pass
 
 
 def recording_client(sent: list[tuple[str, dict[str, Any]]]) -> httpx.Client:

@@ -32,22 +32,9 @@ import traceback
 from typing import Any, Literal
 
 import httpx
+from offline import Fail, local_only
 
-LOOPBACK = ("127.0.0.1", "::1", "localhost")
 CALLED: list[dict[str, Any]] = []
-
-
-def local_only(event: str, args: tuple[Any, ...]) -> None:
-    if event == "socket.connect":
-        address = args[1]
-        if isinstance(address, tuple) and address[0] not in LOOPBACK:
-            raise RuntimeError(f"a connection to {address} was attempted: nothing may download")
-    elif event == "socket.getaddrinfo" and args[0] not in LOOPBACK:
-        raise RuntimeError(f"a lookup of {args[0]!r} was attempted: nothing may download")
-
-
-class Fail(Exception):
-    pass
 
 
 def recorded(paths: list[str]) -> httpx.AsyncClient:
