@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 from redis.exceptions import RedisError
 
 from tokenfleet.shared.redis import liveness
+from tokenfleet.shared.wire import fleet_history
 from tokenfleet.shared.wire.keys import GROUP, PRIORITIES, level_priority, level_tenant
 from tokenfleet.shared.redis.cluster import reread_slot_map
 from tokenfleet.shared.redis.connect import node_client
@@ -38,6 +39,7 @@ SERVED_MEMORY_S = 86_400
 class Heartbeat:
     def __init__(self, worker: Worker) -> None:
         self.worker = worker
+        self.next_sample = 0.0  # when the console's next sample is due (Redis's clock)
 
     def first_beat(self) -> None:
         """One beat before the feeders read: a peer takes the pending entries of a
@@ -151,4 +153,21 @@ class Heartbeat:
         pipe = self.worker.redis.pipeline(transaction=False)
         pipe.hset(key, mapping=info)
         pipe.expire(key, math.ceil(liveness.live_for_s(self.worker.settings.heartbeat_s)))
+        pipe.execute()
+        if info["last_seen"] >= self.next_sample:
+            self.next_sample = info["last_seen"] + fleet_history.HISTORY_EVERY_S
+            self.sample(info)
+
+    def sample(self, info: dict[str, Any]) -> None:
+        """The console's sample of this worker (``shared/wire/fleet_history.py``)."""
+        w = self.worker
+        pipe = w.redis.pipeline(transaction=False)
+        for part in w.partitions:
+            pipe.get(w.keys.backlog(part))
+        backlog = sum(int(b or 0) for b in pipe.execute())
+        pipe = w.redis.pipeline(transaction=False)
+        fleet_history.add(pipe, w.keys, worker=w.name, queue=w.queue,
+                          tokens_per_s=w.engine.stats.tokens_per_s(),
+                          running=int(info["running"]), waiting=int(info["waiting"]),
+                          backlog_tokens=backlog, now=info["last_seen"])
         pipe.execute()

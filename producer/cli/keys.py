@@ -66,10 +66,12 @@ def keys() -> None:
               help="the most jobs of its tenant waiting or running (default: no limit)")
 @click.option("--max-priority", type=click.Choice(["low", "normal", "high"]), default="normal",
               show_default=True, help="the highest priority its requests may ask")
+@click.option("--admin", is_flag=True,
+              help="it sees every tenant's jobs, batches and keys in the console (/console)")
 @redis_option
 def create(tenant: str, rpm: int | None, tpm: int | None, queues: list[str] | None,
            max_queued: int | None, max_priority: Literal["high", "normal", "low"],
-           redis_url: str | None) -> None:
+           admin: bool, redis_url: str | None) -> None:
     """Make a key; it is printed once, on the last line (only its SHA-256 is stored)."""
     from tokenfleet.shared.wire.api_keys import create_key, new_key
     from tokenfleet.shared.wire.schemas import ApiKey
@@ -78,7 +80,7 @@ def create(tenant: str, rpm: int | None, tpm: int | None, queues: list[str] | No
         key, key_id = new_key()
         record = ApiKey(key_id=key_id, tenant=tenant, rpm=rpm, tpm=tpm, queues=queues,
                         max_queued=max_queued, max_priority=max_priority,
-                        created_at=client.clock.read(client.redis))
+                        admin=admin, created_at=client.clock.read(client.redis))
         create_key(client.redis, client.keys, record, key)
     click.echo(f"key {key_id} for tenant {tenant!r}: {_limits(record)}")
     click.echo("keep it now: it cannot be shown again (revoke it with "
@@ -123,4 +125,6 @@ def _limits(record: ApiKey) -> str:
              if value is not None]
     parts.append("queues " + (",".join(record.queues) if record.queues else "all"))
     parts.append(f"max-priority {record.max_priority}")
+    if record.admin:
+        parts.append("admin")
     return ", ".join(parts)

@@ -88,6 +88,7 @@ def retry(event_ids: tuple[str, ...], every: bool, redis_url: str | None) -> Non
     """Send dead letters (EVENT_IDS, or --all) again: back to the outbox under
     their own ids, so a receiver that saw one drops the repeat."""
     from tokenfleet.cli.keys import _client
+    from tokenfleet.webhooks.resend import resend
 
     if not event_ids and not every:
         raise click.UsageError("name the events to send again (their ids), or --all")
@@ -100,10 +101,7 @@ def retry(event_ids: tuple[str, ...], every: bool, redis_url: str | None) -> Non
                 fields = {k.decode(): v.decode() for k, v in raw.items()}
                 if not every and fields.get("id") not in wanted:
                     continue
-                event = {k: fields[k] for k in ("id", "type", "data", "url", "tenant")
-                         if fields.get(k)}
-                r.xadd(keys.webhook_outbox, event)  # first: a crash here leaves a copy, never none
-                r.xdel(stream, entry_id)
+                resend(r, keys, stream, entry_id, fields)
                 wanted.discard(fields.get("id", ""))
                 again += 1
     click.echo(f"sent {again} dead letter(s) again")

@@ -42,15 +42,25 @@ def fleet_status(client: Any) -> dict[str, Any]:
     ids are written on. A partitioned queue's partitions are summed into one row.
     """
     r, keys = client.redis, client.keys
-    now = redis_now(r)
     declared = {d.queue: d.min_workers for d in declared_queues(r, keys)}
-    models = sorted({*queue_models(r, keys), *declared})
+    workers = sorted(raw.decode() for raw in r.scan_iter(match=keys.workers_pattern(), count=500))
+    return fleet_report(client, sorted({*queue_models(r, keys), *declared}), declared, workers)
+
+
+def fleet_report(client: Any, models: list[str], declared: dict[str, int],
+                 worker_keys: list[str]) -> dict[str, Any]:
+    """``fleet_status`` of the queues (and partitions) ``models``, the declared
+    queues' floors ``declared`` and the workers whose hashes are ``worker_keys``:
+    each read once, so its cost is that of the rows it returns (the console
+    finds its names without a scan, ``tokenfleet status`` with one)."""
+    r, keys = client.redis, client.keys
+    now = redis_now(r)
     parts: dict[str, list[dict[str, Any]]] = {}
     for model in models:
         parts.setdefault(queue_of_partition(model), []).append(_queue(r, keys, model, now))
     queues = [_summed(name, found) for name, found in parts.items()]
     workers = []
-    for raw in sorted(r.scan_iter(match=keys.workers_pattern(), count=500)):
+    for raw in worker_keys:
         fields = {k.decode(): v.decode() for k, v in r.hgetall(raw).items()}
         if not fields:
             continue

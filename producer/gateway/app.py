@@ -15,7 +15,9 @@
   lines every gateway's batch driver runs;
 - ``GET /healthz`` (live) and ``GET /readyz`` (ready), and vLLM's ``GET /health`` (the
   same as ``/healthz``) and ``GET /version``: ``tokenfleet.gateway.health``;
-- ``GET /metrics``: the gateway's Prometheus metrics (``tokenfleet.gateway.metrics``).
+- ``GET /metrics``: the gateway's Prometheus metrics (``tokenfleet.gateway.metrics``);
+- ``/console``: the fleet, its jobs, batches and dead letters in a browser
+  (``tokenfleet.gateway.console``), behind the same keys.
 
 Any other path is a 404 in OpenAI's shape, code ``unknown_url`` (``POST /v1/embeddings``
 included: OpenAI's clients and benchmark tools read it as OpenAI's own), and a path
@@ -47,7 +49,7 @@ from urllib.parse import quote
 import orjson
 import uvicorn
 from fastapi import APIRouter, FastAPI, Header, HTTPException, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, RedirectResponse, Response, StreamingResponse
 from fastapi.exception_handlers import http_exception_handler
 from pydantic import ValidationError
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -56,6 +58,7 @@ from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match
+from starlette.types import Scope
 
 from tokenfleet.gateway.error_response import error_response
 from tokenfleet.gateway import batches as openai_batches
@@ -63,11 +66,15 @@ from tokenfleet.gateway import chat as openai_chat
 from tokenfleet.gateway import completions as openai_compat
 from tokenfleet.gateway import files as openai_files
 from tokenfleet.gateway import sse
+from tokenfleet.gateway.job_events import job_event_frames
 from tokenfleet.client.aio import AsyncFleetClient
-from tokenfleet.gateway.auth import (Authenticate, announce, auth_mode, caller, unauthorized,
-                             warn_while_open)
+from tokenfleet.client.sync import FleetClient
+from tokenfleet.gateway.console import routes as console_routes
+from tokenfleet.gateway.console.pages import wants_json
+from tokenfleet.gateway.auth import (CONSOLE, Authenticate, announce, auth_mode, caller,
+                                     is_console, unauthorized, warn_while_open)
 from tokenfleet.gateway.health import HEALTH_TIMEOUT_S, GatewayServer
-from tokenfleet.gateway.metrics import GatewayMetrics, MeasureRequests, first_token
+from tokenfleet.gateway.metrics import GatewayMetrics, MeasureRequests
 from tokenfleet.gateway.health import router as health_router
 from tokenfleet.gateway.key_limits import KeyLimits, submit_as_caller
 from tokenfleet.gateway.request_body import (BodyTooLarge, fleet, keepalive_s, openai_body,
@@ -154,6 +161,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         webhooks = app.state.webhooks = Deliverer(
             app.state.fleet.redis, app.state.fleet.keys, settings).start(settings.gateway_webhooks)
         app.state.finishers = openai_responses.Finishers(app.state.fleet)
+        # The console's fleet view reuses ``tokenfleet status``'s reads, which
+        # are synchronous: they run in a thread, on a client of their own.
+        app.state.console_reads = FleetClient(settings=settings)
         try:
             async with openai_batches.driving(app):
                 yield
@@ -164,6 +174,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             await webhooks.stop()
             await app.state.limits.close()
             await app.state.fleet.close()
+            app.state.console_reads.close()
 
     app = FastAPI(title="tokenfleet gateway", lifespan=lifespan)
     app.include_router(router)
@@ -171,11 +182,12 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.include_router(openai_batches.router)
     app.include_router(openai_responses.router)
     app.include_router(health_router)
+    app.include_router(console_routes.router)
     app.add_middleware(BodyDeadline, timeout_s=settings.body_timeout_s)
     app.add_middleware(CountRefusals)  # inside Authenticate: it reads the key it set
     app.add_middleware(
         Authenticate, mode=mode,
-        error=lambda scope, message: unauthorized(_openai_path(scope["path"]), message),
+        error=_refuse_unknown_key,
         peek=lambda scope, key: scope["app"].state.limits.peek(scope, key),
         failed=_handled)
     # Outermost: every answer is counted, a 401 too; /metrics needs no key.
@@ -237,6 +249,15 @@ async def _handled(scope: Any, exc: Exception) -> Response:
         if cls in handlers:
             return cast(Response, await handlers[cls](Request(scope), exc))
     raise exc
+
+
+def _refuse_unknown_key(scope: Scope, message: str) -> Response:
+    """The 401 of a request without a usable key; a browser opening the
+    console is sent to its sign-in page instead."""
+    request = Request(scope)
+    if is_console(scope["path"]) and not wants_json(request):
+        return RedirectResponse(f"{CONSOLE}/login", status_code=303)
+    return unauthorized(_openai_path(scope["path"]), message)
 
 
 def _openai_path(path: str) -> bool:
@@ -372,21 +393,8 @@ async def job_events(
             raise HTTPException(
                 400, f"Last-Event-ID must be a token index as sent in 'id:', not {last_event_id!r}"
             ) from exc
-    return sse.response(_job_events(client, job_id, after, request.scope), keepalive_s(request))
-
-
-async def _job_events(client: AsyncFleetClient, job_id: str, after: int, scope: Any
-                      ) -> AsyncIterator[bytes]:
-    async with contextlib.aclosing(client.stream_batches(job_id)) as batches:
-        async for events in batches:
-            # A backlog goes out as one write: the same events, fewer frames.
-            frame = b"".join(sse.event(e.after(after + 1).model_dump_json(exclude_none=True),
-                                       name="token", event_id=e.end - 1)
-                             for e in events if e.end > after + 1)
-            if frame:
-                first_token(scope)
-                yield frame
-    yield sse.event((await client.status(job_id)).model_dump_json(), name="end")
+    return sse.response(job_event_frames(client, job_id, after, request.scope),
+                        keepalive_s(request))
 
 
 async def _state(request: Request, job_id: str) -> JobState:

@@ -27,6 +27,7 @@ from typing import Any
 
 from redis.exceptions import RedisError
 from starlette.datastructures import Headers
+from starlette.requests import cookie_parser
 from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -40,6 +41,14 @@ log = logging.getLogger("tokenfleet.gateway.app")
 # Probes answer without a key: an orchestrator has none (nor a benchmark
 # tool asking vLLM's /health and /version before its run).
 OPEN_PATHS = frozenset({"/healthz", "/readyz", "/health", "/version"})
+# The console is opened in a browser, which sends no Authorization header: the
+# key given at its sign-in page comes back in this cookie (HttpOnly,
+# SameSite=Strict: no other site's page can make the browser send it), read on
+# the console's own paths only, so no API route can be driven by a cookie.
+CONSOLE = "/console"
+CONSOLE_COOKIE = "tokenfleet_console"
+# What the console serves to anyone: its sign-in page and its own assets.
+CONSOLE_OPEN = ("/console/login", "/console/static/")
 MISSING = ("missing API key: send the header 'Authorization: Bearer <key>' "
            "(`tokenfleet keys create --tenant NAME` makes one)")
 INCORRECT = ("incorrect API key provided: it does not exist or was revoked "
@@ -75,6 +84,24 @@ def bearer(headers: Headers) -> str | None:
     """The key of an ``Authorization: Bearer <key>`` header, or None."""
     scheme, _, key = headers.get("authorization", "").partition(" ")
     return key.strip() or None if scheme.lower() == "bearer" else None
+
+
+def is_console(path: str) -> bool:
+    return path == CONSOLE or path.startswith(CONSOLE + "/")
+
+
+def presented_key(scope: Scope) -> str | None:
+    """The key a request presents: its bearer header, or on a console path its
+    sign-in cookie."""
+    headers = Headers(scope=scope)
+    key = bearer(headers)
+    if key is None and is_console(scope["path"]):
+        key = cookie_parser(headers.get("cookie", "")).get(CONSOLE_COOKIE) or None
+    return key
+
+
+def _open_path(path: str) -> bool:
+    return path in OPEN_PATHS or path.startswith(CONSOLE_OPEN)
 
 
 def caller(state: Any) -> ApiKey | None:
@@ -140,7 +167,7 @@ class Authenticate:
         self.app, self.mode, self.error, self.peek, self.failed = app, mode, error, peek, failed
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if (scope["type"] != "http" or self.mode == "off" or scope["path"] in OPEN_PATHS):
+        if scope["type"] != "http" or self.mode == "off" or _open_path(scope["path"]):
             await self.app(scope, receive, send)
             return
         try:
@@ -183,7 +210,7 @@ class Authenticate:
             # Open until the first key is made; a key sent anyway is not read
             # (OpenAI's client always sends one, whatever it is set to).
             return None
-        presented = bearer(Headers(scope=scope))
+        presented = presented_key(scope)
         if presented is None:
             return self.error(scope, MISSING)
         key = await book.lookup(presented)

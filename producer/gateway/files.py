@@ -222,10 +222,17 @@ async def content(file_id: str, request: Request) -> Response:
     file = await files.get_file(fleet.redis, fleet.keys, file_id, caller_tenant(request.state))
     if file is None:
         return _not_found(request, file_id)
+    answer = await file_content(_store(request), file)
+    return _not_found(request, file_id) if answer is None else answer
+
+
+async def file_content(store: FileStore, file: files.FileObject) -> Response | None:
+    """The file's bytes as a streamed answer (the API's and the console's
+    download), or None when they are gone (deleted since its record was read)."""
     try:
-        chunks = await asyncio.to_thread(_store(request).read, files.store_name(file.id))
-    except FileNotFoundError:  # deleted between the two reads
-        return _not_found(request, file_id)
+        chunks = await asyncio.to_thread(store.read, files.store_name(file.id))
+    except FileNotFoundError:
+        return None
     media_type = "application/jsonl" if file.purpose in files.PURPOSES else (
         "application/octet-stream")
     # A blocking iterator: Starlette takes each chunk in a thread.

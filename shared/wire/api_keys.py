@@ -56,6 +56,16 @@ def list_keys(redis: Any, keys: Keys) -> list[ApiKey]:
     return sorted(records, key=lambda r: r.created_at)
 
 
+async def list_keys_async(redis: Any, keys: Keys) -> list[ApiKey]:
+    """``list_keys`` on an asyncio client (the console's keys page)."""
+    digests = await redis.hgetall(keys.api_keys)
+    pipe = redis.pipeline(transaction=False)
+    for value in digests.values():
+        pipe.get(keys.api_key(_text(value)))
+    records = [ApiKey.model_validate_json(raw) for raw in await pipe.execute() if raw]
+    return sorted(records, key=lambda r: r.created_at)
+
+
 def revoke_key(redis: Any, keys: Keys, key_id: str) -> bool:
     """Delete a key by its id; False when no such key. The record goes first,
     so the key fails at once even if the listing's entry outlives a crash."""

@@ -278,6 +278,19 @@ class Keys:
     def declared_pattern(self) -> str:
         return f"{self.namespace}:declared:*"
 
+    @property
+    def declared_index(self) -> str:
+        """Set: the declared queues' names, so that a page lists them without a
+        scan of the keyspace (``declare`` and ``undeclare`` keep it)."""
+        return f"{self.namespace}:declared-index"
+
+    @property
+    def history(self) -> str:
+        """Stream, trimmed to ``HISTORY_S``: each worker's sample every
+        ``HISTORY_EVERY_S`` (tokens/s, running, waiting, its queue's backlog),
+        the console's 15 minutes of the fleet (``shared/wire/fleet_history.py``)."""
+        return f"{self.namespace}:history"
+
     def declared_model(self, key: str) -> str:
         """The model of a ``declared`` key."""
         return _untagged(key.removeprefix(f"{self.namespace}:declared:"))

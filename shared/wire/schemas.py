@@ -656,6 +656,9 @@ class ApiKey(BaseModel):
     # The highest priority its requests may ask (fair share holds within a level
     # only: a level above is ahead of every tenant's normal work).
     max_priority: Literal["high", "normal", "low"] = "normal"
+    # Sees every tenant in the console (``/console``); its own requests are its
+    # tenant's as any key's are.
+    admin: bool = False
     created_at: float
 
     @property
