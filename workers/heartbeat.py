@@ -169,5 +169,6 @@ class Heartbeat:
         fleet_history.add(pipe, w.keys, worker=w.name, queue=w.queue,
                           tokens_per_s=w.engine.stats.tokens_per_s(),
                           running=int(info["running"]), waiting=int(info["waiting"]),
-                          backlog_tokens=backlog, now=info["last_seen"])
+                          backlog_tokens=backlog, now=info["last_seen"],
+                          tenant_tokens=dict(w.engine.stats.tenant_tokens))
         pipe.execute()

@@ -168,6 +168,22 @@ def test_the_fleet_page_shows_the_queues_and_the_15_minutes_lines(
     assert f'data-queue="{IDLE}"' in html and "<polyline" in html
 
 
+def test_the_keys_page_shows_each_tenants_share_of_the_last_hours_tokens(
+        console: dict[str, Any]) -> None:
+    r, keys = console["r"], console["ns"]
+    # A worker's counters since it started: only what it served within the hour counts.
+    for counts in ({"acme": 1000}, {"acme": 1300, "globex": 100}):
+        pipe = r.pipeline(transaction=False)
+        fleet_history.add(pipe, keys, worker="w@shares", queue=IDLE, tokens_per_s=1.0,
+                          running=0, waiting=0, backlog_tokens=0, now=redis_now(r),
+                          tenant_tokens=counts)
+        pipe.execute()
+    client = signed_in(console["client"], console["keys"]["ops"])
+    served = client.get("/console/keys", headers=JSON).json()["tokens_last_hour"]
+    assert served == {"acme": {"tokens": 300, "share": 0.75},
+                      "globex": {"tokens": 100, "share": 0.25}}
+
+
 def test_a_form_posted_from_another_site_is_refused_and_changes_nothing(
         console: dict[str, Any]) -> None:
     client = signed_in(console["client"], console["keys"]["acme"])

@@ -226,8 +226,8 @@ async def tenant_refusals(aio: Any) -> dict[str, dict[str, int]]:
     return out
 
 
-def queue_names(report: dict[str, Any]) -> list[str]:
-    """Every queue and partition a fleet report names (the jobs' and dead letters' pages)."""
-    return sorted({str(w.get("queue")) for w in report["workers"]}
-                  | {q["queue"] for q in report["queues"]})
+async def tenant_tokens(aio: Any, now: float) -> dict[str, int]:
+    """Each tenant's tokens served over the last hour (the workers' samples)."""
+    samples = await fleet_history.read(aio.redis, aio.keys, now, fleet_history.HISTORY_S)
+    return fleet_history.tenant_tokens(samples)
 

@@ -294,9 +294,13 @@ async def keys(request: Request) -> Response:
         return not_found(request, "page", request.url.path)
     aio = _aio(request)
     found = await list_keys_async(aio.redis, aio.keys)
+    served = await reads.tenant_tokens(aio, aio.clock.now())
+    total = sum(served.values()) or 1
     return page(request, "keys.html",
                 {"keys": [k.model_dump() for k in found],
-                 "refusals": await reads.tenant_refusals(aio)}, when=_when)
+                 "refusals": await reads.tenant_refusals(aio),
+                 "tokens_last_hour": {t: {"tokens": n, "share": round(n / total, 4)}
+                                      for t, n in sorted(served.items())}}, when=_when)
 
 
 def _when(t: float | None) -> str:
