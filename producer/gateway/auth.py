@@ -42,15 +42,17 @@ log = logging.getLogger("tokenfleet.gateway.app")
 # tool asking vLLM's /health and /version before its run).
 OPEN_PATHS = frozenset({"/healthz", "/readyz", "/health", "/version"})
 # The console is opened in a browser, which sends no Authorization header: the
-# key given at its sign-in page comes back in this cookie (HttpOnly,
-# SameSite=Strict: no other site's page can make the browser send it), read on
-# the console's own paths only, so no API route can be driven by a cookie.
+# session its sign-in page opens comes back in this cookie (HttpOnly,
+# SameSite=Strict: no other site's page can make the browser send it; a token,
+# not the key: ``api_keys.open_session``), read on the console's own paths
+# only, so no API route can be driven by a cookie.
 CONSOLE = "/console"
 CONSOLE_COOKIE = "tokenfleet_console"
 # What the console serves to anyone: its sign-in page and its own assets.
 CONSOLE_OPEN = ("/console/login", "/console/static/")
 MISSING = ("missing API key: send the header 'Authorization: Bearer <key>' "
            "(`tokenfleet keys create --tenant NAME` makes one)")
+SIGNED_OUT = "signed out: the console session ended or its key was revoked; sign in again"
 INCORRECT = ("incorrect API key provided: it does not exist or was revoked "
              "(`tokenfleet keys list` shows the keys in force)")
 
@@ -90,14 +92,11 @@ def is_console(path: str) -> bool:
     return path == CONSOLE or path.startswith(CONSOLE + "/")
 
 
-def presented_key(scope: Scope) -> str | None:
-    """The key a request presents: its bearer header, or on a console path its
-    sign-in cookie."""
-    headers = Headers(scope=scope)
-    key = bearer(headers)
-    if key is None and is_console(scope["path"]):
-        key = cookie_parser(headers.get("cookie", "")).get(CONSOLE_COOKIE) or None
-    return key
+def console_session(scope: Scope, headers: Headers) -> str | None:
+    """The console session a request on a console path presents, or None."""
+    if not is_console(scope["path"]):
+        return None
+    return cookie_parser(headers.get("cookie", "")).get(CONSOLE_COOKIE) or None
 
 
 def _open_path(path: str) -> bool:
@@ -210,20 +209,43 @@ class Authenticate:
             # Open until the first key is made; a key sent anyway is not read
             # (OpenAI's client always sends one, whatever it is set to).
             return None
-        presented = presented_key(scope)
-        if presented is None:
+        headers = Headers(scope=scope)
+        presented = bearer(headers)
+        session = console_session(scope, headers) if presented is None else None
+        if presented is None and session is None:
             return self.error(scope, MISSING)
-        key = await book.lookup(presented)
+        key = (await book.lookup(presented) if presented is not None
+               else await book.session(str(session)))
         if key is None:
-            return self.error(scope, INCORRECT)
+            return self.error(scope, INCORRECT if presented is not None else SIGNED_OUT)
         state = scope.setdefault("state", {})
         state["api_key"] = key
+        noting = book.note_use(key)
+        if noting is not None:  # its last use, once a minute: the request does not wait
+            _in_background(noting)
         reading = self.peek(scope, key) if key.limited else None
         if reading is not None:
             # Read while the route runs: its headers are wanted only when the
             # response starts, so the read adds no round trip of its own.
             state["peeking"] = asyncio.ensure_future(reading)
         return None
+
+
+# The writes no request waits for, kept until done (a task nobody holds may
+# be collected before it ends).
+_background: set[asyncio.Future[Any]] = set()
+
+
+def _in_background(work: Awaitable[Any]) -> None:
+    task = asyncio.ensure_future(work)
+    _background.add(task)
+    task.add_done_callback(_settled)
+
+
+def _settled(task: asyncio.Future[Any]) -> None:
+    _background.discard(task)
+    if not task.cancelled() and task.exception() is not None:
+        log.info("a key's last use was not written: %s", type(task.exception()).__name__)
 
 
 def unauthorized(openai_shape: bool, message: str) -> JSONResponse:

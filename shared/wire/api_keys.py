@@ -7,6 +7,10 @@ id (public, in ``keys list``) names it for ``keys revoke``. A gateway looks a
 key up on its requests and keeps the answer for at most ``cache_s`` (under a
 second), so a new or revoked key holds on every gateway within that time.
 
+The console's sign-in (``open_session``) gives the browser a session token
+instead of the key: Redis keeps the key's SHA-256 under the token's for the
+session's life, and a request with the token is the key's while both exist.
+
 Making a key also marks the fleet as one that has had keys (``api_keys_made``);
 no revoke clears the mark, so revoking the last key (after a leak) leaves an
 ``auto`` gateway asking for keys, not open to everyone.
@@ -74,11 +78,28 @@ def revoke_key(redis: Any, keys: Keys, key_id: str) -> bool:
         return False
     redis.delete(keys.api_key(_text(found)))
     redis.hdel(keys.api_keys, key_id)
+    redis.hdel(keys.api_keys_used, key_id)
     return True
 
 
 def _text(value: bytes | str) -> str:
     return value.decode() if isinstance(value, bytes) else value
+
+
+def open_session(redis: Any, keys: Keys, key: str, ttl_s: int) -> Any:
+    """Start a console session for ``key`` (known to exist): the awaitable of
+    its write, and the token the browser keeps."""
+    token = secrets.token_urlsafe(32)
+    return redis.set(keys.console_session(digest(token)), digest(key), ex=ttl_s), token
+
+
+def close_session(redis: Any, keys: Keys, token: str) -> Any:
+    return redis.delete(keys.console_session(digest(token)))
+
+
+# How often a gateway writes a key's last use (per key): a request's own cost
+# stays a read.
+USE_EVERY_S = 60.0
 
 
 class KeyBook:
@@ -93,9 +114,30 @@ class KeyBook:
         # Once seen, for the life of this process: Redis losing its data (a
         # FLUSHALL, a restart without persistence) does not open a running gateway.
         self._seen_made = False
+        self._noted: dict[str, float] = {}  # key id -> when its use was last written
 
     async def lookup(self, key: str) -> ApiKey | None:
-        name = digest(key)
+        return await self.lookup_digest(digest(key))
+
+    async def session(self, token: str) -> ApiKey | None:
+        """The key of a console session, or None: no such session (signed out,
+        or past its life), or its key revoked. Read each time: a sign-out holds at once."""
+        name = await self.redis.get(self.keys.console_session(digest(token)))
+        return None if name is None else await self.lookup_digest(_text(name))
+
+    def note_use(self, record: ApiKey) -> Any:
+        """The write of ``record``'s last use, when due (else None): at most
+        once every ``USE_EVERY_S`` per key from this gateway."""
+        now = time.monotonic()
+        if self._noted.get(record.key_id, 0.0) > now:
+            return None
+        if len(self._noted) > 10_000:
+            self._noted.clear()
+        self._noted[record.key_id] = now + USE_EVERY_S
+        return self.redis.hset(self.keys.api_keys_used, record.key_id, repr(time.time()))
+
+    async def lookup_digest(self, name: str) -> ApiKey | None:
+        """The record stored under a key's SHA-256 (``lookup``, ``session``)."""
         now = time.monotonic()
         cached = self._found.get(name)
         if cached is not None and cached[0] > now:

@@ -286,9 +286,9 @@ class Keys:
 
     @property
     def history(self) -> str:
-        """Stream, trimmed to ``HISTORY_S``: each worker's sample every
-        ``HISTORY_EVERY_S`` (tokens/s, running, waiting, its queue's backlog),
-        the console's 15 minutes of the fleet (``shared/wire/fleet_history.py``)."""
+        """Stream, trimmed to an hour as it is written: each worker's sample
+        every 10 s (tokens/s, running, waiting, its queue's backlog, tokens per
+        tenant), the console's lines and shares (``shared/wire/fleet_history.py``)."""
         return f"{self.namespace}:history"
 
     def declared_model(self, key: str) -> str:
@@ -459,6 +459,18 @@ class Keys:
         Set by ``create_key``, never removed by a revoke: an ``auto`` gateway asks
         for keys once it exists, even when no key is left."""
         return f"{self.namespace}:apikeys:made"
+
+    @property
+    def api_keys_used(self) -> str:
+        """Hash: key id -> when a gateway last served a request made with it
+        (written at most once a minute per key and gateway: ``KeyBook.note_use``)."""
+        return f"{self.namespace}:apikeys:used"
+
+    def console_session(self, digest: str) -> str:
+        """String with a TTL: the SHA-256 of the key a console sign-in was made
+        with, under the SHA-256 of the session's token (the browser's cookie):
+        the cookie holds no key, and signing out deletes it."""
+        return f"{self.namespace}:console:session:{digest}"
 
     def rate_requests(self, key_id: str) -> str:
         """Sorted set: the requests of one key in the last minute (member the

@@ -99,19 +99,26 @@ def test_a_browser_without_a_key_is_sent_to_sign_in_and_a_script_is_told_401(
     assert wrong.status_code == 401 and "does not exist" in wrong.text
 
 
-def test_the_sign_in_cookie_is_http_only_strict_and_opens_the_console_only(
+def test_the_sign_in_cookie_holds_a_session_not_the_key_and_opens_the_console_only(
         console: dict[str, Any]) -> None:
     client: TestClient = console["client"]
     client.cookies.clear()
-    answer = client.post("/console/login", data={"key": console["keys"]["acme"]},
-                         follow_redirects=False)
+    key = console["keys"]["acme"]
+    answer = client.post("/console/login", data={"key": key}, follow_redirects=False)
     cookie = answer.headers["set-cookie"]
     assert CONSOLE_COOKIE in cookie and "HttpOnly" in cookie
     assert "SameSite=strict" in cookie and "Path=/console" in cookie
-    # The API does not take the cookie: a page of another site cannot drive it.
-    api = client.get(f"/v1/jobs/{console['jobs']['acme']}",
-                     cookies={CONSOLE_COOKIE: console["keys"]["acme"]})
-    assert api.status_code == 401
+    session = client.cookies[CONSOLE_COOKIE]
+    assert key not in cookie and session not in key
+    assert client.get("/console/jobs", headers=JSON).status_code == 200
+    # The API does not take the cookie (nor the key in it): another site's page cannot drive it.
+    for value in (session, key):
+        api = client.get(f"/v1/jobs/{console['jobs']['acme']}", cookies={CONSOLE_COOKIE: value})
+        assert api.status_code == 401
+    # Signing out ends the session on the server: a copy of the cookie no longer works.
+    assert client.post("/console/logout", follow_redirects=False).status_code == 303
+    stolen = client.get("/console/jobs", headers=JSON, cookies={CONSOLE_COOKIE: session})
+    assert stolen.status_code == 401
 
 
 def test_a_tenant_sees_its_own_job_and_batch_and_another_tenants_are_404(
@@ -143,6 +150,9 @@ def test_an_admin_sees_every_tenant_and_the_keys_without_their_secrets(
     assert batches == set(console["batches"].values())
     answer = client.get("/console/keys", headers=JSON)
     assert sorted(k["tenant"] for k in answer.json()["keys"]) == ["acme", "globex", "ops"]
+    # The admin's own key was just used (its sign-in's requests): its last use is written.
+    used = {k["tenant"]: k["last_used_at"] for k in answer.json()["keys"]}
+    assert used["ops"] is not None and used["ops"] > time.time() - 60
     for page in ("/console", "/console/jobs", "/console/batches", "/console/keys",
                  "/console/dead-letters", "/console/webhooks", "/console/files"):
         for headers in ({}, JSON):

@@ -15,7 +15,7 @@ from typing import Any
 import orjson
 from redis.exceptions import ResponseError
 
-from tokenfleet.client.batch_records import Batch, read_record
+from tokenfleet.client.batch_records import Batch, parse_record, read_record
 from tokenfleet.client.protocol import EventCursor
 from tokenfleet.client.fleet import fleet_report
 from tokenfleet.files import records as files
@@ -118,12 +118,16 @@ async def jobs(aio: Any, queues: list[str], tenant: str | None, *, state: str | 
 
 
 async def batches(aio: Any, tenant: str | None) -> list[Batch]:
-    """The newest ``ROWS`` batches the viewer may see."""
+    """The newest ``ROWS`` batches the viewer may see (one round trip for
+    their records)."""
     r, keys = aio.redis, aio.keys
     index = keys.batches if tenant is None else keys.tenant_batches(tenant)
     ids = [i.decode() for i in await r.zrevrange(index, 0, ROWS - 1)]
-    found = await asyncio.gather(*(batch(aio, i, tenant) for i in ids))
-    return [b for b in found if b is not None]
+    pipe = r.pipeline(transaction=False)
+    for batch_id in ids:
+        pipe.hgetall(keys.batch(batch_id))
+    records = [parse_record(fields) for fields in await pipe.execute() if fields]
+    return [rec.batch for rec in records if tenant is None or rec.tenant == tenant]
 
 
 async def batch(aio: Any, batch_id: str, tenant: str | None) -> Batch | None:

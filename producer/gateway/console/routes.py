@@ -29,9 +29,9 @@ from tokenfleet.gateway.files import file_content
 from tokenfleet.gateway.job_events import job_event_frames
 from tokenfleet.gateway.request_body import keepalive_s
 from tokenfleet.shared.file_store import store_for
-from tokenfleet.shared.wire.api_keys import list_keys_async
+from tokenfleet.shared.wire.api_keys import close_session, list_keys_async, open_session
 from tokenfleet.shared.wire.keys import DEFAULT_TENANT
-from tokenfleet.shared.wire.schemas import QueueEntry
+from tokenfleet.shared.wire.schemas import JobStatus, QueueEntry
 from tokenfleet.webhooks.resend import resend_async
 
 router = APIRouter(prefix=CONSOLE, include_in_schema=False)
@@ -40,7 +40,7 @@ router = APIRouter(prefix=CONSOLE, include_in_schema=False)
 # every request looks it up again).
 SIGN_IN_S = 12 * 3600
 STATIC = {"console.css": "text/css", "console.js": "text/javascript"}
-JOB_STATES = ("queued", "running", "completed", "failed", "cancelled", "expired")
+JOB_STATES = tuple(s.value for s in JobStatus)
 
 
 def _aio(request: Request) -> AsyncFleetClient:
@@ -89,14 +89,28 @@ async def login(request: Request) -> Response:
     if record is None:
         return page(request, "login.html",
                     {"error": "that key does not exist or was revoked"}, status=401)
+    aio = _aio(request)
+    writing, token = open_session(aio.redis, aio.keys, key, SIGN_IN_S)
+    await writing
     answer = back_to(CONSOLE)
-    answer.set_cookie(CONSOLE_COOKIE, key, max_age=SIGN_IN_S, path=CONSOLE, httponly=True,
-                      samesite="strict", secure=request.url.scheme == "https")
+    answer.set_cookie(CONSOLE_COOKIE, token, max_age=SIGN_IN_S, path=CONSOLE, httponly=True,
+                      samesite="strict", secure=_https(request))
     return answer
+
+
+def _https(request: Request) -> bool:
+    """Whether the browser reached the console over TLS: on the gateway, or on
+    a proxy in front that says so (the cookie is then sent over TLS only)."""
+    return (request.url.scheme == "https"
+            or request.headers.get("x-forwarded-proto", "").lower() == "https")
 
 
 @router.post("/logout")
 async def logout(request: Request) -> Response:
+    token = request.cookies.get(CONSOLE_COOKIE)
+    if token:  # the session ends on the server, not only in this browser
+        aio = _aio(request)
+        await close_session(aio.redis, aio.keys, token)
     answer = back_to(f"{CONSOLE}/login")
     answer.delete_cookie(CONSOLE_COOKIE, path=CONSOLE)
     return answer
@@ -156,7 +170,7 @@ async def cancel_job(job_id: str, request: Request) -> Response:
     if wants_json(request):
         return Response(orjson.dumps({"id": job_id, "cancelled": cancelled}),
                         media_type="application/json")
-    return back_to(f"{CONSOLE}/jobs/{quote(job_id)}")
+    return back_to(f"{CONSOLE}/jobs/{quote(job_id, safe=':')}")
 
 
 @router.get("/jobs/{job_id:path}")
@@ -263,7 +277,7 @@ async def retry_dead_letter(queue: str, entry_id: str, request: Request) -> Resp
     job_id = await aio.submit(entry.request)
     if wants_json(request):
         return Response(orjson.dumps({"id": job_id}), media_type="application/json")
-    return back_to(f"{CONSOLE}/jobs/{quote(job_id)}")
+    return back_to(f"{CONSOLE}/jobs/{quote(job_id, safe=':')}")
 
 
 @router.get("/webhooks")
@@ -294,10 +308,11 @@ async def keys(request: Request) -> Response:
         return not_found(request, "page", request.url.path)
     aio = _aio(request)
     found = await list_keys_async(aio.redis, aio.keys)
+    used = {k.decode(): float(v) for k, v in (await aio.redis.hgetall(aio.keys.api_keys_used)).items()}
     served = await reads.tenant_tokens(aio, aio.clock.now())
     total = sum(served.values()) or 1
     return page(request, "keys.html",
-                {"keys": [k.model_dump() for k in found],
+                {"keys": [{**k.model_dump(), "last_used_at": used.get(k.key_id)} for k in found],
                  "refusals": await reads.tenant_refusals(aio),
                  "tokens_last_hour": {t: {"tokens": n, "share": round(n / total, 4)}
                                       for t, n in sorted(served.items())}}, when=_when)
