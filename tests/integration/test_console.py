@@ -14,9 +14,11 @@ from typing import Any
 import orjson
 import pytest
 import redis.asyncio as aioredis
+from click.testing import CliRunner
 from fastapi.testclient import TestClient
 
 from tokenfleet import FleetClient
+from tokenfleet.cli.app import main as cli
 from tokenfleet.client.batch_records import create_batch
 from tokenfleet.gateway.app import create_app
 from tokenfleet.gateway.auth import CONSOLE_COOKIE
@@ -158,6 +160,22 @@ def test_an_admin_sees_every_tenant_and_the_keys_without_their_secrets(
         for headers in ({}, JSON):
             body = client.get(page, headers=headers).text
             assert not any(key in body for key in console["keys"].values()), page
+
+
+def test_keys_create_admin_makes_a_key_that_opens_every_tenants_pages(
+        console: dict[str, Any]) -> None:
+    namespace = console["ns"].namespace
+    env = {"TOKENFLEET_REDIS_URL": console["client"].app.state.fleet.settings.redis_url,
+           "TOKENFLEET_NAMESPACE": namespace}
+    made = CliRunner().invoke(cli, ["keys", "create", "--tenant", "oncall", "--admin"], env=env)
+    assert made.exit_code == 0, made.output
+    assert "admin" in made.output.splitlines()[0]
+    client = signed_in(console["client"], made.output.strip().splitlines()[-1])
+    theirs = console["jobs"]["globex"]
+    assert client.get(f"/console/jobs/{theirs}", headers=JSON).json()["job"]["tenant"] == "globex"
+    assert client.get("/console/keys", headers=JSON).status_code == 200
+    listed = CliRunner().invoke(cli, ["keys", "list"], env=env)
+    assert "admin" in next(line for line in listed.output.splitlines() if "oncall" in line)
 
 
 def test_the_fleet_page_shows_the_queues_and_the_15_minutes_lines(
