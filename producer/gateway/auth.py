@@ -42,9 +42,9 @@ log = logging.getLogger("tokenfleet.gateway.app")
 # tool asking vLLM's /health and /version before its run).
 OPEN_PATHS = frozenset({"/healthz", "/readyz", "/health", "/version"})
 # The console is opened in a browser, which sends no Authorization header: the
-# session its sign-in page opens comes back in this cookie (HttpOnly,
+# sign-in its page makes comes back in this cookie (HttpOnly,
 # SameSite=Strict: no other site's page can make the browser send it; a token,
-# not the key: ``api_keys.open_session``), read on the console's own paths
+# not the key: ``api_keys.open_sign_in``), read on the console's own paths
 # only, so no API route can be driven by a cookie.
 CONSOLE = "/console"
 CONSOLE_COOKIE = "tokenfleet_console"
@@ -52,7 +52,7 @@ CONSOLE_COOKIE = "tokenfleet_console"
 CONSOLE_OPEN = ("/console/login", "/console/static/")
 MISSING = ("missing API key: send the header 'Authorization: Bearer <key>' "
            "(`tokenfleet keys create --tenant NAME` makes one)")
-SIGNED_OUT = "signed out: the console session ended or its key was revoked; sign in again"
+SIGNED_OUT = "signed out: the console's sign-in ended or its key was revoked; sign in again"
 INCORRECT = ("incorrect API key provided: it does not exist or was revoked "
              "(`tokenfleet keys list` shows the keys in force)")
 
@@ -92,8 +92,8 @@ def is_console(path: str) -> bool:
     return path == CONSOLE or path.startswith(CONSOLE + "/")
 
 
-def console_session(scope: Scope, headers: Headers) -> str | None:
-    """The console session a request on a console path presents, or None."""
+def sign_in_token(scope: Scope, headers: Headers) -> str | None:
+    """The console sign-in token a request on a console path presents, or None."""
     if not is_console(scope["path"]):
         return None
     return cookie_parser(headers.get("cookie", "")).get(CONSOLE_COOKIE) or None
@@ -211,11 +211,11 @@ class Authenticate:
             return None
         headers = Headers(scope=scope)
         presented = bearer(headers)
-        session = console_session(scope, headers) if presented is None else None
-        if presented is None and session is None:
+        token = sign_in_token(scope, headers) if presented is None else None
+        if presented is None and token is None:
             return self.error(scope, MISSING)
         key = (await book.lookup(presented) if presented is not None
-               else await book.session(str(session)))
+               else await book.signed_in(str(token)))
         if key is None:
             return self.error(scope, INCORRECT if presented is not None else SIGNED_OUT)
         state = scope.setdefault("state", {})

@@ -7,9 +7,9 @@ id (public, in ``keys list``) names it for ``keys revoke``. A gateway looks a
 key up on its requests and keeps the answer for at most ``cache_s`` (under a
 second), so a new or revoked key holds on every gateway within that time.
 
-The console's sign-in (``open_session``) gives the browser a session token
-instead of the key: Redis keeps the key's SHA-256 under the token's for the
-session's life, and a request with the token is the key's while both exist.
+The console's sign-in (``open_sign_in``) gives the browser a token instead
+of the key: Redis keeps the key's SHA-256 under the token's for the
+sign-in's life, and a request with the token is the key's while both exist.
 
 Making a key also marks the fleet as one that has had keys (``api_keys_made``);
 no revoke clears the mark, so revoking the last key (after a leak) leaves an
@@ -86,15 +86,15 @@ def _text(value: bytes | str) -> str:
     return value.decode() if isinstance(value, bytes) else value
 
 
-def open_session(redis: Any, keys: Keys, key: str, ttl_s: int) -> Any:
-    """Start a console session for ``key`` (known to exist): the awaitable of
+def open_sign_in(redis: Any, keys: Keys, key: str, ttl_s: int) -> Any:
+    """Sign in to the console with ``key`` (known to exist): the awaitable of
     its write, and the token the browser keeps."""
     token = secrets.token_urlsafe(32)
-    return redis.set(keys.console_session(digest(token)), digest(key), ex=ttl_s), token
+    return redis.set(keys.console_sign_in(digest(token)), digest(key), ex=ttl_s), token
 
 
-def close_session(redis: Any, keys: Keys, token: str) -> Any:
-    return redis.delete(keys.console_session(digest(token)))
+def close_sign_in(redis: Any, keys: Keys, token: str) -> Any:
+    return redis.delete(keys.console_sign_in(digest(token)))
 
 
 # How often a gateway writes a key's last use (per key): a request's own cost
@@ -119,10 +119,10 @@ class KeyBook:
     async def lookup(self, key: str) -> ApiKey | None:
         return await self.lookup_digest(digest(key))
 
-    async def session(self, token: str) -> ApiKey | None:
-        """The key of a console session, or None: no such session (signed out,
+    async def signed_in(self, token: str) -> ApiKey | None:
+        """The key of a console sign-in token, or None: no such sign-in (signed out,
         or past its life), or its key revoked. Read each time: a sign-out holds at once."""
-        name = await self.redis.get(self.keys.console_session(digest(token)))
+        name = await self.redis.get(self.keys.console_sign_in(digest(token)))
         return None if name is None else await self.lookup_digest(_text(name))
 
     def note_use(self, record: ApiKey) -> Any:
@@ -137,7 +137,7 @@ class KeyBook:
         return self.redis.hset(self.keys.api_keys_used, record.key_id, repr(time.time()))
 
     async def lookup_digest(self, name: str) -> ApiKey | None:
-        """The record stored under a key's SHA-256 (``lookup``, ``session``)."""
+        """The record stored under a key's SHA-256 (``lookup``, ``signed_in``)."""
         now = time.monotonic()
         cached = self._found.get(name)
         if cached is not None and cached[0] > now:

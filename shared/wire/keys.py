@@ -466,11 +466,11 @@ class Keys:
         (written at most once a minute per key and gateway: ``KeyBook.note_use``)."""
         return f"{self.namespace}:apikeys:used"
 
-    def console_session(self, digest: str) -> str:
+    def console_sign_in(self, digest: str) -> str:
         """String with a TTL: the SHA-256 of the key a console sign-in was made
-        with, under the SHA-256 of the session's token (the browser's cookie):
+        with, under the SHA-256 of the sign-in's token (the browser's cookie):
         the cookie holds no key, and signing out deletes it."""
-        return f"{self.namespace}:console:session:{digest}"
+        return f"{self.namespace}:console:signin:{digest}"
 
     def rate_requests(self, key_id: str) -> str:
         """Sorted set: the requests of one key in the last minute (member the

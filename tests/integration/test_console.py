@@ -101,7 +101,7 @@ def test_a_browser_without_a_key_is_sent_to_sign_in_and_a_script_is_told_401(
     assert wrong.status_code == 401 and "does not exist" in wrong.text
 
 
-def test_the_sign_in_cookie_holds_a_session_not_the_key_and_opens_the_console_only(
+def test_the_sign_in_cookie_holds_a_token_not_the_key_and_opens_the_console_only(
         console: dict[str, Any]) -> None:
     client: TestClient = console["client"]
     client.cookies.clear()
@@ -110,16 +110,16 @@ def test_the_sign_in_cookie_holds_a_session_not_the_key_and_opens_the_console_on
     cookie = answer.headers["set-cookie"]
     assert CONSOLE_COOKIE in cookie and "HttpOnly" in cookie
     assert "SameSite=strict" in cookie and "Path=/console" in cookie
-    session = client.cookies[CONSOLE_COOKIE]
-    assert key not in cookie and session not in key
+    token = client.cookies[CONSOLE_COOKIE]
+    assert key not in cookie and token not in key
     assert client.get("/console/jobs", headers=JSON).status_code == 200
     # The API does not take the cookie (nor the key in it): another site's page cannot drive it.
-    for value in (session, key):
+    for value in (token, key):
         api = client.get(f"/v1/jobs/{console['jobs']['acme']}", cookies={CONSOLE_COOKIE: value})
         assert api.status_code == 401
-    # Signing out ends the session on the server: a copy of the cookie no longer works.
+    # Signing out ends the sign-in on the server: a copy of the cookie no longer works.
     assert client.post("/console/logout", follow_redirects=False).status_code == 303
-    stolen = client.get("/console/jobs", headers=JSON, cookies={CONSOLE_COOKIE: session})
+    stolen = client.get("/console/jobs", headers=JSON, cookies={CONSOLE_COOKIE: token})
     assert stolen.status_code == 401
 
 

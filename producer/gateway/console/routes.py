@@ -29,7 +29,7 @@ from tokenfleet.gateway.files import file_content
 from tokenfleet.gateway.job_events import job_event_frames
 from tokenfleet.gateway.request_body import keepalive_s
 from tokenfleet.shared.file_store import store_for
-from tokenfleet.shared.wire.api_keys import close_session, list_keys_async, open_session
+from tokenfleet.shared.wire.api_keys import close_sign_in, list_keys_async, open_sign_in
 from tokenfleet.shared.wire.keys import DEFAULT_TENANT
 from tokenfleet.shared.wire.schemas import JobStatus, QueueEntry
 from tokenfleet.webhooks.resend import resend_async
@@ -90,7 +90,7 @@ async def login(request: Request) -> Response:
         return page(request, "login.html",
                     {"error": "that key does not exist or was revoked"}, status=401)
     aio = _aio(request)
-    writing, token = open_session(aio.redis, aio.keys, key, SIGN_IN_S)
+    writing, token = open_sign_in(aio.redis, aio.keys, key, SIGN_IN_S)
     await writing
     answer = back_to(CONSOLE)
     answer.set_cookie(CONSOLE_COOKIE, token, max_age=SIGN_IN_S, path=CONSOLE, httponly=True,
@@ -108,9 +108,9 @@ def _https(request: Request) -> bool:
 @router.post("/logout")
 async def logout(request: Request) -> Response:
     token = request.cookies.get(CONSOLE_COOKIE)
-    if token:  # the session ends on the server, not only in this browser
+    if token:  # the sign-in ends on the server, not only in this browser
         aio = _aio(request)
-        await close_session(aio.redis, aio.keys, token)
+        await close_sign_in(aio.redis, aio.keys, token)
     answer = back_to(f"{CONSOLE}/login")
     answer.delete_cookie(CONSOLE_COOKIE, path=CONSOLE)
     return answer
