@@ -278,6 +278,9 @@ def test_a_50_line_batch_reaches_50_of_50_on_its_page_and_its_output_downloads(
 
     record = fleet.api(fleet.acme).get(f"/console/batches/{batch_id}").json()["batch"]
     assert (record["id"], record["status"]) == (batch_id, "completed")
+    # The page's rate is of the tokens the lines made.
+    made = sum(line["response"]["body"]["usage"]["completion_tokens"] for line in lines)
+    assert record["tokens"] == made and record["tokens_per_s"] > 0
 
 
 def test_a_dead_letter_made_by_a_hostile_entry_shows_its_reason(

@@ -15,7 +15,7 @@ from typing import Any
 import orjson
 from redis.exceptions import ResponseError
 
-from tokenfleet.client.batch_records import Batch, parse_record, read_record
+from tokenfleet.client.batch_records import BatchRecord, parse_record, read_record
 from tokenfleet.client.protocol import EventCursor
 from tokenfleet.client.fleet import fleet_report
 from tokenfleet.files import records as files
@@ -117,7 +117,7 @@ async def jobs(aio: Any, queues: list[str], tenant: str | None, *, state: str | 
     return found[:ROWS]
 
 
-async def batches(aio: Any, tenant: str | None) -> list[Batch]:
+async def batches(aio: Any, tenant: str | None) -> list[BatchRecord]:
     """The newest ``ROWS`` batches the viewer may see (one round trip for
     their records)."""
     r, keys = aio.redis, aio.keys
@@ -127,14 +127,14 @@ async def batches(aio: Any, tenant: str | None) -> list[Batch]:
     for batch_id in ids:
         pipe.hgetall(keys.batch(batch_id))
     records = [parse_record(fields) for fields in await pipe.execute() if fields]
-    return [rec.batch for rec in records if tenant is None or rec.tenant == tenant]
+    return [rec for rec in records if tenant is None or rec.tenant == tenant]
 
 
-async def batch(aio: Any, batch_id: str, tenant: str | None) -> Batch | None:
+async def batch(aio: Any, batch_id: str, tenant: str | None) -> BatchRecord | None:
     record = await read_record(aio.redis, aio.keys, batch_id)
     if record is None or (tenant is not None and record.tenant != tenant):
         return None
-    return record.batch
+    return record
 
 
 async def file(aio: Any, file_id: str, tenant: str | None) -> FileObject | None:

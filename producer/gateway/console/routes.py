@@ -19,7 +19,7 @@ from fastapi import APIRouter, Header, Request
 from fastapi.responses import Response
 
 from tokenfleet.client.aio import AsyncFleetClient
-from tokenfleet.client.batch_records import cancel_batch, read_record
+from tokenfleet.client.batch_records import BatchRecord, cancel_batch, read_record
 from tokenfleet.gateway.console import reads
 from tokenfleet.gateway.console.access import viewer
 from tokenfleet.gateway.console.pages import back_to, not_found, page, wants_json
@@ -193,7 +193,7 @@ async def batches(request: Request) -> Response:
     found = await reads.batches(aio, viewer(request).tenant)
     now = time.time()
     return page(request, "batches.html",
-                {"batches": [_batch_view(b.model_dump(mode="json"), now) for b in found]},
+                {"batches": [_batch_view(b, now) for b in found]},
                 when=_when)
 
 
@@ -204,8 +204,8 @@ async def batch(batch_id: str, request: Request) -> Response:
     if found is None:
         return not_found(request, "batch", batch_id)
     return page(request, "batch.html",
-                {"batch": _batch_view(found.model_dump(mode="json"), time.time()),
-                 "ended": found.is_ended}, when=_when)
+                {"batch": _batch_view(found, time.time()), "ended": found.batch.is_ended},
+                when=_when)
 
 
 @router.post("/batches/{batch_id}/cancel")
@@ -225,16 +225,20 @@ async def cancel_a_batch(batch_id: str, request: Request) -> Response:
     return back_to(f"{CONSOLE}/batches/{quote(batch_id)}")
 
 
-def _batch_view(b: dict[str, Any], now: float) -> dict[str, Any]:
+def _batch_view(record: BatchRecord, now: float) -> dict[str, Any]:
     """OpenAI's batch object, with what a progress bar shows: lines done
-    (completed or failed) of the total, and at the rate so far the time left."""
-    counts = b["request_counts"]
-    done = counts["completed"] + counts["failed"]
-    started = b.get("in_progress_at")
+    (completed or failed) of the total, the tokens its lines made and their
+    rate, and at the rate so far the time left."""
+    b = record.batch
+    counts = b.request_counts
+    done = counts.completed + counts.failed
+    ended = b.completed_at or b.failed_at or b.cancelled_at or b.expired_at
+    took = (ended or now) - b.in_progress_at if b.in_progress_at else 0.0
     eta = None
-    if started and 0 < done < counts["total"] and now > started:
-        eta = round((counts["total"] - done) / (done / (now - started)), 1)
-    return {**b, "done": done, "eta_s": eta}
+    if took > 0 and 0 < done < counts.total and not b.is_ended:
+        eta = round((counts.total - done) / (done / took), 1)
+    return {**b.model_dump(mode="json"), "done": done, "eta_s": eta, "tokens": record.tokens,
+            "tokens_per_s": round(record.tokens / took, 1) if took > 0 else None}
 
 
 @router.get("/files")
