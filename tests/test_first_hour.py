@@ -151,7 +151,7 @@ def test_the_bare_install_submits_without_torch(wheel: Path, tmp_path: Path, set
     # The gateway flavour: its command gets past the install check (to the port
     # check here), the worker's still names its extra.
     subprocess.run([str(venv / "bin/python"), "-m", "pip", "install", "-q", "fastapi", "uvicorn",
-                    "python-multipart", "httpx", "prometheus-client"],
+                    "python-multipart", "httpx", "prometheus-client", "jinja2"],
                    check=True, timeout=240, capture_output=True)
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))

@@ -13,7 +13,8 @@ import socket
 # needs its extra's and those of the extras it builds on.
 EXTRA_MODULES: dict[str, tuple[str, ...]] = {
     "worker": ("celery", "torch", "transformers", "huggingface_hub", "prometheus_client"),
-    "gateway": ("fastapi", "uvicorn", "python_multipart", "httpx", "httpcore", "prometheus_client"),
+    "gateway": ("fastapi", "uvicorn", "python_multipart", "httpx", "httpcore", "prometheus_client",
+                "jinja2"),
     "exporter": ("prometheus_client",),
     "demo": ("fakeredis", "rich"),  # rich comes with the worker extra
     "bench": ("rich",),
