@@ -76,6 +76,10 @@ class Settings(BaseSettings):
     kv_cache: Literal["paged", "rect"] = Field(default="rect", description=(
         "The built-in engine's KV cache: rect (one left-padded rectangle) or paged (blocks per "
         "sequence, chunked prefill)."))
+    prefix_cache: bool = Field(default=True, description=(
+        "With the paged KV cache: reuse the cached blocks a prompt starts with (a system "
+        "prompt, the earlier turns of a conversation, the n choices of one prompt) instead of "
+        "computing them again; off computes every prompt whole."))
     # The prompt tokens one forward pass carries, as vLLM's max_num_batched_tokens.
     # Rect: a prefill step's prompts together (a prompt longer runs alone).
     # Paged: one token per decoding job, the rest for prompt chunks; at least

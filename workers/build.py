@@ -140,7 +140,7 @@ def model_runner(settings: Settings, model: Any, tokenizer: Any) -> HFRunner | P
     if settings.kv_cache == "paged":
         why = not_plain_attention(model)
         if why is None:
-            return PagedRunner(model, tokenizer)
+            return PagedRunner(model, tokenizer, prefix_cache=settings.prefix_cache)
         log.warning("%s: %s; serving it with the rectangular KV cache", settings.model, why)
     return HFRunner(model, tokenizer)
 
@@ -155,6 +155,7 @@ def hf_engine(settings: Settings, runner: ModelRunner, eos_token_ids: set[int],
                           max_failures=settings.max_attempts, max_batch_tokens=max_batch_tokens,
                           max_prefill_tokens=settings.max_step_tokens,
                           max_step_tokens=(max(settings.max_step_tokens, max_batch)
-                                           if runner.chunked_prefill else None))
+                                           if runner.chunked_prefill else None),
+                          cached=getattr(runner, "cached_prefix", None))
     return HFEngine(scheduler, runner, max_failed_steps=settings.max_failed_steps,
                     vocab_size=runner.vocab_size)

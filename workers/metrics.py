@@ -136,12 +136,13 @@ class StatsCounters(Collector):
         s = self._stats
         # dict() copies in one call, atomic under the GIL: the engine thread adds to it.
         yield from self._families(dict(s.jobs), s.tokens, s.failed_steps, s.store_retries,
-                                  s.preempted, dict(s.tenant_tokens))
+                                  s.preempted, dict(s.tenant_tokens),
+                                  (s.prefix_query_tokens, s.prefix_hit_tokens))
 
     def _families(self, jobs: dict[str, int], tokens: int, failed_steps: int,
                   store_retries: int, preempted: int,
-                  tenant_tokens: dict[str, int] | None = None
-                  ) -> Iterator[CounterMetricFamily]:
+                  tenant_tokens: dict[str, int] | None = None,
+                  prefix: tuple[int, int] = (0, 0)) -> Iterator[CounterMetricFamily]:
         created = self._stats.started_at
         family = CounterMetricFamily("tokenfleet_jobs", "Jobs that ended here, by final status",
                                      labels=["queue", "status"])
@@ -167,3 +168,13 @@ class StatsCounters(Collector):
         yield CounterMetricFamily("tokenfleet_preempted_jobs",
                                   "Batch-level jobs handed back to their queue for live jobs "
                                   "that waited for a slot", preempted, created=created)
+        # vLLM's pair (prefix_cache_queries, prefix_cache_hits), in tokens: the
+        # hit rate is hits over queries.
+        for name, help_, n in (
+                ("tokenfleet_prefix_cache_queries",
+                 "Prompt tokens of the jobs admitted with a prefix cache", prefix[0]),
+                ("tokenfleet_prefix_cache_hit_tokens",
+                 "Prompt tokens served from the prefix cache (not computed again)", prefix[1])):
+            family = CounterMetricFamily(name, help_, labels=["queue"])
+            family.add_metric([self._queue], n, created=created)
+            yield family

@@ -14,10 +14,13 @@ values of a packed batch (the way ``paged|sdpa`` works), and
 ``sdpa_attention_forward`` for every other forward.
 
 The store: per layer, keys and values in blocks of ``block_size`` tokens
-(``[blocks * block_size, kv_heads, head_dim]``); a sequence owns a list of
+(``[blocks * block_size, kv_heads, head_dim]``); a sequence holds a list of
 blocks (its block table). Memory is the tokens held, rounded up to a block per
-sequence, not rows × the longest row; a sequence that leaves frees its blocks
-and nothing moves. When the free blocks run out the store doubles (one copy).
+sequence, not rows × the longest row; a sequence that leaves gives its blocks
+back and nothing moves. Full blocks may be shared (a prompt's start, found by
+``tokenfleet.workers.prefix_cache``): each block counts the sequences that
+hold it, and a shared block is read, never written. When neither free nor
+parked blocks are left the store doubles (one copy).
 
 The attention of one step (``StepPlan``): the batch is packed, one row of
 tokens: decode tokens first (one per sequence), then prefill chunks. Every new
@@ -36,6 +39,7 @@ from typing import Any
 import torch
 
 from tokenfleet.shared.compat.hf_transformers import sdpa_attention, use_attention
+from tokenfleet.workers.prefix_cache import PrefixIndex
 
 ATTENTION = "tokenfleet_paged"
 STEP_ARG = "tokenfleet_step"  # the forward's keyword that carries the StepPlan
@@ -86,25 +90,46 @@ class PagedKVCache:
         self.v: list[torch.Tensor] = []
         self.free: list[int] = []
         self.tables: dict[str, list[int]] = {}
+        self.holders: dict[int, int] = {}  # block -> how many tables hold it
+        self.prefixes = PrefixIndex()
 
     @property
     def num_blocks(self) -> int:
         return self.k[0].shape[0] // self.block_size if self.k else 0
 
     def reset(self) -> None:
-        self.k, self.v, self.free, self.tables = [], [], [], {}
+        self.k, self.v, self.free, self.tables, self.holders = [], [], [], {}, {}
+        self.prefixes.clear()
 
     def release(self, seq_id: str) -> None:
-        self.free.extend(self.tables.pop(seq_id, []))
+        for block in self.tables.pop(seq_id, []):
+            self.holders[block] -= 1
+            if self.holders[block] == 0:
+                del self.holders[block]
+                if self.prefixes.holds(block):
+                    self.prefixes.park(block)  # kept, for the next prompt that starts so
+                else:
+                    self.free.append(block)
+
+    def share(self, seq_id: str, blocks: list[int]) -> None:
+        """Add cached ``blocks`` (its next tokens', already written) to
+        ``seq_id``'s table."""
+        self.tables.setdefault(seq_id, []).extend(blocks)
+        for block in blocks:
+            self.holders[block] = self.holders.get(block, 0) + 1
+            self.prefixes.unpark(block)
 
     def reserve(self, seq_id: str, num_tokens: int, like: torch.Tensor) -> list[int]:
         """Blocks for ``num_tokens`` tokens of ``seq_id``; returns its block table."""
         table = self.tables.setdefault(seq_id, [])
         need = -(-num_tokens // self.block_size) - len(table)
-        if need > len(self.free):
-            self._grow(need - len(self.free), like)
+        room = len(self.free) + len(self.prefixes.parked)
+        if need > room:
+            self._grow(need - room, like)
         for _ in range(need):
-            table.append(self.free.pop())
+            block = self.free.pop() if self.free else self.prefixes.evict()
+            self.holders[block] = 1
+            table.append(block)
         return table
 
     def slots(self, table: list[int], start: int, end: int) -> list[int]:

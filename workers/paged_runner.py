@@ -6,6 +6,11 @@ padding at all; the attention (``tokenfleet.workers.paged_cache``) writes
 each token's key and value to its sequence's blocks and reads each sequence's
 own. Logits are computed only where a sequence makes a token. Like
 ``HFRunner`` it knows tensors and sequence ids only.
+
+With ``prefix_cache`` on, a sequence the scheduler admits starts from the
+longest run of cached full blocks its tokens begin with (``cached_prefix``:
+they are shared, not copied, and not computed again), and every full block a
+step writes is named for the next (``tokenfleet.workers.prefix_cache``).
 """
 
 from __future__ import annotations
@@ -16,9 +21,11 @@ import torch
 
 from tokenfleet.workers import paged_cache, prompt_logprobs
 from tokenfleet.workers.paged_cache import Chunk, Decodes, PagedKVCache, StepPlan
+from tokenfleet.workers.prefix_cache import ROOT, chain
 from tokenfleet.workers.runner import ModelLimits
 from tokenfleet.workers.sampler import sample
 from tokenfleet.workers.scheduler import StepBatch
+from tokenfleet.workers.sequence import Sequence
 
 # Decodes within this many tokens of each other always attend together.
 GROUP_SLACK = 64
@@ -30,8 +37,10 @@ class PagedRunner(ModelLimits):
     chunked_prefill = True  # a step's prompt chunks ride with its decodes
     rows_at_longest = False  # a sequence takes the blocks of its own tokens only
 
-    def __init__(self, model: Any, tokenizer: Any, block_size: int = 32) -> None:
+    def __init__(self, model: Any, tokenizer: Any, block_size: int = 32,
+                 prefix_cache: bool = True) -> None:
         self.model = model
+        self.prefix_cache = prefix_cache
         self.tokenizer = tokenizer
         self.device = next(model.parameters()).device
         paged_cache.install(model)
@@ -43,9 +52,59 @@ class PagedRunner(ModelLimits):
         self._like = torch.zeros((kv_heads, head_dim), dtype=dtype, device=self.device)
         self.cache = PagedKVCache(int(text.num_hidden_layers), block_size)
         self._prompt = prompt_logprobs.ChunkKeep()  # prompt logprobs, for the jobs that ask
+        # seq id -> the hashes of its named full blocks, in order (the chain's links)
+        self._chains: dict[str, list[int]] = {}
+        # Prompt tokens of the admitted sequences, and those found cached (the
+        # worker's stats and metrics).
+        self.prefix_query_tokens = 0
+        self.prefix_hit_tokens = 0
 
     def reset(self) -> None:
         self.cache.reset()
+        self._chains.clear()
+
+    def cached_prefix(self, seq: Sequence) -> int:
+        """The tokens of ``seq`` (admitted now, nothing computed) already in
+        cached blocks, which its table now starts with: whole blocks, and never
+        its last token (the step that computes it makes the first logits). A
+        sequence that wants its prompt's log probabilities computes them all."""
+        self.cache.release(seq.job_id)
+        self._chains.pop(seq.job_id, None)
+        if not self.prefix_cache or prompt_logprobs.asks(seq):
+            return 0
+        self.prefix_query_tokens += seq.num_tokens
+        return self._share_cached(seq, 0, seq.num_tokens)
+
+    def _share_cached(self, seq: Sequence, start: int, end: int) -> int:
+        """Share the cached blocks that go on ``seq``'s table from token
+        ``start`` (a block's first, the table's end) toward ``end``, never its
+        last token; where its computing starts now."""
+        size = self.cache.block_size
+        links = self._chains.setdefault(seq.job_id, [])
+        names = chain(seq.all_ids, size, min(end, seq.num_tokens - 1) // size, start // size,
+                      links[-1] if links else ROOT)
+        found: list[int] = []
+        for name, link in names:
+            block = self.cache.prefixes.find(name)
+            if block is None:
+                break
+            found.append(block)
+            links.append(link)
+        self.cache.share(seq.job_id, found)
+        self.prefix_hit_tokens += len(found) * size
+        return start + len(found) * size
+
+    def _name_full_blocks(self, seq: Sequence, table: list[int], end: int) -> None:
+        """Name the blocks of ``seq`` this step fills (its tokens up to ``end``)."""
+        links = self._chains.setdefault(seq.job_id, [])
+        full = end // self.cache.block_size
+        if full <= len(links):
+            return
+        for i, (name, link) in enumerate(
+                chain(seq.all_ids, self.cache.block_size, full, len(links),
+                      links[-1] if links else ROOT), start=len(links)):
+            self.cache.prefixes.name(name, table[i])
+            links.append(link)
 
     def run(self, batch: StepBatch) -> list[int]:
         self._free_left(batch)
@@ -66,6 +125,7 @@ class PagedRunner(ModelLimits):
         here = {s.job_id for s in batch.seqs} | {s.job_id for s in batch.keep}
         for seq_id in [j for j in self.cache.tables if j not in here]:
             self.cache.release(seq_id)
+            self._chains.pop(seq_id, None)
             self._prompt.partial.pop(seq_id, None)
 
     def _plan(self, batch: StepBatch) -> tuple[StepPlan, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -88,7 +148,18 @@ class PagedRunner(ModelLimits):
                 # A prefill from the start: blocks left under this id (a job
                 # dropped and taken again between two steps) hold nothing of it.
                 cache.release(seq.job_id)
+                self._chains.pop(seq.job_id, None)
+            if (self.prefix_cache and n > 1 and start % cache.block_size == 0
+                    and not prompt_logprobs.asks(seq)):
+                # Blocks named since it was admitted (earlier in this very plan:
+                # the n choices of one prompt, a prompt sent twice at once) are
+                # written in this pass before any attention reads them.
+                start = self._share_cached(seq, start, end)
+                if start == end:
+                    continue
             table = cache.reserve(seq.job_id, end, self._like)
+            if self.prefix_cache:
+                self._name_full_blocks(seq, table, end)
             first = len(ids)
             kept += self._prompt.plan(seq, start, end, first)
             ids.extend(seq.all_ids[start:end])

@@ -12,13 +12,15 @@ No I/O. Two policies, by what the runner can run:
   long prompt never stalls the decodes for more than a chunk's time.
 
 A sequence that ends leaves at once (the engine drops it), so its slot is free
-for the next admission.
+for the next admission. With chunked prefill, a sequence admitted starts from
+the tokens its runner's prefix cache already holds (``cached``), so the
+step's budget goes to the tokens it computes.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from tokenfleet.workers.sequence import Sequence, SeqStatus
@@ -56,6 +58,7 @@ class Scheduler:
         max_failures: int = 3,
         max_batch_tokens: int | None = None,
         max_step_tokens: int | None = None,
+        cached: Callable[[Sequence], int] | None = None,
     ) -> None:
         self.max_batch = max_batch
         self.max_failures = max_failures
@@ -68,6 +71,9 @@ class Scheduler:
         self.max_prefill_tokens = max_prefill_tokens
         # Chunked prefill: the tokens one forward pass carries, decodes included.
         self.max_step_tokens = max_step_tokens
+        # The tokens a sequence admitted now finds computed (the runner's
+        # ``cached_prefix``, which hands them to its table); None: none.
+        self.cached = cached
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
 
@@ -135,7 +141,7 @@ class Scheduler:
                and self._fits(self.waiting[0], reserved, bool(self.running))):
             seq = self._admit()
             reserved += self._reserve(seq)
-            n = min(seq.num_tokens, budget)
+            n = min(seq.num_tokens - seq.num_computed, budget)
             seqs.append(seq)
             num_new.append(n)
             budget -= n
@@ -149,7 +155,7 @@ class Scheduler:
     def _admit(self) -> Sequence:
         seq = self.waiting.popleft()
         seq.status = SeqStatus.RUNNING
-        seq.num_computed = 0
+        seq.num_computed = self.cached(seq) if self.cached is not None else 0
         self.running.append(seq)
         return seq
 

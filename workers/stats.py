@@ -33,6 +33,10 @@ class WorkerStats:
     failed_steps: int = 0  # engine steps that raised (in the forward pass or around it)
     store_retries: int = 0  # times Redis refused a step's writes and they were sent again
     preempted: int = 0  # batch-level jobs handed back for live jobs (workers/preemption.py)
+    # Prompt tokens of the jobs admitted with a prefix cache, and of those the
+    # tokens found in it (not computed again): the runner's counts.
+    prefix_query_tokens: int = 0
+    prefix_hit_tokens: int = 0
     started_at: float = field(default_factory=time.time)
     _recent: deque[tuple[float, int]] = field(
         default_factory=lambda: deque(maxlen=RECENT_STEPS))
@@ -92,6 +96,8 @@ class WorkerStats:
             "failed_steps": self.failed_steps,
             "store_retries": self.store_retries,
             "preempted": self.preempted,
+            "prefix_query_tokens": self.prefix_query_tokens,
+            "prefix_hit_tokens": self.prefix_hit_tokens,
             "tokens_per_s": round(self.tokens_per_s(), 2),
             "rate_window_s": RATE_WINDOW_S,  # what tokenfleet status labels the rate with
             "started_at": self.started_at,
