@@ -29,17 +29,23 @@ from tokenfleet.bench.workload import (
 ROOT = Path(__file__).resolve().parent.parent
 
 
+def bench(*args: str) -> subprocess.CompletedProcess[str]:
+    """``tokenfleet bench`` with ``args``, in a process of its own; it must succeed."""
+    result = subprocess.run(
+        [sys.executable, "-m", "tokenfleet.cli.app", "bench", *args],
+        cwd=ROOT, env={**os.environ, "COLUMNS": "160"}, capture_output=True, text=True,
+        timeout=280)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return result
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_bench_runs_every_mode_and_writes_every_field(tmp_path: Path) -> None:
     out, png = tmp_path / "bench.json", tmp_path / "bench.png"
-    result = subprocess.run(
-        [sys.executable, "-m", "tokenfleet.cli.app", "bench", "--jobs", "6", "--concurrency", "2",
-         "--max-new-tokens", "4", "--probe-jobs", "3", "--overhead-jobs", "40",
-         "--json", str(out), "--plot", str(png)],
-        cwd=ROOT, env={**os.environ, "COLUMNS": "160"}, capture_output=True, text=True,
-        timeout=280)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    result = bench("--jobs", "6", "--concurrency", "2", "--max-new-tokens", "4",
+                   "--probe-jobs", "3", "--overhead-jobs", "40", "--json", str(out),
+                   "--plot", str(png))
     report = json.loads(out.read_text())
 
     for mode in ("direct", "fleet", "overhead"):
@@ -81,13 +87,8 @@ def test_bench_runs_every_mode_and_writes_every_field(tmp_path: Path) -> None:
 @pytest.mark.timeout(300)
 def test_bench_absorb_sweeps_workers_against_one_redis(tmp_path: Path) -> None:
     out = tmp_path / "absorb.json"
-    result = subprocess.run(
-        [sys.executable, "-m", "tokenfleet.cli.app", "bench", "--modes", "absorb",
-         "--concurrency", "4", "--absorb-workers", "1,2", "--absorb-tokens", "400",
-         "--json", str(out)],
-        cwd=ROOT, env={**os.environ, "COLUMNS": "160"}, capture_output=True, text=True,
-        timeout=280)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    result = bench("--modes", "absorb", "--concurrency", "4", "--absorb-workers", "1,2",
+                   "--absorb-tokens", "400", "--json", str(out))
     sweep = json.loads(out.read_text())["absorb"]
     assert [(r["batch"], r["workers"]) for r in sweep["rows"]][:1] == [(4, 1)]
     for row in sweep["rows"]:
@@ -95,6 +96,38 @@ def test_bench_absorb_sweeps_workers_against_one_redis(tmp_path: Path) -> None:
         assert row["redis_commands_per_token"] > 0 and row["tokens_per_redis_cpu_s"] > 0
     assert sweep["peak_tokens_per_s"] == max(r["tokens_per_s"] for r in sweep["rows"])
     assert "one Redis absorbing tokens" in result.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_bench_prefix_mode_compares_the_caches_on_the_same_jobs(tmp_path: Path) -> None:
+    out = tmp_path / "prefix.json"
+    result = bench("--modes", "prefix", "--workload", "shared-prefix", "--jobs", "24",
+                   "--concurrency", "8", "--max-new-tokens", "4", "--json", str(out))
+    at = json.loads(out.read_text())["prefix"]["8"]
+    prompts = sum(len(j.prompt) for j in make_jobs(24, 4, workload="shared-prefix"))
+    paged, prefix = at["paged"], at["prefix"]
+    # Without the cache every prompt token is computed, about one a character
+    # over five (the tiny tokenizer's words); with it, the system prompts that
+    # came before are found: 24 jobs of 16 prompts repeat some.
+    assert paged["prefill_tokens"] == at["rect"]["prefill_tokens"] > prompts / 6
+    assert paged["prefix_hit_tokens"] == 0 and prefix["prefix_hit_tokens"] > 0
+    assert prefix["prefill_tokens"] + prefix["prefix_hit_tokens"] == paged["prefill_tokens"]
+    # Greedy decoding: the cache changes no output.
+    assert at["outputs_compared"] == 24 and at["outputs_differing"] == {"paged": 0, "rect": 0}
+    assert 0 < at["ratios"]["prefill_tokens_vs_paged"] < 1
+    assert "prefix vs paged" in result.stdout
+
+
+def test_the_shared_prefix_workload_repeats_a_few_long_system_prompts() -> None:
+    jobs = make_jobs(256, 64, workload="shared-prefix")
+    assert jobs == make_jobs(256, 64, workload="shared-prefix")
+    systems = {j.prompt.split("\nuser: ")[0] for j in jobs}
+    assert len(systems) == 16 and {len(s.split()) for s in systems} == {480}
+    assert len({j.prompt for j in jobs}) == 256 and {j.max_new_tokens for j in jobs} == {64}
+    # Another seed, other system prompts: a round never finds the last one's.
+    assert not systems & {j.prompt.split("\nuser: ")[0]
+                          for j in make_jobs(256, 64, workload="shared-prefix", seed=1)}
 
 
 def test_redis_cost_is_the_counters_difference_per_token_less_its_own_info_calls() -> None:

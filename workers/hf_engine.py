@@ -156,7 +156,9 @@ class HFEngine(Engine):
         self.failed_in_a_row = 0
         made = list(zip(batch.sampled, token_ids, strict=True))
         self.scheduler.ran(batch)
-        # What the runner's prefix cache found (the runner counts, the stats report).
+        # The prompt tokens the runner computed, and what its prefix cache found
+        # (the runner counts, the stats report).
+        self.stats.prefill_tokens = getattr(self.runner, "prefill_tokens", 0)
         self.stats.prefix_query_tokens = getattr(self.runner, "prefix_query_tokens", 0)
         self.stats.prefix_hit_tokens = getattr(self.runner, "prefix_hit_tokens", 0)
         self.last_batch = BatchShape(len(batch.keep) + len(batch.seqs), batch.admits)

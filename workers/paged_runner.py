@@ -55,9 +55,10 @@ class PagedRunner(ModelLimits):
         # seq id -> the hashes of its named full blocks, in order (the chain's links)
         self._chains: dict[str, list[int]] = {}
         # Prompt tokens of the admitted sequences, and those found cached (the
-        # worker's stats and metrics).
+        # worker's stats and metrics); and the prompt tokens the model computed.
         self.prefix_query_tokens = 0
         self.prefix_hit_tokens = 0
+        self.prefill_tokens = 0
 
     def reset(self) -> None:
         self.cache.reset()
@@ -157,6 +158,8 @@ class PagedRunner(ModelLimits):
                 start = self._share_cached(seq, start, end)
                 if start == end:
                     continue
+            if start < len(seq.prompt_ids):
+                self.prefill_tokens += end - start
             table = cache.reserve(seq.job_id, end, self._like)
             if self.prefix_cache:
                 self._name_full_blocks(seq, table, end)

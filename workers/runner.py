@@ -90,6 +90,7 @@ class HFRunner(ModelLimits):
         self.cache = SlotCache(self._layers)
         self.mask = torch.zeros(0, 0, dtype=torch.long, device=self.device)
         self.positions = torch.zeros(0, dtype=torch.long, device=self.device)
+        self.prefill_tokens = 0  # prompt tokens run through the model (the worker's stats)
 
     def reset(self) -> None:
         self.rows, self.cache = [], SlotCache(self._layers)
@@ -100,6 +101,7 @@ class HFRunner(ModelLimits):
         with torch.inference_mode():
             if batch.is_prefill:
                 self._keep_rows(batch.keep)
+                self.prefill_tokens += sum(s.num_tokens for s in batch.seqs)
                 return sample(self._prefill(batch.seqs), batch.seqs, self.eos_token_ids)
             self._keep_rows(batch.seqs)
             by_id = {s.job_id: s for s in batch.seqs}

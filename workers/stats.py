@@ -33,8 +33,10 @@ class WorkerStats:
     failed_steps: int = 0  # engine steps that raised (in the forward pass or around it)
     store_retries: int = 0  # times Redis refused a step's writes and they were sent again
     preempted: int = 0  # batch-level jobs handed back for live jobs (workers/preemption.py)
-    # Prompt tokens of the jobs admitted with a prefix cache, and of those the
-    # tokens found in it (not computed again): the runner's counts.
+    # Prompt tokens the model computed (a prefix cache's hits left out); prompt
+    # tokens of the jobs admitted with a prefix cache, and of those the tokens
+    # found in it (not computed again): the runner's counts.
+    prefill_tokens: int = 0
     prefix_query_tokens: int = 0
     prefix_hit_tokens: int = 0
     started_at: float = field(default_factory=time.time)
@@ -96,6 +98,7 @@ class WorkerStats:
             "failed_steps": self.failed_steps,
             "store_retries": self.store_retries,
             "preempted": self.preempted,
+            "prefill_tokens": self.prefill_tokens,
             "prefix_query_tokens": self.prefix_query_tokens,
             "prefix_hit_tokens": self.prefix_hit_tokens,
             "tokens_per_s": round(self.tokens_per_s(), 2),

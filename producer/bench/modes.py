@@ -176,7 +176,7 @@ class FleetSession:
     """One worker process of the fleet and a client that times its events."""
 
     def __init__(self, env: BenchEnv, label: str, model: str, max_batch: int,
-                 record: bool = True) -> None:
+                 record: bool = True, settings: dict[str, str] | None = None) -> None:
         self.namespace = env.namespace(label)
         self.keys = Keys(self.namespace)
         self.node = f"{label}@bench"
@@ -190,8 +190,11 @@ class FleetSession:
         self.client = FleetClient(env.redis_url, namespace=self.namespace,
                                   settings=get_settings().model_copy(
                                       update={"require_worker": False}))
+        # ``settings``: the worker's own TOKENFLEET_* variables, over the bench's.
         self.worker = CeleryProc("tokenfleet.workers.app", self.node,
-                                 env.worker_env(self.namespace, model, max_batch))
+                                 {**env.worker_env(self.namespace, model, max_batch),
+                                  **(settings or {})})
+        self.last_ids: list[str] = []  # the jobs of the last run, in order
         self._count = 0
         self._target = 0
         self._tick: Tick = _no_tick
@@ -259,6 +262,7 @@ class FleetSession:
         cpu1, rcpu1 = cpu_seconds(self.worker.pid), redis_cpu_seconds(self.redis)
         redis1 = sample(self.redis)
         self.jobs_seen += n
+        self.last_ids = [job_id.decode() for job_id in ids]
         after = self.settled_stats(self.jobs_seen)
         for i, job_id in enumerate(ids):
             trace.tokens[i] = self.tap.tokens.pop(job_id, [])

@@ -1,8 +1,10 @@
 """One load through the official ``openai`` client, the same for every server.
 
-``n`` greedy ``/v1/completions`` requests, all sent at once, each asking for
-``max_tokens`` tokens: plain (the whole text in one answer) or streamed (a
-chunk per piece of text, the usage last). Every request carries the same
+``n`` greedy ``/v1/completions`` requests, all sent at once or at most
+``concurrency`` at a time (the next sent as one ends, as ``vllm bench serve
+--max-concurrency`` does), each asking for ``max_tokens`` tokens: plain (the
+whole text in one answer) or streamed (a chunk per piece of text, the usage
+last). Every request carries the same
 fields, ones that both vLLM's server and the gateway take; a failed request
 fails the run (no retries: a retry would hide a failure in the figures).
 """
@@ -27,16 +29,18 @@ class LoadResult:
 
 
 def run_load(base_url: str, model: str, prompts: list[str], max_tokens: int,
-             stream: bool) -> LoadResult:
-    """All ``prompts`` at once against the server at ``base_url`` (its ``/v1``)."""
-    return asyncio.run(_load(base_url, model, prompts, max_tokens, stream))
+             stream: bool, concurrency: int | None = None) -> LoadResult:
+    """``prompts`` against the server at ``base_url`` (its ``/v1``): all at
+    once, or ``concurrency`` in flight."""
+    return asyncio.run(_load(base_url, model, prompts, max_tokens, stream, concurrency))
 
 
 async def _load(base_url: str, model: str, prompts: list[str], max_tokens: int,
-                stream: bool) -> LoadResult:
+                stream: bool, concurrency: int | None) -> LoadResult:
     from openai import AsyncOpenAI, OpenAIError
 
     n = len(prompts)
+    in_flight = asyncio.Semaphore(concurrency or n)
     trace = Trace.empty(n, streamed=stream)
     texts = [""] * n
     client = AsyncOpenAI(base_url=f"{base_url}/v1", api_key="bench", max_retries=0,
@@ -44,6 +48,10 @@ async def _load(base_url: str, model: str, prompts: list[str], max_tokens: int,
     clock = time.perf_counter
 
     async def one(i: int) -> None:
+        async with in_flight:
+            await send(i)
+
+    async def send(i: int) -> None:
         ask: dict[str, Any] = {"model": model, "prompt": prompts[i], "max_tokens": max_tokens,
                                "temperature": 0.0}
         trace.submitted[i] = clock()
@@ -68,5 +76,6 @@ async def _load(base_url: str, model: str, prompts: list[str], max_tokens: int,
         raise BenchError(f"a request to {base_url} failed: {type(exc).__name__}: {exc}") from exc
     finally:
         await client.close()
-    figures = summarize(trace, max_batch=n, mean_batch=None, occupancy=None)
+    figures = summarize(trace, max_batch=min(n, concurrency or n), mean_batch=None,
+                        occupancy=None)
     return LoadResult(figures, texts)

@@ -8,7 +8,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from tokenfleet.bench import gpu_sim_mode, redis_cost
+from tokenfleet.bench import gpu_sim_mode, prefix_mode, redis_cost
 
 # The fleet's targets, on a 2-core machine with the CPU build of torch.
 FLEET_VS_DIRECT = {64: 0.90, 256: 0.80}
@@ -108,7 +108,8 @@ def render(results: dict[str, Any], console: Console) -> None:
     dtype = "" if cfg.get("dtype", "auto") == "auto" else f"{cfg['dtype']}, "
     title = (f"tokenfleet bench: {cfg['model']} on {cfg['device']} ({dtype}{cfg['torch_threads']} "
              f"torch thread(s)), {cfg['jobs']} jobs x up to {cfg['max_new_tokens']} tokens"
-             + (" (mixed lengths), " if cfg.get("workload") == "mixed" else ", ")
+             + {"mixed": " (mixed lengths), ", "shared-prefix": " (shared prefixes), "}.get(
+                 cfg.get("workload", ""), ", ")
              + (f"{cfg['rate']:g} jobs/s" if cfg["rate"] else "all submitted at once"))
     table = Table(title=title, caption="TTFT and ITL in ms; overhead: the fleet with the null "
                   "runner (no model); naive: one Celery task per prompt, one at a time")
@@ -142,6 +143,9 @@ def render(results: dict[str, Any], console: Console) -> None:
     redis_cost.render(results, console)
     for figures in results.get("gpu_sim", {}).values():
         for line in gpu_sim_mode.lines(figures):
+            console.print(line, highlight=False, soft_wrap=True)
+    for batch, figures in results.get("prefix", {}).items():
+        for line in prefix_mode.lines(figures, batch):
             console.print(line, highlight=False, soft_wrap=True)
     render_targets(results["targets"], console)
 

@@ -9,6 +9,8 @@ and ``soak`` passes many jobs through one worker while watching its memory.
 ``absorb`` sweeps K null-runner workers at each batch size against one Redis
 (``redis_cost``). ``gpu-sim`` runs one worker of the gpu-sim engine at each
 concurrency: how much of a GPU's tokens the fleet passes on (``gpu_sim_mode``).
+``prefix`` runs the built-in engine with its prefix cache, without it, and on
+the rectangular cache, the same jobs through each (``prefix_mode``).
 """
 
 from __future__ import annotations
@@ -33,14 +35,14 @@ from rich.progress import (
 )
 
 from tokenfleet.shared.redis.url import redacted
-from tokenfleet.bench import gpu_sim_mode, redis_cost
+from tokenfleet.bench import gpu_sim_mode, prefix_mode, redis_cost
 from tokenfleet.bench.modes import BenchEnv, Direct, FleetSession, NaiveSession, Tick, publish_cost
 from tokenfleet.bench.procs import BenchError, RedisProc
 from tokenfleet.bench.report import judge, ratios
 from tokenfleet.bench.workload import WORKLOADS, Job, describe, make_jobs
 from tokenfleet.workers.null_runner import NULL_MODEL
 
-MODES = ("direct", "fleet", "naive", "overhead", "absorb", "gpu-sim")
+MODES = ("direct", "fleet", "naive", "overhead", "absorb", "gpu-sim", "prefix")
 
 
 @dataclass
@@ -151,7 +153,7 @@ def _run_modes(cfg: BenchConfig, env: BenchEnv, jobs: list[Job], probe: list[Job
     modes = set(cfg.modes)
     out: dict[str, Any] = {"direct": {}, "fleet": {}, "naive": None, "overhead": {},
                            "overhead_costs": None, "low_load": None, "memory": None,
-                           "absorb": None, "cold_start": None, "gpu_sim": {}}
+                           "absorb": None, "cold_start": None, "gpu_sim": {}, "prefix": {}}
     direct = None
     if "direct" in modes:
         with ticker.phase("loading the model", 1):
@@ -221,6 +223,11 @@ def _run_modes(cfg: BenchConfig, env: BenchEnv, jobs: list[Job], probe: list[Job
                 out["overhead_costs"] = costs
     if cfg.soak:
         out["memory"] = _soak(cfg, env, ticker)
+    if "prefix" in modes:
+        for c in levels:
+            out["prefix"][str(c)] = prefix_mode.run(env, cfg.model, c, cfg.jobs,
+                                                    cfg.max_new_tokens, cfg.workload,
+                                                    cfg.repeat, ticker.phase)
     if "gpu-sim" in modes:
         for c in levels:
             out["gpu_sim"][str(c)] = gpu_sim_mode.run(env, c, cfg.sim_jobs or c,

@@ -27,7 +27,7 @@ class Job:
     arrival_s: float  # after the start of the run; 0 for all at once
 
 
-WORKLOADS = ("uniform", "mixed")
+WORKLOADS = ("uniform", "mixed", "shared-prefix")
 # The mixed workload's lengths: log-normal, as chat traffic's are (most
 # requests short, a long tail of long ones). Prompts have a median of 16 words
 # (about 100 tokens of a byte-level tokenizer), cut at 96 so the longest still
@@ -35,6 +35,13 @@ WORKLOADS = ("uniform", "mixed")
 # --max-new-tokens, cut at all of it.
 MIXED_PROMPT_WORDS = (16, 96)  # median, longest
 MIXED_SIGMA = 1.0  # of the log of a length: the p99 is about 10x the median
+# The shared-prefix workload: a chat app's traffic, each request one of a few
+# system prompts followed by a short user turn of its own. In words of WORDS,
+# about a token each for the built-in models' tokenizers: system prompts of
+# about 512 tokens, user turns of about 32.
+SYSTEM_PROMPTS = 16
+SYSTEM_WORDS = 480
+USER_WORDS = (24, 36)  # shortest, longest
 
 
 def make_jobs(n: int, max_new_tokens: int, rate: float | None = None,
@@ -44,9 +51,13 @@ def make_jobs(n: int, max_new_tokens: int, rate: float | None = None,
     ``uniform``: prompts of 2-12 words and between half and all of
     ``max_new_tokens`` tokens each, so that jobs leave the batch at different
     steps and new ones join it (what continuous batching is for).
-    ``mixed``: long-tailed prompt and output lengths (``MIXED_*``)."""
+    ``mixed``: long-tailed prompt and output lengths (``MIXED_*``).
+    ``shared-prefix``: one of ``SYSTEM_PROMPTS`` system prompts each, then a
+    user turn of its own, and ``max_new_tokens`` tokens each (``shared_prefix``)."""
     if workload not in WORKLOADS:
         raise ValueError(f"unknown workload {workload!r}; choose from {', '.join(WORKLOADS)}")
+    if workload == "shared-prefix":
+        return shared_prefix(n, max_new_tokens, rate, seed)
     rng = random.Random(seed)
     low = max(1, math.ceil(max_new_tokens / 2))
 
@@ -62,6 +73,17 @@ def make_jobs(n: int, max_new_tokens: int, rate: float | None = None,
                       else rng.randint(low, max_new_tokens))
         jobs.append(Job(prompt, new_tokens, i / rate if rate else 0.0))
     return jobs
+
+
+def shared_prefix(n: int, max_new_tokens: int, rate: float | None = None, seed: int = 0,
+                  prefixes: int = SYSTEM_PROMPTS) -> list[Job]:
+    """``n`` jobs, each a system prompt (one of ``prefixes``, chosen at random)
+    and a user turn of its own; another ``seed`` gives other system prompts."""
+    rng = random.Random(seed)
+    systems = [" ".join(rng.choices(WORDS, k=SYSTEM_WORDS)) for _ in range(prefixes)]
+    return [Job(f"{rng.choice(systems)}\nuser: {' '.join(rng.choices(WORDS, k=rng.randint(*USER_WORDS)))}",
+                max_new_tokens, i / rate if rate else 0.0)
+            for i in range(n)]
 
 
 def describe(jobs: list[Job]) -> dict[str, Any]:

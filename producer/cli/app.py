@@ -415,14 +415,15 @@ def _int_list(ctx: click.Context, param: click.Parameter, value: str | None) -> 
 
 
 # What ``bench --vs-vllm`` runs differently: the options of the other modes it refuses.
-NOT_VS_VLLM = ("jobs", "workload", "rate", "modes", "redis_url", "plot_path", "soak", "probe_jobs",
+NOT_VS_VLLM = ("jobs", "rate", "modes", "redis_url", "plot_path", "soak", "probe_jobs",
                "overhead_jobs", "absorb_workers", "absorb_tokens", "step_ms")
 
 
 @main.command()
 @click.option("--model", default="tiny", show_default=True,
               help="a built-in model ('tiny', 'tiny-wide', 'llama-86m', ...), a Hugging Face "
-                   "model directory, or hf:<org>/<name> from the Hugging Face Hub")
+                   "model directory, or hf:<org>/<name> from the Hugging Face Hub; with "
+                   "--vs-vllm, several separated by commas, one after another")
 @click.option("--vs-vllm", is_flag=True,
               help="instead: vLLM's own OpenAI server against the gateway and one worker of "
                    "each --engines, the same openai-client load on each (needs vLLM)")
@@ -437,11 +438,15 @@ NOT_VS_VLLM = ("jobs", "workload", "rate", "modes", "redis_url", "plot_path", "s
               help="the longest job; lengths spread over half of this to all of it "
                    "[default: 32; with --vs-vllm, 64 for every request]")
 @click.option("--workload", type=click.Choice(WORKLOADS), default="uniform",
-              show_default=True, help="mixed: long-tailed prompt and output lengths, as chat's")
+              show_default=True, help="mixed: long-tailed prompt and output lengths, as chat's; "
+                                      "shared-prefix: 16 system prompts of about 512 tokens, "
+                                      "each job one of them and a user turn of its own")
 @click.option("--rate", type=float, default=None,
               help="jobs per second arriving at a fixed rate (default: all submitted at once)")
 @click.option("--modes", default="direct,fleet,naive,overhead", show_default=True,
-              help="which of direct, fleet, naive, overhead, absorb, gpu-sim to run (absorb: how "
+              help="which of direct, fleet, naive, overhead, absorb, gpu-sim, prefix to run "
+                   "(prefix: the built-in engine with its prefix cache, without it and on the "
+                   "rect cache, the same jobs, each round new prompts; absorb: how "
                    "many tokens/s one Redis takes from K null-runner workers at each concurrency; "
                    "gpu-sim: one worker on an engine whose step waits --step-ms with the GIL "
                    "released, as a GPU's does, against the ideal batch x 1000 / step-ms)")
@@ -461,8 +466,12 @@ NOT_VS_VLLM = ("jobs", "workload", "rate", "modes", "redis_url", "plot_path", "s
               help="jobs of the low-load probe (one at a time: time to first token)")
 @click.option("--overhead-jobs", default=2000, show_default=True,
               help="one-token jobs and Celery no-op tasks for the per-job cost")
-@click.option("--repeat", default=1, show_default=True,
-              help="run each measurement this many times, modes taking turns; keep the best")
+@click.option("--repeat", type=int, default=None,
+              help="run each measurement this many times, modes taking turns; keep the best "
+                   "[default: 1; with --vs-vllm, 5 rounds, the median and spread reported]")
+@click.option("--round-s", type=float, default=None,
+              help="with --vs-vllm: the least a round lasts, in requests enough for it "
+                   "(0: one wave of --concurrency) [default: 20]")
 @click.option("--absorb-workers", default="1,2,4", show_default=True, callback=_int_list,
               help="absorb mode: worker processes (K) to sweep, comma-separated")
 @click.option("--absorb-tokens", default=200_000, show_default=True,
@@ -475,39 +484,48 @@ def bench(ctx: click.Context, model: str, vs_vllm: bool, engines: str, jobs: int
           rate: float | None,
           modes: str, redis_url: str | None, json_path: Path | None, plot_path: Path | None,
           device: str, dtype: str, soak: int, probe_jobs: int, overhead_jobs: int,
-          repeat: int, absorb_workers: list[int], absorb_tokens: int, step_ms: float) -> None:
+          repeat: int | None, round_s: float | None, absorb_workers: list[int],
+          absorb_tokens: int, step_ms: float) -> None:
     """Benchmark the fleet against the model in-process and naive Celery, or (--vs-vllm)
     against vLLM's OpenAI server."""
     from tokenfleet.workers.preflight import need_extra
 
     need_extra("bench", "bench")
-    _check_model(model)
+    models = [m.strip() for m in model.split(",") if m.strip()] if vs_vllm else [model]
+    for name in models:
+        _check_model(name)
     from rich.console import Console
 
     from tokenfleet.bench.procs import BenchError
 
     console = Console() if sys.stdout.isatty() else Console(width=120)
-    given = [name for name in (*NOT_VS_VLLM, "engines")
+    given = [name for name in (*NOT_VS_VLLM, "engines", "round_s")
              if ctx.get_parameter_source(name) is not click.core.ParameterSource.DEFAULT]
     try:
         if vs_vllm:
-            from tokenfleet.bench.vs_vllm import VsVllmConfig, render_vs, run_vs_vllm
+            from tokenfleet.bench.vs_vllm import ROUND_S, VsVllmConfig, render_vs, run_vs_vllm
 
             refused = [n for n in given if n in NOT_VS_VLLM]
             if refused:
                 raise click.UsageError(f"--vs-vllm does not take {_option_names(ctx, refused)}")
-            results = run_vs_vllm(VsVllmConfig(
-                model=model, engines=[e.strip() for e in engines.split(",") if e.strip()],
-                concurrency=concurrency if concurrency is not None else [64],
-                max_new_tokens=64 if max_new_tokens is None else max_new_tokens,
-                repeat=repeat, device=device, dtype=dtype))
-            render_vs(results, console)
+            every = {}
+            for name in models:
+                every[name] = run_vs_vllm(VsVllmConfig(
+                    model=name, engines=[e.strip() for e in engines.split(",") if e.strip()],
+                    concurrency=concurrency if concurrency is not None else [64],
+                    max_new_tokens=64 if max_new_tokens is None else max_new_tokens,
+                    repeat=5 if repeat is None else repeat, device=device, dtype=dtype,
+                    workload=workload, round_s=ROUND_S if round_s is None else round_s))
+                render_vs(every[name], console)
+            # One model: its figures as they were; several: each under its name.
+            results = every[models[0]] if len(models) == 1 else {"models": every}
         else:
             from tokenfleet.bench.report import render
             from tokenfleet.bench.run import BenchConfig, run_bench
 
-            if "engines" in given:
-                raise click.UsageError("--engines goes with --vs-vllm")
+            only_vs: list[str] = [n for n in ("engines", "round_s") if n in given]
+            if only_vs:
+                raise click.UsageError(f"{_option_names(ctx, only_vs)} goes with --vs-vllm")
             results = run_bench(BenchConfig(
                 model=model, jobs=jobs,
                 concurrency=concurrency if concurrency is not None else [1, 4, 16, 64, 256],
@@ -515,7 +533,8 @@ def bench(ctx: click.Context, model: str, vs_vllm: bool, engines: str, jobs: int
                 workload=workload, rate=rate,
                 modes=[m.strip() for m in modes.split(",") if m.strip()],
                 redis_url=redis_url, device=device, dtype=dtype, soak=soak,
-                probe_jobs=probe_jobs, overhead_jobs=overhead_jobs, repeat=repeat,
+                probe_jobs=probe_jobs, overhead_jobs=overhead_jobs,
+                repeat=1 if repeat is None else repeat,
                 absorb_workers=absorb_workers, absorb_tokens=absorb_tokens, step_ms=step_ms,
                 sim_jobs=jobs if "jobs" in given else None))
             render(results, console)
