@@ -455,4 +455,7 @@ def assert_built_as_in_production(worker: Any) -> None:
     no hand-made copy."""
     from tokenfleet.shared.settings import get_settings
 
-    assert worker.settings == get_settings(), "the worker's settings are not get_settings()'"
+    read = get_settings()
+    assert worker.settings == read, ("the worker's settings are not get_settings()'s", {
+        name: (value, getattr(read, name)) for name, value in worker.settings
+        if getattr(read, name) != value})

@@ -16,6 +16,7 @@ import pytest
 
 from tokenfleet.shared.wire.schemas import FinishReason, SamplingParams
 from tokenfleet.shared.settings import Settings
+from tokenfleet.bench.arrivals import capacity_jobs_per_s, open_loop_figures, poisson
 from tokenfleet.bench.gpu_sim_mode import figures, lines, sleep_late
 from tokenfleet.workers.detokenizer import TextStream
 from tokenfleet.bench.gpu_sim import TEXT, GpuSimEngine, build_gpu_sim
@@ -148,3 +149,56 @@ def test_the_bench_mode_reports_tokens_per_second_against_the_ideal(tmp_path: Pa
     figures = json.loads(out.read_text())["gpu_sim"]["4"]
     assert figures["whole_run"]["tokens"] == 4 * 8
     assert 0 < figures["steady"]["in_device"] <= figures["steady"]["in_step"] <= 1.001
+
+
+def test_poisson_arrivals_come_at_the_rate_asked_the_same_every_run() -> None:
+    times = poisson(4000, 200.0)
+    assert times == poisson(4000, 200.0) and times == sorted(times)
+    assert 4000 / times[-1] == pytest.approx(200.0, rel=0.05)
+    assert capacity_jobs_per_s(256, 5.0, 128) == 400.0
+
+
+def test_open_loop_figures_are_goodput_and_the_ttft_the_fleet_adds_to_one_step() -> None:
+    """Four jobs of 10 tokens submitted over 0.3 s, the last ending at 1.0 s:
+    40 tokens in 1.0 s against 50 offered a second; first tokens 10, 10, 15
+    and 30 ms after their submits, against a floor of one 5 ms step."""
+    records = [{"status": "succeeded", "created_at": 0.1 * i, "started_at": 0.1 * i,
+                "first_token_at": 0.1 * i + ttft, "finished_at": 0.7 + 0.1 * i}
+               for i, ttft in enumerate((0.010, 0.010, 0.015, 0.030))]
+    records.append({"status": "failed", "created_at": 0.35, "started_at": None,
+                    "first_token_at": None, "finished_at": 0.4})
+    f = open_loop_figures(records, offered_tokens_per_s=50.0, max_new_tokens=10, step_ms=5.0)
+    assert (f["jobs"], f["succeeded"]) == (5, 4)
+    assert f["goodput_tokens_per_s"] == 40.0 and f["goodput_of_offered"] == 0.8
+    assert f["ttft_p50_ms"] == pytest.approx(12.5) and f["added_ttft_p50_steps"] == 1.5
+    assert f["ttft_p99_ms"] == pytest.approx(29.55) and f["ttft_floor_ms"] == 5.0
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_the_bench_mode_with_poisson_arrivals_reports_goodput_ttft_and_admission(
+        tmp_path: Path) -> None:
+    out = tmp_path / "arrivals.json"
+    result = subprocess.run(
+        [sys.executable, "-m", "tokenfleet.cli.app", "bench", "--modes", "gpu-sim",
+         "--step-ms", "5", "--concurrency", "8", "--max-new-tokens", "8", "--arrivals",
+         "poisson", "--load", "0.5", "--duration-s", "2", "--json", str(out)],
+        cwd=ROOT, env={**os.environ, "COLUMNS": "160"}, capture_output=True, text=True,
+        timeout=170)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    f = json.loads(out.read_text())["arrivals"]["8"]
+    # 8 x 1000 / 5 / 8 = 200 jobs a second of capacity, half of it for 2 s
+    assert f["offered_jobs_per_s"] == 100.0 and f["jobs"] == f["succeeded"] == 200
+    assert 0 < f["goodput_of_offered"] <= 1.2
+    assert f["ttft_p50_ms"] >= 5.0 and f["added_ttft_p99_steps"] is not None
+    assert f["admission_jobs_per_s"] > 0
+    assert "of the 800 offered" in result.stdout and "jobs/s from a full queue" in result.stdout
+
+
+def test_poisson_arrivals_go_with_the_gpu_sim_mode_alone() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "tokenfleet.cli.app", "bench", "--modes", "fleet",
+         "--arrivals", "poisson"],
+        cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert result.returncode != 0
+    assert "poisson goes with --modes gpu-sim alone" in result.stdout + result.stderr

@@ -56,32 +56,55 @@ def run(env: BenchEnv, batch: int, jobs: int, max_new_tokens: int, step_ms: floa
         phase: Phase) -> dict[str, Any]:
     """One worker of the gpu-sim engine at ``batch``, ``jobs`` jobs through it;
     its figures (``figures``)."""
-    label = f"gpu-sim-c{batch}"
-    namespace, node = env.namespace(label), f"{label}@bench"
-    worker_env = {**env.worker_env(namespace, env.model, batch), "TOKENFLEET_ENGINE": "gpu-sim",
-                  "TOKENFLEET_GPU_SIM_STEP_MS": str(step_ms)}
     prompts = [job.prompt for job in make_jobs(jobs, max_new_tokens)]
-    client = redis.Redis.from_url(env.redis_url)
-    with phase(f"gpu-sim  c={batch}: starting", 1):
-        worker = CeleryProc("tokenfleet.workers.app", node, worker_env)
-    try:
-        heartbeat = Keys(namespace).worker(node)
-        wait_for(lambda: client.exists(heartbeat) or not worker.alive(), 300,
-                 f"worker {node} to start")
-        worker.check()
+    with SimWorker(env, batch, step_ms, phase) as sim:
         # The first steps of a worker are slow (imports, first allocations).
         warm = prompts[:min(batch, jobs)]
-        _through(env.redis_url, namespace, warm, 2, worker)
-        before = _settled(client, heartbeat, len(warm))
+        _through(env.redis_url, sim.namespace, warm, 2, sim.worker)
+        before = sim.settled(len(warm))
         with phase(f"gpu-sim  c={batch}", jobs) as tick:
-            elapsed, tokens = _through(env.redis_url, namespace, prompts, max_new_tokens,
-                                       worker, tick)
-        after = _settled(client, heartbeat, len(warm) + jobs)
-    finally:
-        worker.close()
-        client.close()
+            elapsed, tokens = _through(env.redis_url, sim.namespace, prompts, max_new_tokens,
+                                       sim.worker, tick)
+        after = sim.settled(len(warm) + jobs)
     return figures(before, after, min(batch, jobs), step_ms, jobs, max_new_tokens, tokens,
                    elapsed, sleep_late(step_ms / 1000))
+
+
+class SimWorker:
+    """One Celery worker of the gpu-sim engine at ``batch``, on the bench's Redis."""
+
+    def __init__(self, env: BenchEnv, batch: int, step_ms: float, phase: Phase,
+                 label: str = "gpu-sim") -> None:
+        label = f"{label}-c{batch}"
+        self.namespace, self.node = env.namespace(label), f"{label}@bench"
+        self.keys = Keys(self.namespace)
+        self.redis = redis.Redis.from_url(env.redis_url)
+        worker_env = {**env.worker_env(self.namespace, env.model, batch),
+                      "TOKENFLEET_ENGINE": "gpu-sim", "TOKENFLEET_GPU_SIM_STEP_MS": str(step_ms)}
+        with phase(f"{label}: starting", 1):
+            self.worker = CeleryProc("tokenfleet.workers.app", self.node, worker_env)
+        try:
+            heartbeat = self.keys.worker(self.node)
+            wait_for(lambda: self.redis.exists(heartbeat) or not self.worker.alive(), 300,
+                     f"worker {self.node} to start")
+            self.worker.check()
+        except BaseException:
+            self.close()
+            raise
+
+    def __enter__(self) -> SimWorker:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self.worker.close()
+        self.redis.close()
+
+    def settled(self, jobs: int) -> dict[str, Any]:
+        """The engine's step times once its heartbeat counts ``jobs`` ended jobs."""
+        return _settled(self.redis, self.keys.worker(self.node), jobs)
 
 
 def sleep_late(step_s: float, n: int = BARE_SLEEPS) -> float:

@@ -31,6 +31,7 @@ from tokenfleet.shared.settings import Settings, get_settings
 from tokenfleet.bench.procs import (
     BenchError,
     CeleryProc,
+    Control,
     cpu_seconds,
     redis_cpu_seconds,
     rss_bytes,
@@ -182,7 +183,7 @@ class FleetSession:
         self.node = f"{label}@bench"
         self.max_batch = max_batch
         self.url = env.redis_url
-        self._celery: Any = None  # a Celery client for remote control, made on first use
+        self._celery: Control | None = None  # remote control, made on first use
         self.redis = redis.Redis.from_url(env.redis_url)
         self.tap = EventTap(env.redis_url, self.keys, record=record)
         self.tap.on_end = self._ended
@@ -309,19 +310,8 @@ class FleetSession:
 
     def _control(self, command: str) -> None:
         if self._celery is None:
-            from celery import Celery
-
-            from tokenfleet.workers.app import broker_ssl
-
-            self._celery = Celery("tokenfleet-bench", broker=self.url)
-            self._celery.conf.update(
-                broker_use_ssl=broker_ssl(self.url),
-                broker_transport_options={"global_keyprefix": self.keys.celery_prefix},
-                accept_content=["json"], task_serializer="json", result_serializer="json")
-        replies = self._celery.control.broadcast(command, destination=[self.node], reply=True,
-                                                 timeout=10)
-        if not replies:
-            raise BenchError(f"worker {self.node} did not answer `control {command}`")
+            self._celery = Control(self.url, self.keys, self.node)
+        self._celery.send(command)
 
     def soak(self, jobs: list[Job], window: int, every_s: float = 0.5,
              tick: Tick = _no_tick) -> list[tuple[int, int]]:

@@ -21,6 +21,8 @@ from typing import Any
 
 import redis
 
+from tokenfleet.shared.wire.keys import Keys
+
 ROOT = Path(__file__).resolve().parents[2]
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
@@ -246,3 +248,29 @@ def wait_quiet(busy_share: float = 0.1, interval_s: float = 0.2, at_most_s: floa
         if total2 > total and (busy2 - busy) / (total2 - total) <= busy_share:
             break
     return time.monotonic() - started
+
+
+class Control:
+    """``tokenfleet control`` for one worker of the bench (``drain``, ``resume``):
+    a Celery client of its own on the worker's namespace."""
+
+    def __init__(self, url: str, keys: Keys, node: str) -> None:
+        from celery import Celery
+
+        from tokenfleet.workers.app import broker_ssl
+
+        self.node = node
+        self.celery = Celery("tokenfleet-bench", broker=url)
+        self.celery.conf.update(
+            broker_use_ssl=broker_ssl(url),
+            broker_transport_options={"global_keyprefix": keys.celery_prefix},
+            accept_content=["json"], task_serializer="json", result_serializer="json")
+
+    def send(self, command: str) -> None:
+        replies = self.celery.control.broadcast(command, destination=[self.node], reply=True,
+                                                timeout=10)
+        if not replies:
+            raise BenchError(f"worker {self.node} did not answer `control {command}`")
+
+    def close(self) -> None:
+        self.celery.close()

@@ -8,7 +8,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from tokenfleet.bench import gpu_sim_mode, prefix_mode, redis_cost
+from tokenfleet.bench import arrivals, gpu_sim_mode, prefix_mode, redis_cost
 
 # The fleet's targets, on a 2-core machine with the CPU build of torch.
 FLEET_VS_DIRECT = {64: 0.90, 256: 0.80}
@@ -143,6 +143,9 @@ def render(results: dict[str, Any], console: Console) -> None:
     redis_cost.render(results, console)
     for figures in results.get("gpu_sim", {}).values():
         for line in gpu_sim_mode.lines(figures):
+            console.print(line, highlight=False, soft_wrap=True)
+    for figures in results.get("arrivals", {}).values():
+        for line in arrivals.lines(figures):
             console.print(line, highlight=False, soft_wrap=True)
     for batch, figures in results.get("prefix", {}).items():
         for line in prefix_mode.lines(figures, batch):

@@ -35,7 +35,7 @@ from rich.progress import (
 )
 
 from tokenfleet.shared.redis.url import redacted
-from tokenfleet.bench import gpu_sim_mode, prefix_mode, redis_cost
+from tokenfleet.bench import arrivals, gpu_sim_mode, prefix_mode, redis_cost
 from tokenfleet.bench.modes import BenchEnv, Direct, FleetSession, NaiveSession, Tick, publish_cost
 from tokenfleet.bench.procs import BenchError, RedisProc
 from tokenfleet.bench.report import judge, ratios
@@ -43,6 +43,7 @@ from tokenfleet.bench.workload import WORKLOADS, Job, describe, make_jobs
 from tokenfleet.workers.null_runner import NULL_MODEL
 
 MODES = ("direct", "fleet", "naive", "overhead", "absorb", "gpu-sim", "prefix")
+ARRIVALS = ("at-once", "poisson")
 
 
 @dataclass
@@ -65,6 +66,9 @@ class BenchConfig:
     absorb_tokens: int = 200_000  # tokens per point of the sweep
     step_ms: float = 10.0  # gpu-sim: the simulated device step
     sim_jobs: int | None = None  # gpu-sim: jobs per run; None: the concurrency
+    arrivals: str = "at-once"  # gpu-sim: or "poisson", at ``load`` of its capacity
+    load: float = 0.9  # gpu-sim with Poisson arrivals: the share of its capacity offered
+    duration_s: float = 60.0  # gpu-sim with Poisson arrivals: how long jobs arrive
 
     def check(self) -> None:
         unknown = set(self.modes) - set(MODES)
@@ -81,6 +85,10 @@ class BenchConfig:
                              "and --absorb-tokens a positive number")
         if self.step_ms <= 0 or (self.sim_jobs is not None and self.sim_jobs < 1):
             raise BenchError("--step-ms must be above 0 and --jobs at least 1")
+        if self.arrivals not in ARRIVALS or (self.arrivals == "poisson" and (
+                self.modes != ["gpu-sim"] or self.load <= 0 or self.duration_s <= 0)):
+            raise BenchError(f"--arrivals is one of {', '.join(ARRIVALS)}; poisson goes with "
+                             "--modes gpu-sim alone, a --load above 0 and a --duration-s above 0")
         if (min(self.jobs, self.max_new_tokens, self.probe_jobs, self.repeat) < 1
                 or self.overhead_jobs < 2):
             raise BenchError("--jobs, --max-new-tokens, --probe-jobs and --repeat must be at "
@@ -153,7 +161,8 @@ def _run_modes(cfg: BenchConfig, env: BenchEnv, jobs: list[Job], probe: list[Job
     modes = set(cfg.modes)
     out: dict[str, Any] = {"direct": {}, "fleet": {}, "naive": None, "overhead": {},
                            "overhead_costs": None, "low_load": None, "memory": None,
-                           "absorb": None, "cold_start": None, "gpu_sim": {}, "prefix": {}}
+                           "absorb": None, "cold_start": None, "gpu_sim": {}, "prefix": {},
+                           "arrivals": {}}
     direct = None
     if "direct" in modes:
         with ticker.phase("loading the model", 1):
@@ -228,7 +237,11 @@ def _run_modes(cfg: BenchConfig, env: BenchEnv, jobs: list[Job], probe: list[Job
             out["prefix"][str(c)] = prefix_mode.run(env, cfg.model, c, cfg.jobs,
                                                     cfg.max_new_tokens, cfg.workload,
                                                     cfg.repeat, ticker.phase)
-    if "gpu-sim" in modes:
+    if "gpu-sim" in modes and cfg.arrivals == "poisson":
+        for c in levels:
+            out["arrivals"][str(c)] = arrivals.run(env, c, cfg.max_new_tokens, cfg.step_ms,
+                                                   cfg.load, cfg.duration_s, ticker.phase)
+    elif "gpu-sim" in modes:
         for c in levels:
             out["gpu_sim"][str(c)] = gpu_sim_mode.run(env, c, cfg.sim_jobs or c,
                                                       cfg.max_new_tokens, cfg.step_ms,

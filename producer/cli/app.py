@@ -416,7 +416,8 @@ def _int_list(ctx: click.Context, param: click.Parameter, value: str | None) -> 
 
 # What ``bench --vs-vllm`` runs differently: the options of the other modes it refuses.
 NOT_VS_VLLM = ("jobs", "rate", "modes", "redis_url", "plot_path", "soak", "probe_jobs",
-               "overhead_jobs", "absorb_workers", "absorb_tokens", "step_ms")
+               "overhead_jobs", "absorb_workers", "absorb_tokens", "step_ms", "arrivals", "load",
+               "duration_s")
 
 
 @main.command()
@@ -478,6 +479,16 @@ NOT_VS_VLLM = ("jobs", "rate", "modes", "redis_url", "plot_path", "soak", "probe
               help="absorb mode: tokens generated at each point of the sweep")
 @click.option("--step-ms", type=float, default=10.0, show_default=True,
               help="gpu-sim mode: milliseconds of each simulated device step")
+@click.option("--arrivals", type=click.Choice(("at-once", "poisson")), default="at-once",
+              show_default=True,
+              help="gpu-sim mode: every job at once, or arriving as a Poisson process at --load "
+                   "of the engine's capacity for --duration-s (goodput, TTFT against one step, "
+                   "and the worker's admission rate)")
+@click.option("--load", type=float, default=0.9, show_default=True,
+              help="with --arrivals poisson: the share of the gpu-sim engine's capacity offered "
+                   "(batch x 1000 / step-ms / max-new-tokens jobs/s)")
+@click.option("--duration-s", type=float, default=60.0, show_default=True,
+              help="with --arrivals poisson: how long jobs arrive")
 @click.pass_context
 def bench(ctx: click.Context, model: str, vs_vllm: bool, engines: str, jobs: int,
           concurrency: list[int] | None, max_new_tokens: int | None, workload: str,
@@ -485,7 +496,8 @@ def bench(ctx: click.Context, model: str, vs_vllm: bool, engines: str, jobs: int
           modes: str, redis_url: str | None, json_path: Path | None, plot_path: Path | None,
           device: str, dtype: str, soak: int, probe_jobs: int, overhead_jobs: int,
           repeat: int | None, round_s: float | None, absorb_workers: list[int],
-          absorb_tokens: int, step_ms: float) -> None:
+          absorb_tokens: int, step_ms: float, arrivals: str, load: float,
+          duration_s: float) -> None:
     """Benchmark the fleet against the model in-process and naive Celery, or (--vs-vllm)
     against vLLM's OpenAI server."""
     from tokenfleet.workers.preflight import need_extra
@@ -536,7 +548,8 @@ def bench(ctx: click.Context, model: str, vs_vllm: bool, engines: str, jobs: int
                 probe_jobs=probe_jobs, overhead_jobs=overhead_jobs,
                 repeat=1 if repeat is None else repeat,
                 absorb_workers=absorb_workers, absorb_tokens=absorb_tokens, step_ms=step_ms,
-                sim_jobs=jobs if "jobs" in given else None))
+                sim_jobs=jobs if "jobs" in given else None, arrivals=arrivals, load=load,
+                duration_s=duration_s))
             render(results, console)
     except BenchError as exc:
         raise click.ClickException(str(exc)) from exc
