@@ -510,7 +510,8 @@ def bench(ctx: click.Context, model: str, vs_vllm: bool, engines: str, jobs: int
 
     from tokenfleet.bench.procs import BenchError
 
-    console = Console() if sys.stdout.isatty() else Console(width=120)
+    # Piped: wide enough for --vs-vllm's table (its server names and spreads whole).
+    console = Console() if sys.stdout.isatty() else Console(width=150)
     given = [name for name in (*NOT_VS_VLLM, "engines", "round_s")
              if ctx.get_parameter_source(name) is not click.core.ParameterSource.DEFAULT]
     try:
