@@ -23,6 +23,7 @@ from tokenfleet.bench.workload import (
     describe,
     make_jobs,
     percentile,
+    shared_prefix,
     summarize,
 )
 
@@ -116,6 +117,8 @@ def test_bench_prefix_mode_compares_the_caches_on_the_same_jobs(tmp_path: Path) 
     # Greedy decoding: the cache changes no output.
     assert at["outputs_compared"] == 24 and at["outputs_differing"] == {"paged": 0, "rect": 0}
     assert 0 < at["ratios"]["prefill_tokens_vs_paged"] < 1
+    assert at["ratios"]["prefill_tokens_vs_paged_cold"] == at["ratios"]["prefill_tokens_vs_paged"]
+    assert at["ratios"]["prefill_tokens_vs_paged_warm"] is None  # one round: none after it
     assert "prefix vs paged" in result.stdout
 
 
@@ -125,9 +128,12 @@ def test_the_shared_prefix_workload_repeats_a_few_long_system_prompts() -> None:
     systems = {j.prompt.split("\nuser: ")[0] for j in jobs}
     assert len(systems) == 16 and {len(s.split()) for s in systems} == {480}
     assert len({j.prompt for j in jobs}) == 256 and {j.max_new_tokens for j in jobs} == {64}
-    # Another seed, other system prompts: a round never finds the last one's.
+    # Another seed, other system prompts; unless they are named: other user turns only.
     assert not systems & {j.prompt.split("\nuser: ")[0]
                           for j in make_jobs(256, 64, workload="shared-prefix", seed=1)}
+    again = shared_prefix(256, 64, seed=1, system_seed=0)
+    assert {j.prompt.split("\nuser: ")[0] for j in again} == systems
+    assert not {j.prompt for j in again} & {j.prompt for j in jobs}
 
 
 def test_redis_cost_is_the_counters_difference_per_token_less_its_own_info_calls() -> None:

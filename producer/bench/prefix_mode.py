@@ -9,12 +9,14 @@ the prompt tokens the model computed (the worker's ``prefill_tokens``) and
 what the prefix cache found; the outputs are compared token for token (greedy
 decoding: a cache that changed a result shows here).
 
-Round ``r`` runs jobs of seed ``r`` (other system prompts, other user turns),
-so that no round finds the prompts of the round before in the cache: each
-round starts cold for its prompts, and what it saves it saves within itself.
-The workers warm up on a seed of their own. Each figure is the median of the
-rounds; ``--workload shared-prefix`` is the load the cache is for, and
-``uniform`` the plain load the default is judged on.
+Round ``r`` runs jobs of seed ``r``: user turns no round saw before. With
+``--workload shared-prefix`` every round has the same 16 system prompts, which
+the workers' warm-up (a seed of its own) never saw: the first round finds them
+cold and computes each once, the later ones find them cached, as a service
+does once its system prompts have been asked for (``cold`` and ``warm``
+below). Each figure is the median of the rounds; ``--workload shared-prefix``
+is the load the cache is for, and ``uniform`` the plain load the default is
+judged on.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from contextlib import AbstractContextManager, ExitStack, closing
 from typing import Any
 
 from tokenfleet.bench.modes import BenchEnv, FleetSession
-from tokenfleet.bench.workload import Job, make_jobs
+from tokenfleet.bench.workload import Job, make_jobs, shared_prefix
 
 Tick = Callable[[int], None]
 Phase = Callable[[str, int], AbstractContextManager[Tick]]
@@ -60,7 +62,9 @@ def run(env: BenchEnv, model: str, batch: int, jobs: int, max_new_tokens: int, w
         for session in sessions.values():
             session.warm(warm)
         for r in range(rounds):
-            round_jobs = make_jobs(jobs, max_new_tokens, workload=workload, seed=r)
+            round_jobs = (shared_prefix(jobs, max_new_tokens, seed=r, system_seed=0)
+                          if workload == "shared-prefix"
+                          else make_jobs(jobs, max_new_tokens, workload=workload, seed=r))
             outputs = {}
             for name, session in sessions.items():
                 label = f"prefix   {name} c={batch} ({r + 1}/{rounds})"
@@ -73,7 +77,7 @@ def run(env: BenchEnv, model: str, batch: int, jobs: int, max_new_tokens: int, w
     figures = {name: _medians(rs) for name, rs in runs.items()}
     return {**figures, "rounds": rounds, "jobs": jobs,
             "outputs_compared": compared, "outputs_differing": mismatched,
-            "ratios": _ratios(figures)}
+            "ratios": {**_ratios(figures), **_cold_and_warm(runs)}}
 
 
 def _one_run(session: FleetSession, jobs: list[Job], tick: Tick) -> dict[str, Any]:
@@ -117,6 +121,16 @@ def _ratios(figures: dict[str, dict[str, Any]]) -> dict[str, float | None]:
     }
 
 
+def _cold_and_warm(runs: dict[str, list[dict[str, Any]]]) -> dict[str, float | None]:
+    """Prompt tokens computed with the cache against without it: in the first
+    round (its system prompts new to the cache) and the median of the later ones."""
+    by_round = [p["prefill_tokens"] / q["prefill_tokens"] if q["prefill_tokens"] else None
+                for p, q in zip(runs["prefix"], runs["paged"])]
+    later = [x for x in by_round[1:] if x is not None]
+    return {"prefill_tokens_vs_paged_cold": by_round[0] and round(by_round[0], 3),
+            "prefill_tokens_vs_paged_warm": round(statistics.median(later), 3) if later else None}
+
+
 def lines(f: dict[str, Any], batch: str) -> Iterator[str]:
     """The figures at one batch size as the bench prints them."""
     yield (f"prefix cache, batch {batch}, {f['jobs']} jobs, median of {f['rounds']} round(s) "
@@ -130,6 +144,9 @@ def lines(f: dict[str, Any], batch: str) -> Iterator[str]:
     yield (f"  prefix vs paged: prompt tokens computed {_num(r['prefill_tokens_vs_paged'], 3)}x, "
            f"TTFT p50 {_num(r['ttft_p50_vs_paged'], 3)}x, tokens/s "
            f"{_num(r['tokens_per_s_vs_paged'], 3)}x; hit rate {_num(r['hit_rate'], 3)}")
+    yield (f"  prompt tokens computed, prefix vs paged: the first round (cold) "
+           f"{_num(r['prefill_tokens_vs_paged_cold'], 3)}x, later rounds (warm) "
+           f"{_num(r['prefill_tokens_vs_paged_warm'], 3)}x")
     yield (f"  prefix vs rect: TTFT p50 {_num(r['ttft_p50_vs_rect'], 3)}x, tokens/s "
            f"{_num(r['tokens_per_s_vs_rect'], 3)}x")
     differing = ", ".join(f"{n} {k}" for n, k in f["outputs_differing"].items())

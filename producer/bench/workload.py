@@ -76,13 +76,19 @@ def make_jobs(n: int, max_new_tokens: int, rate: float | None = None,
 
 
 def shared_prefix(n: int, max_new_tokens: int, rate: float | None = None, seed: int = 0,
-                  prefixes: int = SYSTEM_PROMPTS) -> list[Job]:
+                  prefixes: int = SYSTEM_PROMPTS, system_seed: int | None = None) -> list[Job]:
     """``n`` jobs, each a system prompt (one of ``prefixes``, chosen at random)
-    and a user turn of its own; another ``seed`` gives other system prompts."""
+    and a user turn of its own; another ``seed`` gives other user turns and,
+    unless ``system_seed`` names them, other system prompts."""
+    system_rng = random.Random(seed if system_seed is None else system_seed)
+    systems = [" ".join(system_rng.choices(WORDS, k=SYSTEM_WORDS)) for _ in range(prefixes)]
     rng = random.Random(seed)
-    systems = [" ".join(rng.choices(WORDS, k=SYSTEM_WORDS)) for _ in range(prefixes)]
-    return [Job(f"{rng.choice(systems)}\nuser: {' '.join(rng.choices(WORDS, k=rng.randint(*USER_WORDS)))}",
-                max_new_tokens, i / rate if rate else 0.0)
+
+    def turn() -> str:
+        return " ".join(rng.choices(WORDS, k=rng.randint(*USER_WORDS)))
+
+    return [Job(f"{rng.choice(systems)}\nuser: {turn()}", max_new_tokens,
+                i / rate if rate else 0.0)
             for i in range(n)]
 
 
