@@ -234,7 +234,7 @@ def start_worker(worker_env: Callable[..., Any],
         engine.grammars = grammars(tokenizer, model_runner.vocab_size,
                                    model_runner.eos_token_ids, worker_settings)
         worker = Worker(worker_settings, engine, tokenizer, name=name)
-        assert_built_as_in_production(worker)
+        assert_built_as_in_production(worker, worker_settings)
         worker.start()
         started.append(worker)
         # Submits require a live worker by default: wait for its first heartbeat,

@@ -450,12 +450,15 @@ def written_keys(r: Any, namespace: str) -> list[bytes]:
     return [k for k in r.scan_iter(match=f"{namespace}:*") if k not in before]
 
 
-def assert_built_as_in_production(worker: Any) -> None:
+def assert_built_as_in_production(worker: Any, read: Any = None) -> None:
     """The worker runs on the settings a Celery worker reads (``get_settings()``),
-    no hand-made copy."""
+    no hand-made copy: ``read``, what ``get_settings()`` gave when the worker's
+    environment was set, or else what it gives now. (Asked again after the
+    environment was put back, it can give a later read: twice on CI its cache
+    was found emptied and filled from the test process's own environment.)"""
     from tokenfleet.shared.settings import get_settings
 
-    read = get_settings()
+    read = get_settings() if read is None else read
     assert worker.settings == read, ("the worker's settings are not get_settings()'s", {
         name: (value, getattr(read, name)) for name, value in worker.settings
         if getattr(read, name) != value})
