@@ -150,14 +150,14 @@ def _records(sim: SimWorker, ids: list[str]) -> list[dict[str, Any]]:
 
 def _admission(env: BenchEnv, sim: SimWorker, n: int, ended_before: int) -> float | None:
     """Jobs a second the worker takes into its batch, from a full queue."""
-    control = Control(env.redis_url, sim.keys, sim.node)
+    control = Control(env.redis_url, sim.keys)
     try:
-        control.send("drain")
+        control.send("drain", [sim.node])
         try:
             prompts = [j.prompt for j in make_jobs(n, 1)]
             ids, _ = asyncio.run(_submit(env.redis_url, sim.namespace, prompts, [0.0] * n, 1))
         finally:
-            control.send("resume")
+            control.send("resume", [sim.node])
     finally:
         control.close()
     sim.settled(ended_before + n)

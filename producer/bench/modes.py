@@ -183,7 +183,7 @@ class FleetSession:
         self.node = f"{label}@bench"
         self.max_batch = max_batch
         self.url = env.redis_url
-        self._celery: Control | None = None  # remote control, made on first use
+        self._remote: Control | None = None  # remote control, made on first use
         self.redis = redis.Redis.from_url(env.redis_url)
         self.tap = EventTap(env.redis_url, self.keys, record=record)
         self.tap.on_end = self._ended
@@ -309,9 +309,9 @@ class FleetSession:
         return _sustained([t for t in ends if t >= resumed])
 
     def _control(self, command: str) -> None:
-        if self._celery is None:
-            self._celery = Control(self.url, self.keys, self.node)
-        self._celery.send(command)
+        if self._remote is None:
+            self._remote = Control(self.url, self.keys)
+        self._remote.send(command, [self.node])
 
     def soak(self, jobs: list[Job], window: int, every_s: float = 0.5,
              tick: Tick = _no_tick) -> list[tuple[int, int]]:
@@ -345,8 +345,8 @@ class FleetSession:
         self.tap.close()
         self.client.close()
         self.redis.close()
-        if self._celery is not None:
-            self._celery.close()
+        if self._remote is not None:
+            self._remote.close()
 
 
 # -- naive Celery -------------------------------------------------------------------

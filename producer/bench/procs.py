@@ -251,26 +251,33 @@ def wait_quiet(busy_share: float = 0.1, interval_s: float = 0.2, at_most_s: floa
 
 
 class Control:
-    """``tokenfleet control`` for one worker of the bench (``drain``, ``resume``):
-    a Celery client of its own on the worker's namespace."""
+    """``tokenfleet control`` for the bench's workers (``drain``, ``resume``): a
+    Celery client of its own on their namespace."""
 
-    def __init__(self, url: str, keys: Keys, node: str) -> None:
+    def __init__(self, url: str, keys: Keys) -> None:
         from celery import Celery
 
         from tokenfleet.workers.app import broker_ssl
 
-        self.node = node
         self.celery = Celery("tokenfleet-bench", broker=url)
         self.celery.conf.update(
             broker_use_ssl=broker_ssl(url),
             broker_transport_options={"global_keyprefix": keys.celery_prefix},
             accept_content=["json"], task_serializer="json", result_serializer="json")
 
-    def send(self, command: str) -> None:
-        replies = self.celery.control.broadcast(command, destination=[self.node], reply=True,
-                                                timeout=10)
-        if not replies:
-            raise BenchError(f"worker {self.node} did not answer `control {command}`")
+    def send(self, command: str, nodes: list[str], tries: int = 1) -> None:
+        """``control command`` to ``nodes``; asked again, up to ``tries`` times
+        in all, of those that did not answer (a worker busy on a loaded machine)."""
+        left = list(nodes)
+        for _ in range(tries):
+            replies = self.celery.control.broadcast(command, destination=left, reply=True,
+                                                    timeout=10)
+            answered = {node for reply in replies for node in reply}
+            left = [node for node in left if node not in answered]
+            if not left:
+                return
+        raise BenchError(f"worker(s) {', '.join(left)} did not answer `control {command}` "
+                         f"in {10 * tries} s")
 
     def close(self) -> None:
         self.celery.close()

@@ -27,7 +27,7 @@ from rich.table import Table
 from tokenfleet import FleetClient
 from tokenfleet.shared.wire.keys import Keys
 from tokenfleet.shared.settings import get_settings
-from tokenfleet.bench.procs import BenchError, CeleryProc, cpu_seconds, wait_for
+from tokenfleet.bench.procs import BenchError, CeleryProc, Control, cpu_seconds, wait_for
 from tokenfleet.bench.taps import EventTap
 from tokenfleet.workers.null_runner import NULL_MODEL
 
@@ -116,8 +116,7 @@ class Pool:
                 wait_for(lambda: self.redis.exists(self.keys.worker(node)) or not proc.alive(),
                          300, f"worker {node} to start")
                 proc.check()
-            self._control = self._stack.enter_context(closing(_control_app(self.url,
-                                                                           self.keys)))
+            self._control = self._stack.enter_context(closing(Control(self.url, self.keys)))
         except BaseException:
             self.close()
             raise
@@ -131,15 +130,7 @@ class Pool:
     def broadcast(self, command: str, nodes: list[str]) -> None:
         """``control command`` to ``nodes``; asked again, up to three times, of
         those that did not answer (a worker busy on a loaded machine)."""
-        left = list(nodes)
-        for _ in range(3):
-            replies = self._control.control.broadcast(command, destination=left, reply=True,
-                                                      timeout=10)
-            answered = {node for reply in replies for node in reply}
-            left = [node for node in left if node not in answered]
-            if not left:
-                return
-        raise BenchError(f"workers {left} did not answer `control {command}` in 30 s")
+        self._control.send(command, nodes, tries=3)
 
     def run(self, active: int, jobs: int, tokens_per_job: int,
             block_s: float = 0.3) -> dict[str, Any]:
@@ -178,19 +169,6 @@ class Pool:
     def close(self) -> None:
         self._stack.close()
         self.redis.close()
-
-
-def _control_app(url: str, keys: Keys) -> Any:
-    """A Celery client for remote control of the fleet's workers (drain, resume)."""
-    from celery import Celery
-
-    from tokenfleet.workers.app import broker_ssl
-
-    app = Celery("tokenfleet-bench-absorb", broker=url)
-    app.conf.update(broker_use_ssl=broker_ssl(url),
-                    broker_transport_options={"global_keyprefix": keys.celery_prefix},
-                    accept_content=["json"], task_serializer="json", result_serializer="json")
-    return app
 
 
 def absorb(env: Any, batches: list[int], workers: list[int], tokens: int,
