@@ -298,6 +298,23 @@ class Settings(BaseSettings):
         "(hooks.internal:8080, 127.0.0.1:9009). Else a webhook may not go to a loopback, "
         "private, link-local, multicast or unspecified address, nor to the fleet's Redis host."))
 
+    # Placement by prefix (workers/affinity.py): a job whose prompt starts as one a
+    # live worker ran lately goes to that worker's own stream, where its prefix is
+    # likely cached, unless that worker has a batch's worth waiting there already.
+    affinity: bool = Field(default=False, description=(
+        "Place each job on the stream of a live worker that holds its prompt's prefix (its "
+        "system prompt, earlier turns, or prompt_cache_key) and is not overloaded, else on the "
+        "shared stream; workers take their own stream first and steal from a busy peer's."))
+    affinity_steal_ms: int = Field(default=250, ge=1, description=(
+        "How long, in milliseconds, a job may wait in a busy worker's own stream before a worker "
+        "with a free slot takes it."))
+    affinity_min_chars: int = Field(default=128, ge=1, description=(
+        "The shortest leading part of a prompt that placement matches jobs on, in characters "
+        "(shorter prompts go to the shared stream: they cost little to compute again)."))
+    affinity_held: int = Field(default=1024, ge=1, le=1_000_000, description=(
+        "How many prefixes a worker advertises as held (the ones it started last), per "
+        "partition."))
+
     # Reliability.
     max_attempts: int = Field(default=3, ge=1, description=(
         "How many times a job may be started before it ends failed and goes to the dead letters."))

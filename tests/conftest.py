@@ -31,6 +31,19 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                      help="give the tests' queue ('default', in each test's namespace) this "
                           "many partitions: its workers read every one (tests marked "
                           "one_partition skip)")
+    parser.addoption("--affinity", action="store_true",
+                     help="run with placement by prefix on (TOKENFLEET_AFFINITY) for every "
+                          "client, worker and gateway, matching prompts from their first "
+                          "character, so that nearly every job is placed on a worker's own "
+                          "stream (tests marked shared_streams skip)")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if config.getoption("--affinity"):
+        # In the environment: every Settings the tests make reads it, and every
+        # process they start (Celery workers, gateways) inherits it.
+        os.environ["TOKENFLEET_AFFINITY"] = "true"
+        os.environ["TOKENFLEET_AFFINITY_MIN_CHARS"] = "1"
 
 
 # The tiers (README, "Run the tests"). A bare `python -m pytest` is the unit and
@@ -55,6 +68,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         skips.append(("single_redis", "single Redis only"))
     if config.getoption("--partitions") > 1:
         skips.append(("one_partition", "a queue of one partition only"))
+    if config.getoption("--affinity"):
+        skips.append(("shared_streams", "jobs on the shared streams only"))
     for item in items:
         for name, why in skips:
             marker = item.get_closest_marker(name)

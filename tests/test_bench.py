@@ -122,6 +122,31 @@ def test_bench_prefix_mode_compares_the_caches_on_the_same_jobs(tmp_path: Path) 
     assert "prefix vs paged" in result.stdout
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_bench_placement_mode_runs_two_fleets_on_shared_and_hot_prefixes(tmp_path: Path) -> None:
+    out = tmp_path / "placement.json"
+    result = bench("--modes", "placement", "--jobs", "32", "--concurrency", "8",
+                   "--max-new-tokens", "4", "--json", str(out))
+    at = json.loads(out.read_text())["placement"]["8"]
+    for load in ("shared", "hot"):
+        scatter, placed = at[load]["scatter"], at[load]["placed"]
+        # Scattered, no job waits in a worker's own stream; placed, the jobs of the
+        # prefixes the warm-up ran go to the workers that hold them.
+        assert scatter["placed_jobs"] == 0 and placed["placed_jobs"] > 0
+        for fleet in (scatter, placed):
+            assert 0 < fleet["hit_rate"] <= 1 and fleet["tokens_per_s"] > 0
+            assert sum(fleet["tokens_by_worker"].values()) == 32 * 4
+    assert "placement by prefix, 2 workers" in result.stdout
+
+
+def test_a_hot_prefix_load_gives_most_jobs_one_system_prompt() -> None:
+    jobs = shared_prefix(1000, 8, seed=3, system_seed=0, hot=0.8)
+    systems = [j.prompt.split("\nuser: ")[0] for j in jobs]
+    first = shared_prefix(1, 8, seed=0, system_seed=0, hot=1.0)[0].prompt.split("\nuser: ")[0]
+    assert 0.8 < systems.count(first) / len(jobs) < 0.86  # 80%, and a 16th of the rest
+
+
 def test_the_shared_prefix_workload_repeats_a_few_long_system_prompts() -> None:
     jobs = make_jobs(256, 64, workload="shared-prefix")
     assert jobs == make_jobs(256, 64, workload="shared-prefix")

@@ -59,6 +59,8 @@ SAMPLING = "tests/integration/test_sampling_fields.py::"
 PENALTIES = "tests/test_sampler_penalties.py::"
 HERE = "tests/test_openai_fields.py::test_each_honoured_field_reaches_the_job_it_makes"
 VLLM_TEXT = GATEWAY + "test_vllms_text_and_template_fields_are_honoured"
+PLACED = ("tests/integration/test_affinity.py::"
+          "test_both_routes_carry_prompt_cache_key_to_the_job_and_its_prefix_keys")
 CACHE = GATEWAY + "test_service_tier_runs_the_chat_at_its_level_and_the_answer_says_which"
 # Honoured on both routes: the field, and the test that shows it.
 SHARED = {
@@ -98,6 +100,7 @@ HONOURED: dict[str, dict[str, str]] = {
         "prompt_logprobs": PROMPT_LP + "test_echo_with_logprobs_gives_the_prompts_log_probabilities_text_or_token_ids",
         "best_of": CHOICES + "test_each_field_is_honoured_or_refused_by_name_with_its_reason",
         "suffix": "tests/test_fim.py::test_a_suffix_puts_the_models_sentinels_around_prompt_and_suffix",
+        "prompt_cache_key": PLACED,
     },
     "chat": {
         **SHARED,
@@ -110,7 +113,7 @@ HONOURED: dict[str, dict[str, str]] = {
         "tools": STRUCTURED + "test_tool_choice_required_returns_tool_calls_whose_arguments_fit_the_schema",
         "tool_choice": "tests/integration/test_auto_tools.py::test_the_models_own_call_comes_back_as_tool_calls",
         "service_tier": CACHE,
-        "prompt_cache_key": CACHE,
+        "prompt_cache_key": PLACED,
         "chat_template_kwargs": VLLM_TEXT,
         "add_generation_prompt": VLLM_TEXT,
         "continue_final_message": VLLM_TEXT,

@@ -151,6 +151,8 @@ def hf_engine(settings: Settings, runner: ModelRunner, eos_token_ids: set[int],
     batch sizes. A runner that chunks its prefills gets steps of at most
     ``max_step_tokens`` (but one token for each of ``max_batch`` decodes)."""
     max_batch, max_batch_tokens = budget.resolved(settings)
+    if isinstance(runner, PagedRunner):  # cached prefixes stay while the budget holds them
+        runner.cache.keep_blocks = max_batch_tokens // runner.cache.block_size
     scheduler = Scheduler(max_batch, eos_token_ids, max_model_len,
                           max_failures=settings.max_attempts, max_batch_tokens=max_batch_tokens,
                           max_prefill_tokens=settings.max_step_tokens,

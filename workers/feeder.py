@@ -52,6 +52,7 @@ from tokenfleet.shared.redis import liveness
 from tokenfleet.shared.wire.keys import BATCH, GROUP, LIVE_PRIORITIES, PRIORITIES, Keys, level_priority
 from tokenfleet.shared.settings import Settings
 from tokenfleet.workers.admission import Admission
+from tokenfleet.workers.affinity import Affinity
 from tokenfleet.workers.fair_share import TenantStreams
 from tokenfleet.workers.intake import Intake
 from tokenfleet.workers.publisher import Publisher
@@ -94,6 +95,7 @@ class Feeder:
         shared: SharedCredits | None = None,
         paused: threading.Event | None = None,
         slots_freed: threading.Event | None = None,
+        slots: int = 1,
     ) -> None:
         self.redis = redis
         self.keys = keys
@@ -109,8 +111,11 @@ class Feeder:
         self.admission = admission
         self.credits = credits
         self.batch_credits = batch_credits
+        # Placement by prefix: this worker's own streams, read first, and its peers'.
+        self.affinity = (Affinity(redis, keys, settings, consumer, queue, slots,
+                                  publisher.fleet_clock) if settings.affinity else None)
         self.intake = Intake(redis, keys, settings, consumer, queue, admission, publisher,
-                             sink, holds)
+                             sink, holds, self.affinity.note_held if self.affinity else None)
         self.take = self.intake.take
         # The feeders of one worker's partitions share these: the credits they
         # read against, the wake-up when slots free, the pause.
@@ -122,8 +127,10 @@ class Feeder:
 
     @property
     def levels(self) -> list[tuple[str, str]]:
-        """(queue name, stream) of every level and tenant, highest priority first."""
-        return self.tenant_streams.levels()
+        """(queue name, stream) of every level and tenant, highest priority first,
+        then every worker's own streams."""
+        owned = self.affinity.levels() if self.affinity else []
+        return self.tenant_streams.levels() + owned
 
     @property
     def live_levels(self) -> list[tuple[str, str]]:
@@ -133,6 +140,8 @@ class Feeder:
     def ensure_group(self) -> None:
         self.tenant_streams.ensure_groups()
         self.tenant_streams.refresh(force=True)
+        if self.affinity:
+            self.affinity.ensure_groups()
 
     def run(self, stop: threading.Event) -> None:
         backoff = 0.05
@@ -179,11 +188,16 @@ class Feeder:
             # Nothing anywhere: block on every stream at once until something
             # comes (the batch level's only while a slot is free for it). A
             # tenant new to the queue is not in that read: look for one after it.
-            levels = self.levels if room > 0 else self.live_levels
-            taken = self._read({stream: 1 for _name, stream in levels},
-                               block=self.settings.block_ms)
+            levels = self.tenant_streams.levels() if room > 0 else self.live_levels
+            block = self.settings.block_ms
+            if self.affinity:
+                levels += self.affinity.own()
+                block = max(1, round(self.affinity.wait_s(block / 1000) * 1000))
+            taken = self._read({stream: 1 for _name, stream in levels}, block=block)
             if not any(taken.values()):
                 self.tenant_streams.refresh(force=True)
+                if self.affinity:  # a stream made for this worker since: read within a second
+                    self.affinity.refresh()
 
     def _read_turn(self) -> tuple[int, int] | None:
         """This partition's turn at the credits: how many entries it read and the
@@ -206,13 +220,35 @@ class Feeder:
                 self.shared.found(self.queue, 1)
                 return 1, 0
         self.tenant_streams.refresh()
-        got = self._read_levels(self.turns.deal(credits), credits, LIVE_PRIORITIES)
+        got = self._read_own(credits) if self.affinity else 0
+        if got < credits:
+            got += self._read_levels(self.turns.deal(credits - got), credits - got,
+                                     LIVE_PRIORITIES)
+        # Taken from a peer only to start now, in a free slot: to wait here in the
+        # prefetch instead of there would lose its prefix and gain nothing.
+        free = min(credits - got, self.batch_credits())
+        if self.affinity and free > 0 and self.affinity.steal_due():
+            for level, entries in self.affinity.steal(free):
+                self.take(level, entries)
+                got += len(entries)
         # Asked after the live entries were handed over: they hold their slots now.
         room = self.shared.share(self.queue, self.batch_credits())
         if room > 0:
             got += self._read_levels({BATCH: room}, room, (BATCH,))
         self.shared.found(self.queue, got)
         return got, room
+
+    def _read_own(self, credits: int) -> int:
+        """Read this worker's own streams (placement by prefix) first, highest
+        priority first: the jobs placed here for the prefixes it holds."""
+        assert self.affinity is not None
+        self.affinity.refresh()
+        got = 0
+        for _level, stream in self.affinity.own():
+            if got >= credits:
+                break
+            got += self._read({stream: credits - got})[stream]
+        return got
 
     def _read_levels(self, shares: dict[str, int], credits: int,
                      priorities: tuple[str, ...]) -> int:

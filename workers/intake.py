@@ -70,6 +70,7 @@ class Intake:
         publisher: Publisher,
         sink: Callable[[list[Sequence]], None],
         holds: Callable[[str], bool],
+        started: Callable[[list[str]], None] | None = None,
     ) -> None:
         self.redis = redis
         self.keys = keys
@@ -80,6 +81,8 @@ class Intake:
         self.publisher = publisher
         self.sink = sink
         self.holds = holds
+        # Told the prefix keys of the jobs it started (placement by prefix).
+        self.started = started
         # job id -> (stream, entry id) of each job handed to the engine, kept
         # while ``holds`` says it runs here.
         self._running: dict[str, tuple[str, str]] = {}
@@ -148,6 +151,9 @@ class Intake:
                 for seq in ready:
                     self._running[seq.job_id] = (stream, seq.entry_id)
                 self.sink(ready)
+        if self.started and ready:
+            prefixes = {e.job_id: e.prefixes for _id, e, _d in parsed if e.prefixes}
+            self.started([k for seq in ready for k in prefixes.get(seq.job_id, ())])
 
     def _start(self, queue: str,
                parsed: list[tuple[str, QueueEntry, bytes]]) -> list[StartVerdict]:

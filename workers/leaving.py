@@ -8,7 +8,7 @@ from typing import Any
 
 from redis.exceptions import RedisError
 
-from tokenfleet.shared.wire.keys import Keys
+from tokenfleet.shared.wire.keys import Keys, owner_tag
 from tokenfleet.workers import limits
 from tokenfleet.workers.publisher import Publisher
 from tokenfleet.workers.sequence import Sequence
@@ -40,5 +40,7 @@ def leave(redis: Any, keys: Keys, name: str, partitions: list[str]) -> None:
         for part in partitions:
             redis.zrem(keys.queue_workers(part), name)
             limits.withdraw(redis, keys, part, name)
+            # No job is placed on its own streams now (workers/affinity.py).
+            redis.hdel(keys.owners(part), owner_tag(name))
     except RedisError as exc:
         log.warning("could not remove the heartbeat (%s); it expires", exc)

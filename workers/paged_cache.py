@@ -92,6 +92,11 @@ class PagedKVCache:
         self.tables: dict[str, list[int]] = {}
         self.holders: dict[int, int] = {}  # block -> how many tables hold it
         self.prefixes = PrefixIndex()
+        # The blocks the cache may grow to before a parked prefix gives way to a
+        # new block (the worker's memory budget, ``max_batch_tokens``): grown only
+        # to the running jobs' blocks, it lost the prefixes a batch was not
+        # running at that moment, and a service's system prompts took turns.
+        self.keep_blocks = 0
 
     @property
     def num_blocks(self) -> int:
@@ -123,6 +128,8 @@ class PagedKVCache:
         """Blocks for ``num_tokens`` tokens of ``seq_id``; returns its block table."""
         table = self.tables.setdefault(seq_id, [])
         need = -(-num_tokens // self.block_size) - len(table)
+        if need > len(self.free) and self.num_blocks < self.keep_blocks:
+            self._grow(need - len(self.free), like, most=self.keep_blocks - self.num_blocks)
         room = len(self.free) + len(self.prefixes.parked)
         if need > room:
             self._grow(need - room, like)
@@ -137,10 +144,13 @@ class PagedKVCache:
         bs = self.block_size
         return [table[p // bs] * bs + p % bs for p in range(start, end)]
 
-    def _grow(self, at_least: int, like: torch.Tensor) -> None:
-        """``like``: [kv_heads, head_dim] in the dtype and device of the keys."""
+    def _grow(self, at_least: int, like: torch.Tensor, most: int | None = None) -> None:
+        """``like``: [kv_heads, head_dim] in the dtype and device of the keys.
+        Doubles (at least), by no more than ``most`` unless ``at_least`` is more."""
         have = self.num_blocks
         more = max(at_least, have, self.initial_blocks)
+        if most is not None:
+            more = max(at_least, min(more, most))
         shape = ((have + more) * self.block_size, *like.shape)
         for store in (self.k, self.v):
             for layer in range(self.num_layers):

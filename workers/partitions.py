@@ -41,5 +41,6 @@ def feeders(worker: Worker) -> list[Feeder]:
     return [Feeder(worker.redis, worker.keys, worker.settings, worker.name, part,
                    worker.admission, worker.publisher, sink=loop.receive, credits=loop.credits,
                    holds=loop.held.__contains__, batch_credits=loop.batch_credits,
-                   shared=shared, paused=worker.paused, slots_freed=worker.slots_freed)
+                   shared=shared, paused=worker.paused, slots_freed=worker.slots_freed,
+                   slots=worker.max_batch)
             for part in worker.partitions]

@@ -26,6 +26,7 @@ from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, ExitStack, closing
 from typing import Any
 
+from tokenfleet.bench.figures import num
 from tokenfleet.bench.modes import BenchEnv, FleetSession
 from tokenfleet.bench.workload import Job, make_jobs, shared_prefix
 
@@ -137,22 +138,19 @@ def lines(f: dict[str, Any], batch: str) -> Iterator[str]:
            "(tokens/s, TTFT p50 ms, prompt tokens computed, found cached):")
     for name in VARIANTS:
         v = f[name]
-        yield (f"  {name:<6} {_num(v['tokens_per_s'])} tokens/s, TTFT p50 "
-               f"{_num(v['ttft_p50_ms'], 1)}, computed {_num(v['prefill_tokens'])}, "
-               f"cached {_num(v['prefix_hit_tokens'])}")
+        yield (f"  {name:<6} {num(v['tokens_per_s'])} tokens/s, TTFT p50 "
+               f"{num(v['ttft_p50_ms'], 1)}, computed {num(v['prefill_tokens'])}, "
+               f"cached {num(v['prefix_hit_tokens'])}")
     r = f["ratios"]
-    yield (f"  prefix vs paged: prompt tokens computed {_num(r['prefill_tokens_vs_paged'], 3)}x, "
-           f"TTFT p50 {_num(r['ttft_p50_vs_paged'], 3)}x, tokens/s "
-           f"{_num(r['tokens_per_s_vs_paged'], 3)}x; hit rate {_num(r['hit_rate'], 3)}")
+    yield (f"  prefix vs paged: prompt tokens computed {num(r['prefill_tokens_vs_paged'], 3)}x, "
+           f"TTFT p50 {num(r['ttft_p50_vs_paged'], 3)}x, tokens/s "
+           f"{num(r['tokens_per_s_vs_paged'], 3)}x; hit rate {num(r['hit_rate'], 3)}")
     yield (f"  prompt tokens computed, prefix vs paged: the first round (cold) "
-           f"{_num(r['prefill_tokens_vs_paged_cold'], 3)}x, later rounds (warm) "
-           f"{_num(r['prefill_tokens_vs_paged_warm'], 3)}x")
-    yield (f"  prefix vs rect: TTFT p50 {_num(r['ttft_p50_vs_rect'], 3)}x, tokens/s "
-           f"{_num(r['tokens_per_s_vs_rect'], 3)}x")
+           f"{num(r['prefill_tokens_vs_paged_cold'], 3)}x, later rounds (warm) "
+           f"{num(r['prefill_tokens_vs_paged_warm'], 3)}x")
+    yield (f"  prefix vs rect: TTFT p50 {num(r['ttft_p50_vs_rect'], 3)}x, tokens/s "
+           f"{num(r['tokens_per_s_vs_rect'], 3)}x")
     differing = ", ".join(f"{n} {k}" for n, k in f["outputs_differing"].items())
     yield (f"  greedy outputs of {f['outputs_compared']} jobs differing from the prefix "
            f"cache's: {differing}")
 
-
-def _num(value: Any, digits: int = 0) -> str:
-    return "-" if value is None else f"{value:,.{digits}f}"

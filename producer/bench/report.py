@@ -8,7 +8,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from tokenfleet.bench import arrivals, gpu_sim_mode, prefix_mode, redis_cost
+from tokenfleet.bench import arrivals, gpu_sim_mode, placement_mode, prefix_mode, redis_cost
 
 # The fleet's targets, on a 2-core machine with the CPU build of torch.
 FLEET_VS_DIRECT = {64: 0.90, 256: 0.80}
@@ -149,6 +149,9 @@ def render(results: dict[str, Any], console: Console) -> None:
             console.print(line, highlight=False, soft_wrap=True)
     for batch, figures in results.get("prefix", {}).items():
         for line in prefix_mode.lines(figures, batch):
+            console.print(line, highlight=False, soft_wrap=True)
+    for figures in results.get("placement", {}).values():
+        for line in placement_mode.lines(figures):
             console.print(line, highlight=False, soft_wrap=True)
     render_targets(results["targets"], console)
 

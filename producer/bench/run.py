@@ -11,6 +11,8 @@ and ``soak`` passes many jobs through one worker while watching its memory.
 concurrency: how much of a GPU's tokens the fleet passes on (``gpu_sim_mode``).
 ``prefix`` runs the built-in engine with its prefix cache, without it, and on
 the rectangular cache, the same jobs through each (``prefix_mode``).
+``placement`` runs two workers with placement by prefix against two without
+(``placement_mode``).
 """
 
 from __future__ import annotations
@@ -35,14 +37,15 @@ from rich.progress import (
 )
 
 from tokenfleet.shared.redis.url import redacted
-from tokenfleet.bench import arrivals, gpu_sim_mode, prefix_mode, redis_cost
+from tokenfleet.shared.settings import get_settings
+from tokenfleet.bench import arrivals, gpu_sim_mode, placement_mode, prefix_mode, redis_cost
 from tokenfleet.bench.modes import BenchEnv, Direct, FleetSession, NaiveSession, Tick, publish_cost
 from tokenfleet.bench.procs import BenchError, RedisProc
 from tokenfleet.bench.report import judge, ratios
 from tokenfleet.bench.workload import WORKLOADS, Job, describe, make_jobs
 from tokenfleet.workers.null_runner import NULL_MODEL
 
-MODES = ("direct", "fleet", "naive", "overhead", "absorb", "gpu-sim", "prefix")
+MODES = ("direct", "fleet", "naive", "overhead", "absorb", "gpu-sim", "prefix", "placement")
 ARRIVALS = ("at-once", "poisson")
 
 
@@ -162,7 +165,7 @@ def _run_modes(cfg: BenchConfig, env: BenchEnv, jobs: list[Job], probe: list[Job
     out: dict[str, Any] = {"direct": {}, "fleet": {}, "naive": None, "overhead": {},
                            "overhead_costs": None, "low_load": None, "memory": None,
                            "absorb": None, "cold_start": None, "gpu_sim": {}, "prefix": {},
-                           "arrivals": {}}
+                           "arrivals": {}, "placement": {}}
     direct = None
     if "direct" in modes:
         with ticker.phase("loading the model", 1):
@@ -237,6 +240,12 @@ def _run_modes(cfg: BenchConfig, env: BenchEnv, jobs: list[Job], probe: list[Job
             out["prefix"][str(c)] = prefix_mode.run(env, cfg.model, c, cfg.jobs,
                                                     cfg.max_new_tokens, cfg.workload,
                                                     cfg.repeat, ticker.phase)
+    if "placement" in modes:
+        steal_ms = get_settings().affinity_steal_ms
+        for c in levels:
+            out["placement"][str(c)] = placement_mode.run(env, cfg.model, c, cfg.jobs,
+                                                          cfg.max_new_tokens, cfg.repeat,
+                                                          steal_ms, ticker.phase)
     if "gpu-sim" in modes and cfg.arrivals == "poisson":
         for c in levels:
             out["arrivals"][str(c)] = arrivals.run(env, c, cfg.max_new_tokens, cfg.step_ms,

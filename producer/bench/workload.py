@@ -76,10 +76,12 @@ def make_jobs(n: int, max_new_tokens: int, rate: float | None = None,
 
 
 def shared_prefix(n: int, max_new_tokens: int, rate: float | None = None, seed: int = 0,
-                  prefixes: int = SYSTEM_PROMPTS, system_seed: int | None = None) -> list[Job]:
+                  prefixes: int = SYSTEM_PROMPTS, system_seed: int | None = None,
+                  hot: float = 0.0) -> list[Job]:
     """``n`` jobs, each a system prompt (one of ``prefixes``, chosen at random)
     and a user turn of its own; another ``seed`` gives other user turns and,
-    unless ``system_seed`` names them, other system prompts."""
+    unless ``system_seed`` names them, other system prompts. ``hot``: the share
+    of the jobs that have the first system prompt (one hot prefix)."""
     system_rng = random.Random(seed if system_seed is None else system_seed)
     systems = [" ".join(system_rng.choices(WORDS, k=SYSTEM_WORDS)) for _ in range(prefixes)]
     rng = random.Random(seed)
@@ -87,8 +89,10 @@ def shared_prefix(n: int, max_new_tokens: int, rate: float | None = None, seed: 
     def turn() -> str:
         return " ".join(rng.choices(WORDS, k=rng.randint(*USER_WORDS)))
 
-    return [Job(f"{rng.choice(systems)}\nuser: {turn()}", max_new_tokens,
-                i / rate if rate else 0.0)
+    def system() -> str:
+        return systems[0] if rng.random() < hot else rng.choice(systems)
+
+    return [Job(f"{system()}\nuser: {turn()}", max_new_tokens, i / rate if rate else 0.0)
             for i in range(n)]
 
 

@@ -445,9 +445,12 @@ NOT_VS_VLLM = ("jobs", "rate", "modes", "redis_url", "plot_path", "soak", "probe
 @click.option("--rate", type=float, default=None,
               help="jobs per second arriving at a fixed rate (default: all submitted at once)")
 @click.option("--modes", default="direct,fleet,naive,overhead", show_default=True,
-              help="which of direct, fleet, naive, overhead, absorb, gpu-sim, prefix to run "
+              help="which of direct, fleet, naive, overhead, absorb, gpu-sim, prefix, "
+                   "placement to run "
                    "(prefix: the built-in engine with its prefix cache, without it and on the "
-                   "rect cache, the same jobs, each round new prompts; absorb: how "
+                   "rect cache, the same jobs, each round new prompts; placement: two workers "
+                   "with placement by prefix against two without, on shared prefixes and on "
+                   "one hot prefix; absorb: how "
                    "many tokens/s one Redis takes from K null-runner workers at each concurrency; "
                    "gpu-sim: one worker on an engine whose step waits --step-ms with the GIL "
                    "released, as a GPU's does, against the ideal batch x 1000 / step-ms)")

@@ -9,18 +9,21 @@ import time
 import uuid
 import zlib
 from dataclasses import dataclass, field
+from collections.abc import Sequence
 from typing import Any
 
 from pydantic import ValidationError
 
 from tokenfleet.shared.wire import client_scripts
-from tokenfleet.shared.wire.client_scripts import SubmitVerdict, Asked, CancelVerdict, Submitted
+from tokenfleet.shared.wire.client_scripts import (SubmitVerdict, Asked, CancelVerdict, Placement,
+                                                   Submitted)
 from tokenfleet.shared.wire.errors import (IdempotencyConflict, InvalidRequest, JobNotFound,
                                       LimitExceeded, NoWorker, PromptTooLong, QueueFull,
                                       WorkersGone)
 from tokenfleet.shared.wire.keys import (Keys, job_model, new_job_id, partition,
                                     queue_of_partition)
 from tokenfleet.shared.wire.limits import client_limits
+from tokenfleet.shared.wire.prefixes import PrefixKey, prefix_keys, request_length
 from tokenfleet.shared.redis.cluster import ChannelMoved
 from tokenfleet.shared.redis.liveness import live_since
 from tokenfleet.shared.wire.schemas import (
@@ -162,10 +165,12 @@ def submission(request: GenerationRequest, keys: Keys, settings: Settings,
         prompt_tokens = len(request.prompt_token_ids)  # counted as given
     if request.webhook_url is not None:
         check_webhook_destination(request.webhook_url, settings)
-    queue = pick_partition(request, partitions, turn)
+    prefixes = prefix_keys(request, settings.affinity_min_chars) if settings.affinity else []
+    queue = pick_partition(request, partitions, turn, prefixes)
     job_id = new_job_id(queue, uuid.uuid4().hex)
     deadline_at = now + request.deadline_s if request.deadline_s else None
-    entry = QueueEntry(job_id=job_id, request=request, created_at=now, deadline_at=deadline_at)
+    entry = QueueEntry(job_id=job_id, request=request, created_at=now, deadline_at=deadline_at,
+                       prefixes=[p.key for p in prefixes])
     # Fields left at their defaults stay off the wire: shorter entries, and a
     # worker from before a new field still reads every request that leaves it unset
     # (a rolling upgrade may start with the producers).
@@ -199,19 +204,23 @@ def submission(request: GenerationRequest, keys: Keys, settings: Settings,
         idempotency_key=idem,
         idempotency_ttl_s=settings.idempotency_ttl_s,
         fingerprint=request.fingerprint() if idem else "",
+        placement=Placement(prefixes, request_length(request), live_since(now))
+        if prefixes else None,
         live_since=live_since(now) if require_worker else None,
         served_since=(now - settings.no_worker_grace_s
                       if require_worker and settings.no_worker_grace_s > 0 else None)))
 
 
-def pick_partition(request: GenerationRequest, partitions: int, turn: int = 0) -> str:
+def pick_partition(request: GenerationRequest, partitions: int, turn: int = 0,
+                   prefixes: Sequence[PrefixKey] = ()) -> str:
     """The partition a new job of ``request`` goes to: the client's ``turn``-th
     (round-robin, so one client's jobs spread evenly, however few); one with an
     idempotency key, the partition its key hashes to, where the key's record
-    is (a retry finds its first job)."""
+    is (a retry finds its first job); else, with placement on, the one its
+    shortest prefix hashes to, where the workers that hold it are listed."""
     if partitions <= 1:
         return request.model
-    key = request.idempotency_key
+    key = request.idempotency_key or (prefixes[0].key if prefixes else None)
     index = zlib.crc32(key.encode()) if key is not None else turn
     return partition(request.model, index % partitions, partitions)
 
@@ -318,11 +327,11 @@ def cancel_call(job_id: str, record: list[bytes | None], keys: Keys,
     """The cancel.lua call for a job whose record has ``CANCEL_FIELDS``
     (``record``, as HMGET gives them; model first, which is never None), at
     ``now`` (Redis's clock)."""
-    model, priority, tenant = (None if v is None else v.decode() for v in record)
+    model, priority, tenant, owner = (None if v is None else v.decode() for v in record)
     return client_scripts.cancel(
         # The job's partition (its id's queue part), whose keys it has.
         keys, job_id=job_id, model=job_model(job_id) or model or "",
-        priority=priority or "normal", tenant=tenant,
+        priority=priority or "normal", tenant=tenant, owner=owner or None,
         now=now,
         result_ttl_s=settings.result_ttl_s,
         end_event=end_event(JobStatus.CANCELLED, FinishReason.CANCELLED, None))
@@ -330,7 +339,7 @@ def cancel_call(job_id: str, record: list[bytes | None], keys: Keys,
 
 # What cancel reads of a record first: its stream's key goes to cancel.lua
 # with the others (declared keys only).
-CANCEL_FIELDS = ["model", "priority", "tenant"]
+CANCEL_FIELDS = ["model", "priority", "tenant", "owner"]
 
 
 def cancel_verdict(verdict: CancelVerdict, job_id: str) -> CancelVerdict:

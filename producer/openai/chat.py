@@ -158,8 +158,6 @@ class ChatRequest(Sampling):
     reasoning_effort: Any = None
     verbosity: Any = None
     web_search_options: Any = None
-    # A hint for a cache's routing: accepted; the fleet routes by queue, not by it.
-    prompt_cache_key: str | None = Field(default=None, max_length=1024)
     prompt_cache_retention: Any = None
     prompt_cache_options: Any = None
     moderation: Any = None

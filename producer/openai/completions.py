@@ -123,6 +123,9 @@ class _Sampling(BaseModel):
     # tokenfleet's own (an OpenAI client sends it in extra_body): where each
     # job's end is posted as a signed webhook (docs/webhooks.md).
     webhook_url: str | None = None
+    # Which requests share a prefix: with placement on (TOKENFLEET_AFFINITY) they go
+    # to the worker that holds it (shared/wire/prefixes.py).
+    prompt_cache_key: str | None = Field(default=None, max_length=1024)
 
     @model_validator(mode="before")
     @classmethod

@@ -103,7 +103,7 @@ def completion_job(ask: Any, settings: Any, structured: StructuredOutput | None 
     return GenerationRequest.model_validate(
         {**prompt, "model": ask.model,
          "metadata": {} if ask.user is None else {"user": ask.user},
-         "webhook_url": ask.webhook_url,
+         "webhook_url": ask.webhook_url, "prompt_cache_key": ask.prompt_cache_key or None,
          "sampling": {**sampling(ask, 16 if ask.max_tokens is None else ask.max_tokens),
                       **({} if ask.logprobs is None else {"logprobs": ask.logprobs}),
                       **({} if prompt_logprobs is None else {"prompt_logprobs": prompt_logprobs})},
@@ -128,7 +128,8 @@ def chat_job(ask: Any, settings: Any, structured: StructuredOutput | None = None
         {"messages": [message(m) for m in ask.messages], "model": ask.model,
          "priority": tier(ask.service_tier)[0], **template_fields(ask),
          "metadata": metadata, "sampling": out, "webhook_url": ask.webhook_url,
-         "structured_output": structured, "tools": tools},
+         "structured_output": structured, "tools": tools,
+         "prompt_cache_key": ask.prompt_cache_key or None},
         context={"settings": settings},
     )
 
@@ -208,6 +209,8 @@ def to_body(request: GenerationRequest) -> dict[str, Any]:
     body.update(_metadata(request.metadata, chat))
     if request.webhook_url is not None:
         body["webhook_url"] = request.webhook_url
+    if request.prompt_cache_key is not None:
+        body["prompt_cache_key"] = request.prompt_cache_key
     if request.structured_output is not None:
         body.update(_structured(request.structured_output))
     if request.tools is not None:  # a request with tools is a chat

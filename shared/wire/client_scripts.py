@@ -14,7 +14,15 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 
 import orjson
-from tokenfleet.shared.wire.keys import BATCH, GROUP, PRIORITIES, Keys, named_tenant
+from tokenfleet.shared.wire.keys import (
+    BATCH,
+    DEFAULT_TENANT,
+    GROUP,
+    PRIORITIES,
+    Keys,
+    named_tenant,
+)
+from tokenfleet.shared.wire.prefixes import PrefixKey
 from tokenfleet.shared.wire.schemas import Limit, QueueLimits
 from tokenfleet.shared.wire.scripts import Arg, ScriptCall, integer, items, script, text
 from tokenfleet.shared.wire.topology import QueueTopology, level_stream
@@ -48,6 +56,16 @@ class Submitted:
     # NO_WORKER: the time (Redis's clock) until which a worker last counted as
     # live on the queue; None: not served within a day (an unknown name).
     served_until: float | None = None
+
+
+@dataclass(frozen=True)
+class Placement:
+    """What ``submit.lua`` places a job by: its prefix keys (shortest first), its
+    length in characters, and the heartbeat score a live owner has at least."""
+
+    prefixes: Sequence[PrefixKey]
+    length: int
+    live_since: float
 
 
 @dataclass(frozen=True)
@@ -85,7 +103,8 @@ def submit(keys: Keys, *, job_id: str, model: str, priority: str, entry_json: st
            idempotency_key: str | None, idempotency_ttl_s: int, fingerprint: str,
            live_since: float | None, served_since: float | None = None,
            tenant: str | None = None,
-           tenants: Sequence[str] = ()) -> ScriptCall[Submitted]:
+           tenants: Sequence[str] = (),
+           placement: Placement | None = None) -> ScriptCall[Submitted]:
     """Admit one job: ``record`` is its hash's fields, ``entry_json`` its stream
     entry, ``weight`` its tokens in the backlog. With ``live_since`` (the
     heartbeat score a live worker has at least) a queue no live worker serves
@@ -95,7 +114,9 @@ def submit(keys: Keys, *, job_id: str, model: str, priority: str, entry_json: st
     request) tells a retry from another request under the same key. The
     request (``asked``) is held to the strictest of ``limits`` (the client's)
     and those the queue's workers published. ``tenants``: the queue's named
-    tenants as the caller last heard (TENANTS when one is missing)."""
+    tenants as the caller last heard (TENANTS when one is missing).
+    ``placement``: its prefixes, to place it on the own stream of a worker that
+    holds one (None: the shared stream)."""
     named = named_tenant(tenant)
     known = sorted({*tenants, *([named] if named else [])})
     streams = QueueTopology(keys, model, 1, tuple(known)).streams()
@@ -104,13 +125,19 @@ def submit(keys: Keys, *, job_id: str, model: str, priority: str, entry_json: st
     submitted = orjson.dumps({
         "limits": limits.model_dump(mode="json"),
         "asked": {k: v for k, v in asdict(asked).items() if v is not None},
-        "live": len(live), "batch": priority == BATCH})
+        "live": len(live), "batch": priority == BATCH,
+        "qhead": keys.queue(model),
+        **({} if placement is None or not placement.prefixes else {"place": {
+            "prefix": [list(p) for p in placement.prefixes], "plen": placement.length,
+            "held": keys.held(model, ""), "since": placement.live_since, "group": GROUP,
+            "level": f"{priority}:{named or DEFAULT_TENANT}"}})})
     return ScriptCall(
         script("submit"),
         (level_stream(keys, model, priority, tenant), keys.job(job_id),
          keys.idempotency(model, idempotency_key or "-"),
          keys.backlog(model), keys.queue_workers(model), keys.limits(model),
-         keys.tenants(model), keys.declared(model), keys.served_until(model), *live,
+         keys.tenants(model), keys.declared(model), keys.served_until(model),
+         keys.owners(model), keys.owned_levels(model), *live,
          *(s for s in streams if s in batch_level)),
         (job_id, entry_json, submitted, idempotency_ttl_s, "1" if idempotency_key else "0",
          weight, fingerprint,
@@ -137,13 +164,13 @@ def _cancel_verdict(reply: object) -> CancelVerdict:
 
 def cancel(keys: Keys, *, job_id: str, model: str, priority: str, now: float,
            result_ttl_s: int, end_event: bytes,
-           tenant: str | None = None) -> ScriptCall[CancelVerdict]:
+           tenant: str | None = None, owner: str | None = None) -> ScriptCall[CancelVerdict]:
     """Cancel a job of queue ``model`` at level ``priority`` for ``tenant`` (its
     stream's key goes to the script with the others: declared keys only)."""
     return ScriptCall(
         script("cancel", keys.sharded),
         (keys.job(job_id), keys.out(job_id), keys.events(job_id),
-         level_stream(keys, model, priority, tenant), keys.backlog(model),
+         level_stream(keys, model, priority, tenant, owner), keys.backlog(model),
          keys.ends(job_id), keys.job_webhooks(model)),
         (repr(now), result_ttl_s, end_event, keys.cancels, job_id, GROUP),
         _cancel_verdict,
@@ -167,13 +194,13 @@ def _expire_verdict(reply: object) -> ExpireVerdict:
 
 def expire(keys: Keys, *, job_id: str, model: str, priority: str, now: float,
            result_ttl_s: int, end_event: bytes, error: str,
-           tenant: str | None = None) -> ScriptCall[ExpireVerdict]:
+           tenant: str | None = None, owner: str | None = None) -> ScriptCall[ExpireVerdict]:
     """End a job still queued at ``now`` past its deadline, and take it off its
     queue (the stream of its level and ``tenant``)."""
     return ScriptCall(
         script("expire", keys.sharded),
         (keys.job(job_id), keys.out(job_id), keys.events(job_id),
-         level_stream(keys, model, priority, tenant), keys.backlog(model),
+         level_stream(keys, model, priority, tenant, owner), keys.backlog(model),
          keys.ends(job_id), keys.job_webhooks(model)),
         (repr(now), result_ttl_s, end_event, GROUP, error),
         _expire_verdict,

@@ -11,6 +11,7 @@ change nothing.
 
 from __future__ import annotations
 
+import hashlib
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -110,7 +111,39 @@ def level_priority(level: str) -> str:
 def level_tenant(level: str) -> str:
     """The tenant of a level's queue name (``level_queue``'s inverse)."""
     parts = level.split(":")
-    return parts[2] if len(parts) == 3 else DEFAULT_TENANT
+    return parts[2] if len(parts) >= 3 else DEFAULT_TENANT
+
+
+# Placement by prefix (workers/affinity.py): a worker's own stream of one level
+# and tenant is that level's name with the worker's tag after it:
+# ``default:normal:default:w3f2a1b9c0d``, its stream ``<ns>:q:{default}:normal:default:w3f2a1b9c0d``.
+# The tag is a hash of the worker's name (which may hold any character), the same
+# in Python and in a script (``redis.sha1hex``).
+OWNER_TAG = re.compile(r"w[0-9a-f]{10}")
+
+
+def owner_tag(worker: str) -> str:
+    """The tag of ``worker``'s own streams: 'w' and 10 hex of its name's SHA-1."""
+    return "w" + hashlib.sha1(worker.encode()).hexdigest()[:10]
+
+
+def owned_level(level: str, tag: str) -> str:
+    """The name of the stream of ``level`` (a level's queue name) that ``tag``'s
+    worker owns."""
+    return f"{model_of(level)}:{level_priority(level)}:{level_tenant(level)}:{tag}"
+
+
+def level_owner(level: str) -> str | None:
+    """The owner's tag of a worker's own level, None for a shared one."""
+    parts = level.split(":")
+    return parts[3] if len(parts) == 4 else None
+
+
+def shared_level(level: str) -> str:
+    """The shared level a worker's own level belongs to (itself for a shared one)."""
+    if level_owner(level) is None:
+        return level
+    return level_queue(model_of(level), level_priority(level), level_tenant(level))
 
 
 def model_streams(keys: Keys, model: str, tenants: Iterable[str]) -> list[str]:
@@ -301,6 +334,24 @@ class Keys:
     def served_model(self, key: str) -> str:
         """The model of a ``queue_workers`` key."""
         return _untagged(key.removeprefix(f"{self.namespace}:served:"))
+
+    def owners(self, model: str) -> str:
+        """Hash: owner tag -> JSON {"worker": name, "slots": n} of each worker
+        that owns streams in a queue (or partition) with placement on
+        (``workers/affinity.py``): ``submit.lua`` places jobs on a live one's."""
+        return f"{self.namespace}:owners:{{{model}}}"
+
+    def owned_levels(self, model: str) -> str:
+        """Set: the owned levels (``owned_level``) that have a stream in a queue
+        (or partition): what the depth counts, and the streams a peer steals from
+        or takes over."""
+        return f"{self.namespace}:owned:{{{model}}}"
+
+    def held(self, model: str, tag: str) -> str:
+        """Sorted set: the prefix keys (``shared/wire/prefixes.py``) the worker of
+        ``tag`` started jobs of in a queue (or partition), scored by when it last
+        did; trimmed to ``TOKENFLEET_AFFINITY_HELD``."""
+        return f"{self.namespace}:held:{{{model}}}:{tag}"
 
     def tenants(self, model: str) -> str:
         """Set: the named tenants that have streams in a model's queue (submit

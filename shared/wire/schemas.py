@@ -246,6 +246,9 @@ class GenerationRequest(_Wire):
     # The stored response this job is (POST /v1/responses): its webhook events
     # are then OpenAI's response.* naming the response (job_webhook.lua).
     response_id: str | None = Field(default=None, pattern=r"^resp_[0-9a-f]{32}$")
+    # OpenAI's hint of which requests share a prefix: a prefix key of its own
+    # with placement on (shared/wire/prefixes.py).
+    prompt_cache_key: str | None = Field(default=None, min_length=1, max_length=1024)
 
     @field_validator("model")
     @classmethod
@@ -638,6 +641,9 @@ class QueueEntry(BaseModel):
     request: GenerationRequest
     created_at: float
     deadline_at: float | None = None
+    # Its prompt's prefix keys (shared/wire/prefixes.py), shortest first, with
+    # placement on: the worker that starts it advertises them as held.
+    prefixes: list[str] = Field(default_factory=list, max_length=16)
 
 
 class ApiKey(BaseModel):

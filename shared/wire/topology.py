@@ -20,6 +20,7 @@ from tokenfleet.shared.wire.keys import (
     Keys,
     level_queue,
     named_tenant,
+    owned_level,
     partitions_of,
     queue_of_partition,
 )
@@ -74,10 +75,13 @@ class QueueTopology:
         return [self.stream(*lv) for lv in self.levels(partition, priorities)]
 
 
-def level_stream(keys: Keys, partition: str, priority: str, tenant: str | None = None) -> str:
+def level_stream(keys: Keys, partition: str, priority: str, tenant: str | None = None,
+                 owner: str | None = None) -> str:
     """The stream of one level of one partition for ``tenant`` (the default
-    tenant's for None): ``<ns>:q:{default#1}:high:acme``."""
-    key: str = keys.queue(level_queue(partition, priority, tenant))
+    tenant's for None): ``<ns>:q:{default#1}:high:acme``; with ``owner`` (a tag),
+    that worker's own stream of it."""
+    level = level_queue(partition, priority, tenant)
+    key: str = keys.queue(owned_level(level, owner) if owner else level)
     return key
 
 

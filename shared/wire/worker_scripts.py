@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from tokenfleet.shared.wire.keys import GROUP, Keys, model_of
+from tokenfleet.shared.wire.keys import GROUP, Keys, model_of, shared_level
 from tokenfleet.shared.wire.schemas import FinishReason, JobStatus
 from tokenfleet.shared.wire.scripts import Arg, ScriptCall, integer, items, script, text
 from tokenfleet.shared.wire.serialization import dumps, end_event
@@ -290,11 +290,13 @@ def _handed_back(reply: object) -> bool:
 def requeue(keys: Keys, *, queue: str, job_id: str, entry_id: str, attempt: int,
             entry_json: str, counts_as_attempt: bool) -> ScriptCall[bool]:
     """Hand a job of the caller's ``attempt`` back to the stream of ``queue`` (a
-    level) as a new entry; True when handed back, False when it is no longer
-    the caller's. ``counts_as_attempt``: it may have broken the worker's device."""
+    level; a worker's own level's job goes to the shared one) as a new entry;
+    True when handed back, False when it is no longer the caller's.
+    ``counts_as_attempt``: it may have broken the worker's device."""
     return ScriptCall(
         script("requeue"),
-        (keys.queue(queue), keys.job(job_id), keys.backlog(model_of(queue))),
+        (keys.queue(shared_level(queue)), keys.job(job_id), keys.backlog(model_of(queue)),
+         keys.queue(queue)),
         (entry_id, attempt, entry_json, GROUP, "1" if counts_as_attempt else ""),
         _handed_back,
     )
@@ -345,3 +347,45 @@ def fair(levels: Sequence[FairLevel], *, consumer: str,
         return out
 
     return ScriptCall(script("fair"), tuple(keys), tuple(args), read)
+
+
+# -- steal.lua, retire.lua: other workers' own streams (placement by prefix) ---------
+
+
+@dataclass(frozen=True)
+class Stolen:
+    """What ``steal.lua`` took: (stream key, its entries) per stream that gave
+    some, and the ms until the next entry waiting there is old enough (None: none)."""
+
+    taken: list[tuple[str, StreamEntries]]
+    due_ms: int | None
+
+
+def steal(streams: Sequence[tuple[str, int]], *, consumer: str,
+          most: int) -> ScriptCall[Stolen]:
+    """Take at most ``most`` entries from ``streams`` (key, least age in ms:
+    the entries that waited undelivered that long)."""
+    keys = [stream for stream, _age in streams]
+
+    def read(reply: object) -> Stolen:
+        *found, due = items(reply)
+        taken = []
+        for one in found:
+            index, entries = items(one)
+            taken.append((keys[integer(index) - 1], [_entry(e) for e in items(entries)]))
+        return Stolen(taken, int(text(due)) if text(due) else None)
+
+    return ScriptCall(script("steal"), tuple(keys),
+                      (GROUP, consumer, most, *(age for _stream, age in streams)), read)
+
+
+def retire(keys: Keys, *, partition: str, tag: str, live_since: float) -> ScriptCall[bool]:
+    """Forget the owner ``tag`` of ``partition`` if it is not live and its own
+    streams hold nothing; True when it was forgotten."""
+    return ScriptCall(
+        script("retire"),
+        (keys.owners(partition), keys.owned_levels(partition), keys.held(partition, tag),
+         keys.queue_workers(partition)),
+        (tag, keys.queue(partition), repr(live_since)),
+        lambda reply: integer(reply) == 1,
+    )

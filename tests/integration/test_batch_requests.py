@@ -65,7 +65,8 @@ sampling = st.fixed_dictionaries({}, optional=sampling_fields)
 completion_sampling = st.fixed_dictionaries({}, optional={
     **sampling_fields, "prompt_logprobs": st.integers(0, 5)})
 common = {"sampling": sampling, "webhook_url": st.just("https://hooks.example.com/done"),
-          "structured_output": st.sampled_from(SPECS)}
+          "structured_output": st.sampled_from(SPECS),
+          "prompt_cache_key": st.sampled_from(["user-42", "agent-7"])}
 
 
 @st.composite
@@ -107,7 +108,7 @@ def test_the_requests_drawn_set_every_field_a_line_can_carry() -> None:
     # property test below would pass without it.
     drawn = {"prompt", "messages", "prompt_token_ids", "suffix", "sampling", "model",
              "metadata", "structured_output", "tools", "webhook_url", "chat_template_kwargs",
-             "add_generation_prompt", "continue_final_message"}
+             "add_generation_prompt", "continue_final_message", "prompt_cache_key"}
     not_a_line = {"response_id"}  # the Responses route's: refused by to_body
     assert set(GenerationRequest.model_fields) == drawn | BATCH_SET | not_a_line
     sampled = {"max_new_tokens", "min_tokens", "temperature", "top_p", "top_k", "seed", "stop",

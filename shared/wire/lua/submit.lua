@@ -8,19 +8,32 @@
 --       6 the limits its workers published (hash: worker name -> QueueLimits JSON),
 --       7 the model's named tenants (set), 8 the queue's declaration (hash; exists
 --       for a queue an autoscaled pool serves), 9 the time until which a worker
---       last counted as live (string), 10.. every stream of the model: each
+--       last counted as live (string), 10 the owners of streams of their own
+--       (hash: tag -> {"worker", "slots"}, workers/affinity.py), 11 the owned
+--       levels that have a stream (set), 12.. every stream of the model: each
 --       level's, of the default tenant and of each tenant of ARGV 12.., the
 --       live levels' first ("live" of ARGV 3 counts them), the batch level's
---       after (the depth counts them all)
+--       after (the depth counts them all); the owned streams are named by KEYS
+--       11 and "qhead" (below), not declared: they share the queue's slot
 -- ARGV: 1 job id, 2 entry JSON, 3 JSON {"limits": the client's QueueLimits,
 --       "asked": {limit name: what the request brings}, "live": how many of
---       KEYS 10.. are live levels' streams, "batch": true for a batch line}, 4 idempotency TTL (s),
+--       KEYS 12.. are live levels' streams, "batch": true for a batch line,
+--       "qhead": the key its streams' names start with ('<ns>:q:{<queue>}'),
+--       "place": with placement on, {"prefix": [[length, key], ...] shortest
+--       first, "plen": the request's length, "held": the key the held sets'
+--       names start with, "level": '<priority>:<tenant>', "since": the score a
+--       live worker has at least, "group"}}, 4 idempotency TTL (s),
 --       5 '1' if an idempotency key is used, 6 backlog weight (tokens),
 --       7 fingerprint of the request, 8 heartbeat score a live worker has at
 --       least ('' to queue ahead of the workers), 9 the least KEYS[9] of a queue
 --       in its grace period ('' for none), 10 the job's named tenant ('' for
 --       the default one), 11 n: how many named tenants' streams are in KEYS,
 --       12..11+n those tenants, then the record's field/value pairs
+-- Placement: the job goes to the own stream of the live owner that holds the
+-- longest of its prefixes, scored as production-stack's router does, matched
+-- share of the prompt less the owner's load (its own streams' jobs, waiting or
+-- running, over its slots); an owner with a batch's worth there already is
+-- passed over. Else (and a batch line always) to the shared stream KEYS[1].
 -- Returns {'ok', job id}, {'dup', id of the job the key made before},
 --         {'conflict', ''} (the key was used for another request),
 --         {'noworker', KEYS[9]} (KEYS[9]: '' for a queue never served, or not
@@ -93,22 +106,62 @@ end
 -- holds at most its limit of live jobs, and of all jobs together past that
 -- only live ones.
 local live, depth = 0, 0
-for i = 10, #KEYS do
+for i = 12, #KEYS do
   local length = redis.call('XLEN', KEYS[i])
   depth = depth + length
-  if i < 10 + submitted.live then live = live + length end
+  if i < 12 + submitted.live then live = live + length end
+end
+-- The owned streams hold live levels' jobs only.
+local load = {}
+for _, level in ipairs(redis.call('SMEMBERS', KEYS[11])) do
+  local rest, tag = string.match(level, '^[^:]+:(.+):(w%x+)$')
+  if rest then
+    local length = redis.call('XLEN', submitted.qhead .. ':' .. rest .. ':' .. tag)
+    load[tag] = (load[tag] or 0) + length
+    live, depth = live + length, depth + length
+  end
 end
 if not submitted.batch then depth = live end
 local most = limits.queue
 if depth >= most.value then
   return {'full', tostring(depth), tostring(most.value), most.by, most.why}
 end
+local stream, owner = KEYS[1], nil
+local place = submitted.place
+if place and not submitted.batch then
+  local best
+  local owners = redis.call('HGETALL', KEYS[10])
+  for i = 1, #owners, 2 do
+    local tag, info = owners[i], cjson.decode(owners[i + 1])
+    local seen = redis.call('ZSCORE', KEYS[5], info.worker)
+    local busy = (load[tag] or 0) / info.slots
+    if seen and tonumber(seen) >= place.since and busy < 1 then
+      for j = #place.prefix, 1, -1 do
+        if redis.call('ZSCORE', place.held .. tag, place.prefix[j][2]) then
+          local score = place.prefix[j][1] / place.plen - busy
+          if not best or score > best[2] then best = {tag, score} end
+          break
+        end
+      end
+    end
+  end
+  if best then
+    owner = best[1]
+    stream = submitted.qhead .. ':' .. place.level .. ':' .. owner
+    local level = string.match(KEYS[1], '{(.-)}') .. ':' .. place.level .. ':' .. owner
+    if redis.call('SADD', KEYS[11], level) == 1 then
+      redis.pcall('XGROUP', 'CREATE', stream, place.group, '0', 'MKSTREAM')
+    end
+  end
+end
 -- 'w': the job's weight in tokens, what fair.lua charges its tenant.
-local entry = redis.call('XADD', KEYS[1], '*', 'data', ARGV[2], 'w', ARGV[6])
+local entry = redis.call('XADD', stream, '*', 'data', ARGV[2], 'w', ARGV[6])
 -- The record knows its entry, so a cancel can take it off the queue at once.
 local fields = {}
 for i = 12 + n, #ARGV do fields[#fields + 1] = ARGV[i] end
 for _, v in ipairs({'entry', entry, 'weight', ARGV[6]}) do fields[#fields + 1] = v end
+-- The stream it waits in is its owner's: a cancel must find it there.
+if owner then fields[#fields + 1], fields[#fields + 2] = 'owner', owner end
 redis.call('HSET', KEYS[2], unpack(fields))
 redis.call('INCRBY', KEYS[4], ARGV[6])
 if ARGV[10] ~= '' then redis.call('SADD', KEYS[7], ARGV[10]) end
