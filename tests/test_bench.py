@@ -19,6 +19,7 @@ from tokenfleet.bench.redis_cost import RedisSample, cost
 from tokenfleet.bench.report import judge, ratios
 from tokenfleet.bench.workload import (
     FIELDS,
+    conversations,
     Trace,
     describe,
     make_jobs,
@@ -137,7 +138,22 @@ def test_bench_placement_mode_runs_two_fleets_on_shared_and_hot_prefixes(tmp_pat
         for fleet in (scatter, placed):
             assert 0 < fleet["hit_rate"] <= 1 and fleet["tokens_per_s"] > 0
             assert sum(fleet["tokens_by_worker"].values()) == 32 * 4
+    # A conversation's next turn finds its last one cached only where that ran.
+    talks = at["conversations"]
+    assert talks["scatter"]["placed_jobs"] == 0 and talks["placed"]["placed_jobs"] > 0
+    assert talks["scatter"]["hit_rate"] < talks["placed"]["hit_rate"] <= talks["ceiling"] < 1
     assert "placement by prefix, 2 workers" in result.stdout
+
+
+def test_conversations_grow_turn_by_turn() -> None:
+    talks = conversations(8, 4, 16, seed=5)
+    assert [len(turn) for turn in talks] == [8] * 4
+    for before, after in zip(talks, talks[1:]):
+        for a, b in zip(before, after):
+            assert b.prompt.startswith(a.prompt + "\nassistant: ") and "\nuser: " in b.prompt[
+                len(a.prompt):]
+    assert len({turn[0].prompt[:200] for turn in talks}) == 1  # one context per conversation
+    assert len({job.prompt[:200] for job in talks[0]}) == 8
 
 
 def test_a_hot_prefix_load_gives_most_jobs_one_system_prompt() -> None:

@@ -100,11 +100,11 @@ class Affinity:
 
     # -- the owned streams -------------------------------------------------------
 
-    def refresh(self, force: bool = False) -> None:
-        """Read the owners, which are live, and the owned streams (every
-        ``REFRESH_S``, or now with ``force``)."""
+    def refresh(self, force: bool = False, every_s: float = REFRESH_S) -> None:
+        """Read the owners, which are live, and the owned streams (when the last
+        read is ``every_s`` old, or now with ``force``)."""
         now = time.monotonic()
-        if not force and now - self._refreshed < REFRESH_S:
+        if not force and now - self._refreshed < every_s:
             return
         self._refreshed = now
         pipe = self.redis.pipeline(transaction=False)
@@ -148,27 +148,30 @@ class Affinity:
     # -- peers' streams ----------------------------------------------------------
 
     def steal_due(self) -> bool:
-        """Whether a peer's stream may hold an entry old enough to take."""
-        return time.monotonic() >= self._steal_at and any(
-            level_owner(level) != self.tag for level in self._levels)
+        """Whether to look at peers' streams now (for a worker with a free slot)."""
+        return time.monotonic() >= self._steal_at
 
     def wait_s(self, block_s: float) -> float:
         """How long an idle read may block: until the next look at peers' streams."""
-        if not any(level_owner(level) != self.tag for level in self._levels):
-            return block_s
         return max(0.001, min(block_s, self._steal_at - time.monotonic()))
 
     def steal(self, most: int) -> list[tuple[str, StreamEntries]]:
         """Take at most ``most`` entries from peers' streams: those that waited
         ``steal_ms`` behind a live owner, every waiting one of a dead owner's.
         Forgets the dead owners whose streams are empty."""
+        # The streams a submit made since are seen within half the steal time.
+        look_s = self.steal_ms / 2000
+        self.refresh(every_s=look_s)
         peers = [(level, stream) for level, stream in self.levels()
                  if level_owner(level) != self.tag]
+        if not peers:
+            self._steal_at = time.monotonic() + look_s
+            return []
         ages = [(stream, self.steal_ms if level_owner(level) in self._live else 0)
                 for level, stream in peers]
         stolen = steal(ages, consumer=self.consumer, most=most).run(self.redis)
-        # Nothing waits: look again when the newest entry could be old enough.
-        wait_ms = stolen.due_ms if stolen.due_ms is not None else self.steal_ms / 4
+        # Look again when the oldest entry left could be old enough.
+        wait_ms = stolen.due_ms if stolen.due_ms is not None else self.steal_ms / 2
         self._steal_at = time.monotonic() + wait_ms / 1000
         level_of = {stream: level for level, stream in peers}
         taken = [(level_of[stream], entries) for stream, entries in stolen.taken]

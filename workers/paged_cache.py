@@ -45,6 +45,10 @@ ATTENTION = "tokenfleet_paged"
 STEP_ARG = "tokenfleet_step"  # the forward's keyword that carries the StepPlan
 
 
+# Tokens per block: what a cached prefix is counted in (a prompt's last partial
+# block is never shared).
+BLOCK_SIZE = 32
+
 @dataclass
 class Chunk:
     """A prefill chunk: packed tokens ``start:end`` of a sequence with ``past``
@@ -82,7 +86,8 @@ class StepPlan:
 class PagedKVCache:
     """Owned by the engine thread (through the runner)."""
 
-    def __init__(self, num_layers: int, block_size: int = 32, initial_blocks: int = 64) -> None:
+    def __init__(self, num_layers: int, block_size: int = BLOCK_SIZE,
+                 initial_blocks: int = 64) -> None:
         self.num_layers = num_layers
         self.block_size = block_size
         self.initial_blocks = initial_blocks

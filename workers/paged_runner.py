@@ -37,7 +37,7 @@ class PagedRunner(ModelLimits):
     chunked_prefill = True  # a step's prompt chunks ride with its decodes
     rows_at_longest = False  # a sequence takes the blocks of its own tokens only
 
-    def __init__(self, model: Any, tokenizer: Any, block_size: int = 32,
+    def __init__(self, model: Any, tokenizer: Any, block_size: int = paged_cache.BLOCK_SIZE,
                  prefix_cache: bool = True) -> None:
         self.model = model
         self.prefix_cache = prefix_cache

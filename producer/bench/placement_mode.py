@@ -13,7 +13,15 @@ service that has been asked for them before):
 - one hot prefix (80% of the jobs have the first system prompt): each worker's
   share of the tokens (the smaller over the larger: both busy), the jobs taken
   from a busy owner's stream, and how long the jobs placed on an owner waited
-  to start.
+  to start;
+- conversations (``workload.conversations``: ``jobs / 4`` of them, 4 turns, each
+  turn's prompt the last one's and more, a turn sent once the one before ended):
+  the prefix hit rate, TTFT p50 and tokens/s of the turns after the first.
+
+With 16 system prompts and a batch of jobs in flight, each worker's running
+batch holds every system prompt, so scattering loses little there once warm;
+a conversation's next turn is one job among many prefixes, cached only where
+its last turn ran: the load placement is for.
 
 Times are the records' (Redis's clock): TTFT is created to first token.
 """
@@ -32,7 +40,7 @@ from tokenfleet.bench.figures import num
 from tokenfleet.bench.modes import BenchEnv
 from tokenfleet.bench.procs import CeleryProc, wait_for
 from tokenfleet.bench.redis_cost import cost, sample
-from tokenfleet.bench.workload import Job, percentile, shared_prefix
+from tokenfleet.bench.workload import Job, conversations, percentile, shared_prefix
 from tokenfleet.shared.settings import get_settings
 from tokenfleet.shared.wire.keys import Keys, owner_tag
 from tokenfleet.shared.wire.serialization import loads
@@ -44,6 +52,8 @@ FLEETS = {"scatter": "false", "placed": "true"}
 WORKERS = 2
 HOT = 0.8  # the hot load's share of jobs with the first system prompt
 WARM_SEED = 1_000_000
+TURNS = 4
+CONVERSATION_SEED = 2_000_000
 COUNTERS = ("prefix_query_tokens", "prefix_hit_tokens", "prefill_tokens")
 
 
@@ -144,6 +154,27 @@ def _figures(pair: Pair, ids: list[str], before: list[dict[str, Any]],
     }
 
 
+def _later_turns(turns: list[dict[str, Any]]) -> dict[str, Any]:
+    """The turns after the first (the first finds nothing cached anywhere) as one run."""
+    later = turns[1:] or turns
+    counters = {c: sum(t[c] for t in later) for c in COUNTERS}
+    tokens = sum(sum(t["tokens_by_worker"].values()) for t in later)
+    seconds = sum(sum(t["tokens_by_worker"].values()) / t["tokens_per_s"] for t in later
+                  if t["tokens_per_s"])
+    return {
+        "tokens_per_s": round(tokens / seconds, 1) if seconds else None,
+        "ttft_p50_ms": statistics.median(t["ttft_p50_ms"] for t in later),
+        "hit_rate": (round(counters["prefix_hit_tokens"] / counters["prefix_query_tokens"], 3)
+                     if counters["prefix_query_tokens"] else None),
+        **counters,
+        "first_turn_hit_rate": turns[0]["hit_rate"],
+        "placed_jobs": sum(t["placed_jobs"] for t in later),
+        "stolen_jobs": sum(t["stolen_jobs"] for t in later),
+        "redis_commands_per_token": statistics.median(t["redis_commands_per_token"]
+                                                      for t in later),
+    }
+
+
 def _rounded(value: float | None) -> float | None:
     return None if value is None else round(value, 1)
 
@@ -154,7 +185,8 @@ def run(env: BenchEnv, model: str, batch: int, jobs: int, max_new_tokens: int,
     rounds of ``jobs`` jobs each, taking turns; the medians of each."""
     loads_ = {"shared": 0.0, "hot": HOT}
     runs: dict[str, dict[str, list[dict[str, Any]]]] = {
-        load: {name: [] for name in FLEETS} for load in loads_}
+        load: {name: [] for name in FLEETS} for load in (*loads_, "conversations")}
+    ceilings: list[float] = []
     with ExitStack() as stack:
         pairs = {}
         for name, affinity in FLEETS.items():
@@ -172,10 +204,38 @@ def run(env: BenchEnv, model: str, batch: int, jobs: int, max_new_tokens: int,
                     with phase(f"placement {name} {load} ({r + 1}/{rounds})",
                                len(round_jobs)) as tick:
                         runs[load][name].append(pair.run(round_jobs, tick))
+            talks = conversations(max(1, jobs // TURNS), TURNS, max_new_tokens,
+                                  seed=CONVERSATION_SEED + r)
+            by_turn: dict[str, list[dict[str, Any]]] = {name: [] for name in FLEETS}
+            for t, turn in enumerate(talks):
+                for name, pair in pairs.items():
+                    with phase(f"placement {name} conversations, turn {t + 1} "
+                               f"({r + 1}/{rounds})", len(turn)) as tick:
+                        by_turn[name].append(pair.run(turn, tick))
+            for name, turns in by_turn.items():
+                runs["conversations"][name].append(_later_turns(turns))
+            ceilings.append(_ceiling(model, talks))
     out: dict[str, Any] = {"rounds": rounds, "jobs": jobs, "batch": batch, "steal_ms": steal_ms}
     for load, by_fleet in runs.items():
         out[load] = {name: _medians(rs) for name, rs in by_fleet.items()}
+    out["conversations"]["ceiling"] = round(statistics.median(ceilings), 3)
     return out
+
+
+def _ceiling(model: str, talks: list[list[Job]]) -> float:
+    """The most of the later turns' prompt tokens a cache can hold: each turn's
+    last one's full blocks (its new text, and the last one's partial block,
+    are computed wherever it runs)."""
+    from transformers import AutoTokenizer
+
+    from tokenfleet.shared import models
+    from tokenfleet.workers.paged_cache import BLOCK_SIZE
+
+    tokenizer = AutoTokenizer.from_pretrained(models.resolve(model))
+    lengths = [[len(tokenizer(job.prompt).input_ids) for job in turn] for turn in talks]
+    cacheable = sum(before // BLOCK_SIZE * BLOCK_SIZE
+                    for turn in lengths[:-1] for before in turn)
+    return cacheable / max(1, sum(sum(turn) for turn in lengths[1:]))
 
 
 def _medians(runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -184,8 +244,9 @@ def _medians(runs: list[dict[str, Any]]) -> dict[str, Any]:
         if not isinstance(value, dict):
             values = [r[key] for r in runs if r.get(key) is not None]
             out[key] = round(statistics.median(values), 3) if values else None
-    out["placed_wait_max_ms"] = max((r["placed_wait_max_ms"] or 0 for r in runs), default=None)
-    out["tokens_by_worker"] = runs[-1]["tokens_by_worker"]  # the last round's
+    if "placed_wait_max_ms" in runs[0]:
+        out["placed_wait_max_ms"] = max(r["placed_wait_max_ms"] or 0 for r in runs)
+        out["tokens_by_worker"] = runs[-1]["tokens_by_worker"]  # the last round's
     return out
 
 
@@ -205,4 +266,11 @@ def lines(f: dict[str, Any]) -> Iterator[str]:
                f"worker balance {num(h['busy_balance'], 3)}, placed {num(h['placed_jobs'])}, "
                f"stolen {num(h['stolen_jobs'])}, placed jobs' wait to start p99 "
                f"{num(h['placed_wait_p99_ms'], 1)} ms, max {num(h['placed_wait_max_ms'], 1)} ms")
+    for name in FLEETS:
+        c = f["conversations"][name]
+        yield (f"  conversations, turns 2-{TURNS}, {name:<7}: hit rate {num(c['hit_rate'], 3)} "
+               f"of at most {num(f['conversations']['ceiling'], 3)} "
+               f"(turn 1: {num(c['first_turn_hit_rate'], 3)}), TTFT p50 "
+               f"{num(c['ttft_p50_ms'], 1)} ms, {num(c['tokens_per_s'])} tokens/s, placed "
+               f"{num(c['placed_jobs'])}, stolen {num(c['stolen_jobs'])}")
 

@@ -96,6 +96,27 @@ def shared_prefix(n: int, max_new_tokens: int, rate: float | None = None, seed: 
             for i in range(n)]
 
 
+def conversations(n: int, turns: int, max_new_tokens: int, seed: int = 0) -> list[list[Job]]:
+    """``n`` conversations of ``turns`` turns, as turn after turn of jobs: each
+    opens with a context of its own (a system prompt's length), and each turn's
+    prompt is the one before, an answer (written here, so that the prompts are
+    known ahead) and a new user turn: an agent's growing conversation, whose
+    next turn starts with everything its last one computed."""
+    rng = random.Random(seed)
+
+    def words(k: int) -> str:
+        return " ".join(rng.choices(WORDS, k=k))
+
+    prompts = [words(SYSTEM_WORDS) for _ in range(n)]
+    out = []
+    for turn in range(turns):
+        if turn:
+            prompts = [f"{p}\nassistant: {words(rng.randint(*USER_WORDS))}" for p in prompts]
+        prompts = [f"{p}\nuser: {words(rng.randint(*USER_WORDS))}" for p in prompts]
+        out.append([Job(p, max_new_tokens, 0.0) for p in prompts])
+    return out
+
+
 def describe(jobs: list[Job]) -> dict[str, Any]:
     """The lengths of a workload's jobs, for the report."""
     words = [float(len(j.prompt.split())) for j in jobs]

@@ -75,3 +75,28 @@ def test_kill_9_of_a_streams_owner_loses_nothing_and_runs_nothing_twice(
     report.update(accepted=len(jobs), placed_on_owner=len(on_owner), pending_at_kill=pending,
                   waiting_at_kill=waiting, resumed=len(resumed), lost=0,
                   duplicated=tally.duplicated)
+
+
+@pytest.mark.one_partition("reads the owners of the queue 'default' itself")
+def test_a_frozen_owners_placed_jobs_are_taken_once_they_waited_the_steal_time(
+    settings: Any, start_worker: Any, r: redis.Redis, report: dict[str, Any],
+) -> None:
+    keys = Keys(settings.namespace)
+    steal_ms = 300
+    owner = start_worker("w1@test", affinity=True, affinity_steal_ms=steal_ms)
+    placed = settings.model_copy(update={"affinity": True})
+    with FleetClient(settings=placed) as client:
+        client.wait(client.submit(f"{SYSTEM}\nwarm", max_new_tokens=2), timeout=60)
+        peer = start_worker("w2@test", affinity=True, affinity_steal_ms=steal_ms)
+        owner.paused.set()  # live, beating, reading nothing: its slots full, as far as peers see
+        job_ids = [client.submit(f"{SYSTEM}\nquestion {i}", max_new_tokens=8, temperature=0.0)
+                   for i in range(6)]
+        assert {r.hget(keys.job(j), "owner") for j in job_ids} == {owner_tag(owner.name).encode()}
+        states = [client.wait(j, timeout=60) for j in job_ids]
+    assert {s.worker for s in states} == {peer.name} and all(s.attempts == 1 for s in states)
+    waits = [(s.started_at or 0) - (s.created_at or 0) for s in states]
+    # Never before the steal time; after it, within a blocking read and a step.
+    assert min(waits) >= steal_ms / 1000
+    assert max(waits) < steal_ms / 1000 + 1.0, waits
+    report.update(steal_ms=steal_ms, stolen=len(states),
+                  waited_ms_min=round(min(waits) * 1000), waited_ms_max=round(max(waits) * 1000))
