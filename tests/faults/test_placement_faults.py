@@ -65,15 +65,18 @@ def test_kill_9_of_a_streams_owner_loses_nothing_and_runs_nothing_twice(
     assert {s.worker for s in states if s.id in resumed} == {"cpu@peer"}
     assert tally.ends_not_once(job_ids) == {}
     assert tally.duplicated == 0
-    assert sum(tally.tokens.values()) == sum(len(s.token_ids) for s in states)
+    # The tally listens from just after the submits, and the owner may have sent a
+    # job's first tokens by then: the streams from the start (below) see every one.
+    assert sum(tally.tokens.values()) <= sum(len(s.token_ids) for s in states)
     for state in states:
         assert stream_fault(seen[state.id], state) == "", state.id
     assert [s.text for s in states] == direct_greedy(loaded_tiny, jobs)
     # Forgotten once its streams are empty: no job is placed on it again.
     wait_until(lambda: not r.hexists(keys.owners("default"), tag), timeout=30,
                what="the killed owner to be forgotten")
-    report.update(accepted=len(jobs), placed_on_owner=len(on_owner), pending_at_kill=pending,
-                  waiting_at_kill=waiting, resumed=len(resumed), lost=0,
+    report.update(accepted=len(jobs), placed_on_owner=len(on_owner),
+                  pending_in_own_streams_at_kill=pending,
+                  waiting_in_own_streams_at_kill=waiting, resumed=len(resumed), lost=0,
                   duplicated=tally.duplicated)
 
 
