@@ -73,6 +73,7 @@ class Affinity:
         self._levels: list[str] = []  # the partition's owned levels
         self._refreshed = 0.0
         self._steal_at = 0.0  # monotonic time of the next look at peers' streams
+        self._unheld = 0  # prefixes advertised since the held set was last trimmed
 
     # -- what this worker owns -----------------------------------------------------
 
@@ -93,6 +94,12 @@ class Affinity:
         if not members:
             return
         held = self.keys.held(self.partition, self.tag)
+        self._unheld += len(members)
+        if self._unheld < max(1, self.held_most // 8):
+            self.redis.zadd(held, members)
+            return
+        # Trimmed now and then, not at each start: the set runs over by an eighth at most.
+        self._unheld = 0
         pipe = self.redis.pipeline(transaction=False)
         pipe.zadd(held, members)
         pipe.zremrangebyrank(held, 0, -self.held_most - 1)
@@ -152,8 +159,11 @@ class Affinity:
         return time.monotonic() >= self._steal_at
 
     def wait_s(self, block_s: float) -> float:
-        """How long an idle read may block: until the next look at peers' streams."""
-        return max(0.001, min(block_s, self._steal_at - time.monotonic()))
+        """How long an idle read may block: until the next look at peers' streams
+        (``block_s`` when none is due: a worker without a free slot does not look,
+        and a past time would spin the read)."""
+        left = self._steal_at - time.monotonic()
+        return min(block_s, left) if left > 0 else block_s
 
     def steal(self, most: int) -> list[tuple[str, StreamEntries]]:
         """Take at most ``most`` entries from peers' streams: those that waited

@@ -112,9 +112,10 @@ for i = 12, #KEYS do
   if i < 12 + submitted.live then live = live + length end
 end
 -- The owned streams hold live levels' jobs only.
-local load = {}
+local load, owned = {}, {}
 for _, level in ipairs(redis.call('SMEMBERS', KEYS[11])) do
   local rest, tag = string.match(level, '^[^:]+:(.+):(w%x+)$')
+  owned[level] = true
   if rest then
     local length = redis.call('XLEN', submitted.qhead .. ':' .. rest .. ':' .. tag)
     load[tag] = (load[tag] or 0) + length
@@ -133,13 +134,16 @@ if place and not submitted.batch then
   local owners = redis.call('HGETALL', KEYS[10])
   for i = 1, #owners, 2 do
     local tag, info = owners[i], cjson.decode(owners[i + 1])
-    local seen = redis.call('ZSCORE', KEYS[5], info.worker)
     local busy = (load[tag] or 0) / info.slots
-    if seen and tonumber(seen) >= place.since and busy < 1 then
+    if busy < 1 then
       for j = #place.prefix, 1, -1 do
         if redis.call('ZSCORE', place.held .. tag, place.prefix[j][2]) then
           local score = place.prefix[j][1] / place.plen - busy
-          if not best or score > best[2] then best = {tag, score} end
+          -- Live: its heartbeat's score (asked only of an owner that would win).
+          if not best or score > best[2] then
+            local seen = redis.call('ZSCORE', KEYS[5], info.worker)
+            if seen and tonumber(seen) >= place.since then best = {tag, score} end
+          end
           break
         end
       end
@@ -149,7 +153,8 @@ if place and not submitted.batch then
     owner = best[1]
     stream = submitted.qhead .. ':' .. place.level .. ':' .. owner
     local level = string.match(KEYS[1], '{(.-)}') .. ':' .. place.level .. ':' .. owner
-    if redis.call('SADD', KEYS[11], level) == 1 then
+    if not owned[level] then
+      redis.call('SADD', KEYS[11], level)
       redis.pcall('XGROUP', 'CREATE', stream, place.group, '0', 'MKSTREAM')
     end
   end
