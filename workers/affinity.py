@@ -83,11 +83,6 @@ class Affinity:
         self.redis.hset(self.keys.owners(self.partition), self.tag,
                         orjson.dumps({"worker": self.consumer, "slots": self.slots}))
 
-    def leave(self) -> None:
-        """Take this worker off the owners: no job is placed on its streams now
-        (what waits there, its peers take over)."""
-        self.redis.hdel(self.keys.owners(self.partition), self.tag)
-
     def note_held(self, prefixes: Iterable[str]) -> None:
         """Advertise the prefixes of jobs this worker just started."""
         members = dict.fromkeys(prefixes, self.clock.now())
@@ -120,8 +115,7 @@ class Affinity:
         pipe.zrangebyscore(self.keys.queue_workers(self.partition),
                            liveness.live_since(self.clock.now()), "+inf")
         owners, levels, live = pipe.execute()
-        self._owners = {tag.decode(): orjson.loads(info).get("worker", "")
-                        for tag, info in owners.items()}
+        self._owners = {tag.decode(): _worker_of(info) for tag, info in owners.items()}
         live_names = {m.decode() for m in live} | {self.consumer}
         self._live = {tag for tag, name in self._owners.items() if name in live_names}
         self._levels = sorted((level.decode() for level in levels),
@@ -200,3 +194,14 @@ class Affinity:
                          self.partition)
                 self._levels = [level for level in self._levels if level_owner(level) != tag]
                 self._owners.pop(tag, None)
+
+
+def _worker_of(info: bytes) -> str:
+    """The worker an owner's entry names; '' for one that is not ours (never live:
+    its streams are taken over and it is forgotten)."""
+    try:
+        found = orjson.loads(info)
+    except orjson.JSONDecodeError:
+        return ""
+    worker = found.get("worker") if isinstance(found, dict) else None
+    return worker if isinstance(worker, str) else ""

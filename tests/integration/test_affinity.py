@@ -198,3 +198,19 @@ def test_the_depth_counts_the_owned_streams(
         assert {owner_of(r, keys, j) for j in jobs} == {owner_tag(worker.name)}
         with pytest.raises(QueueFull):
             c.submit("a job for the shared stream", max_new_tokens=4)
+
+
+def test_an_owners_entry_no_worker_wrote_breaks_neither_submits_nor_workers(
+        placed: FleetClient, two: tuple[Any, Any], r: redis.Redis) -> None:
+    keys = placed.keys
+    part = two[0].partitions[0]
+    r.hset(keys.owners(part), mapping={"w0123456789": b"not json",
+                                       "wabcdefabcd": b'{"worker": 5, "slots": "many"}',
+                                       "wffffffffff": b"[]"})
+    for tag in ("w0123456789", "wabcdefabcd", "wffffffffff"):
+        r.zadd(keys.held(part, tag), {k.key: time.time() for k in prefix_keys(
+            GenerationRequest(prompt=prompt("red", 0)))})
+    jobs = [placed.submit(prompt("red", i), max_new_tokens=4) for i in range(4)]
+    assert all(placed.wait(j, timeout=60).status is JobStatus.SUCCEEDED for j in jobs)
+    assert not {owner_of(r, keys, j) for j in jobs} & {"w0123456789", "wabcdefabcd",
+                                                        "wffffffffff"}

@@ -10,8 +10,12 @@
 -- Returns 1 when it was forgotten, else 0.
 local info = redis.call('HGET', KEYS[1], ARGV[1])
 if info then
-  local seen = redis.call('ZSCORE', KEYS[4], cjson.decode(info).worker)
-  if seen and tonumber(seen) >= tonumber(ARGV[3]) then return 0 end
+  local ok, owner = pcall(cjson.decode, info)
+  local worker = ok and type(owner) == 'table' and owner.worker
+  if type(worker) == 'string' then
+    local seen = redis.call('ZSCORE', KEYS[4], worker)
+    if seen and tonumber(seen) >= tonumber(ARGV[3]) then return 0 end
+  end
 end
 local streams = {}
 for _, level in ipairs(redis.call('SMEMBERS', KEYS[2])) do

@@ -133,8 +133,11 @@ if place and not submitted.batch then
   local best
   local owners = redis.call('HGETALL', KEYS[10])
   for i = 1, #owners, 2 do
-    local tag, info = owners[i], cjson.decode(owners[i + 1])
-    local busy = (load[tag] or 0) / info.slots
+    local tag, ok, info = owners[i], pcall(cjson.decode, owners[i + 1])
+    -- An entry not written by a worker is passed over, never an error for the submit.
+    local fit = ok and type(info) == 'table' and type(info.worker) == 'string'
+      and type(info.slots) == 'number' and info.slots >= 1
+    local busy = fit and (load[tag] or 0) / info.slots or 1
     if busy < 1 then
       for j = #place.prefix, 1, -1 do
         if redis.call('ZSCORE', place.held .. tag, place.prefix[j][2]) then
