@@ -37,13 +37,13 @@ import orjson
 from tokenfleet.shared.redis import liveness
 from tokenfleet.shared.settings import Settings
 from tokenfleet.shared.wire.keys import (
-    GROUP,
     PRIORITIES,
     Keys,
     level_owner,
     level_priority,
     owner_tag,
 )
+from tokenfleet.shared.wire.topology import ensure_group
 from tokenfleet.shared.wire.worker_scripts import StreamEntries, retire, steal
 
 log = logging.getLogger(__name__)
@@ -72,6 +72,7 @@ class Affinity:
         self._live: set[str] = set()  # the tags of live owners
         self._levels: list[str] = []  # the partition's owned levels
         self._refreshed = 0.0
+        self._retired = 0.0  # monotonic time of the last look for owners to forget
         self._steal_at = 0.0  # monotonic time of the next look at peers' streams
         self._unheld = 0  # prefixes advertised since the held set was last trimmed
 
@@ -124,17 +125,17 @@ class Affinity:
             self.register()
             self._owners[self.tag] = self.consumer
             self._live.add(self.tag)
-        self._retire_dead()
+        # At most every REFRESH_S: a dead owner's streams empty once its peers
+        # take them over, and the looks at peers' streams come far more often.
+        if now - self._retired >= REFRESH_S:
+            self._retired = now
+            self._retire_dead()
 
     def ensure_groups(self) -> None:
         """The group on each owned stream (Redis may have lost them)."""
         self.refresh(force=True)
-        for level in self._levels:
-            try:
-                self.redis.xgroup_create(self.keys.queue(level), GROUP, id="0", mkstream=True)
-            except Exception as exc:  # BUSYGROUP: it is there
-                if "BUSYGROUP" not in str(exc):
-                    raise
+        for _level, stream in self.levels():
+            ensure_group(self.redis, stream)
 
     def levels(self) -> list[tuple[str, str]]:
         """(level, stream) of every owned stream of the partition, this
@@ -185,9 +186,8 @@ class Affinity:
         return taken
 
     def _retire_dead(self) -> None:
-        dead = {level_owner(level) for level in self._levels} - self._live - {None}
-        dead |= set(self._owners) - self._live
-        for tag in sorted(t for t in dead if t is not None):
+        owning = {tag for level in self._levels if (tag := level_owner(level)) is not None}
+        for tag in sorted((owning | set(self._owners)) - self._live):
             if retire(self.keys, partition=self.partition, tag=tag,
                       live_since=liveness.live_since(self.clock.now())).run(self.redis):
                 log.info("forgot owner %s of %s: not live, its streams empty", tag,

@@ -19,10 +19,9 @@ import time
 from collections.abc import Iterable
 from typing import Any
 
-from redis.exceptions import ResponseError
-from tokenfleet.shared.wire.keys import DEFAULT_TENANT, GROUP, PRIORITIES, Keys, level_queue
+from tokenfleet.shared.wire.keys import DEFAULT_TENANT, PRIORITIES, Keys, level_queue
 from tokenfleet.shared.settings import Settings
-from tokenfleet.shared.wire.topology import level_stream
+from tokenfleet.shared.wire.topology import ensure_group, level_stream
 from tokenfleet.shared.wire.worker_scripts import FairLevel, StreamEntries, fair
 
 # How often a busy feeder looks for tenants new to the queue (an idle one looks
@@ -57,15 +56,7 @@ class TenantStreams:
     def ensure_groups(self, tenants: list[str] | None = None) -> None:
         for priority in PRIORITIES:
             for tenant in tenants or self.tenants:
-                try:
-                    # From the beginning: finished entries are deleted, so
-                    # whatever is still in the stream is waiting for a worker.
-                    self.redis.xgroup_create(
-                        level_stream(self.keys, self.queue, priority, tenant), GROUP,
-                        id="0", mkstream=True)
-                except ResponseError as exc:
-                    if "BUSYGROUP" not in str(exc):
-                        raise
+                ensure_group(self.redis, level_stream(self.keys, self.queue, priority, tenant))
 
     def refresh(self, force: bool = False) -> bool:
         """Look for tenants new to the queue (every ``REFRESH_S``); True when

@@ -49,6 +49,7 @@ STEP_ARG = "tokenfleet_step"  # the forward's keyword that carries the StepPlan
 # block is never shared).
 BLOCK_SIZE = 32
 
+
 @dataclass
 class Chunk:
     """A prefill chunk: packed tokens ``start:end`` of a sequence with ``past``

@@ -117,11 +117,7 @@ def level_tenant(level: str) -> str:
 # Placement by prefix (workers/affinity.py): a worker's own stream of one level
 # and tenant is that level's name with the worker's tag after it:
 # ``default:normal:default:w3f2a1b9c0d``, its stream ``<ns>:q:{default}:normal:default:w3f2a1b9c0d``.
-# The tag is a hash of the worker's name (which may hold any character), the same
-# in Python and in a script (``redis.sha1hex``).
-OWNER_TAG = re.compile(r"w[0-9a-f]{10}")
-
-
+# The tag is a hash of the worker's name, which may hold any character (':' too).
 def owner_tag(worker: str) -> str:
     """The tag of ``worker``'s own streams: 'w' and 10 hex of its name's SHA-1."""
     return "w" + hashlib.sha1(worker.encode()).hexdigest()[:10]

@@ -14,8 +14,11 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from redis.exceptions import ResponseError
+
 from tokenfleet.shared.wire.keys import (
     DEFAULT_TENANT,
+    GROUP,
     PRIORITIES,
     Keys,
     level_queue,
@@ -83,6 +86,17 @@ def level_stream(keys: Keys, partition: str, priority: str, tenant: str | None =
     level = level_queue(partition, priority, tenant)
     key: str = keys.queue(owned_level(level, owner) if owner else level)
     return key
+
+
+def ensure_group(redis: Any, stream: str) -> None:
+    """The workers' group on ``stream`` (made with the stream if need be), from
+    its first entry: finished entries are deleted, so whatever is still in the
+    stream is waiting for a worker. One already there is left as it is."""
+    try:
+        redis.xgroup_create(stream, GROUP, id="0", mkstream=True)
+    except ResponseError as exc:
+        if "BUSYGROUP" not in str(exc):
+            raise
 
 
 def tenants_of(redis: Any, keys: Keys, partition: str) -> list[str]:
