@@ -67,6 +67,18 @@ class Settings(BaseSettings):
     gpu_sim_step_ms: float = Field(default=10.0, gt=0, description=(
         "The gpu-sim engine's step: milliseconds each step waits with the GIL released, as a "
         "GPU's forward pass does, before it emits one token per running sequence."))
+    # One step ahead of the device, as vLLM's async scheduling (its default on a
+    # GPU since 0.14): the engine launches step N+1 before it takes step N's
+    # tokens, so the engine thread's work between steps overlaps the device's.
+    # The gpu-sim engine models it; the vLLM engine leaves it to vLLM where on
+    # (vLLM turns it off on the CPU backend) and turns it off where off. The
+    # built-in engine steps one at a time: on the CPU its forward pass holds the
+    # thread, so there is nothing to overlap.
+    async_scheduling: bool = Field(default=True, description=(
+        "Launch each engine step before the last step's tokens are taken, so the device runs "
+        "while the engine thread ends jobs and takes requests (the gpu-sim engine; the vLLM "
+        "engine, as vLLM's own async scheduling where vLLM supports it). false: one step at a "
+        "time."))
     # The built-in engine's KV cache: "rect" (one left-padded rectangle, whole
     # prefills in steps of their own) or "paged" (blocks per sequence, one
     # packed forward per step, chunked prefill). Rect is the default by

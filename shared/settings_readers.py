@@ -33,6 +33,7 @@ READ_BY: dict[str, str] = {
     "gpus_per_worker": WORKER,
     "vllm_cpu_kv_cache_bytes": WORKER,
     "gpu_sim_step_ms": WORKER,
+    "async_scheduling": WORKER,
     "kv_cache": WORKER,
     "prefix_cache": WORKER,
     "max_step_tokens": WORKER,

@@ -99,6 +99,8 @@ class VLLMEngine(Engine):
             model=path, tokenizer=path, skip_tokenizer_init=False, dtype=dtype,
             max_num_seqs=max_batch, tensor_parallel_size=settings.gpus_per_worker,
             enforce_eager=on_cpu, seed=0, **memory,
+            # None: vLLM's own choice (on where its executor and platform allow).
+            async_scheduling=None if settings.async_scheduling else False,
             # xgrammar, as the built-in engine, and compact JSON: free whitespace
             # lets a weak model pad a JSON value until it runs out of tokens.
             structured_outputs_config=StructuredOutputsConfig(backend="xgrammar",

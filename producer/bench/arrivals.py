@@ -28,6 +28,8 @@ first to the last give the rate, the client's submits out of it.
 from __future__ import annotations
 
 import asyncio
+import heapq
+import math
 import random
 import time
 from collections.abc import Callable
@@ -35,7 +37,7 @@ from contextlib import AbstractContextManager
 from typing import Any
 
 from tokenfleet import AsyncFleetClient
-from tokenfleet.bench.gpu_sim_mode import SimWorker
+from tokenfleet.bench.gpu_sim_mode import ASYNC, TIMES as TIMES_BY_STEP, SimWorker
 from tokenfleet.bench.modes import BenchEnv
 from tokenfleet.bench.procs import BenchError, Control
 from tokenfleet.bench.workload import make_jobs, percentile
@@ -62,6 +64,26 @@ def poisson(n: int, rate: float, seed: int = 0) -> list[float]:
     return times
 
 
+def ideal_queue(arrivals: list[float], batch: int, max_new_tokens: int,
+                step_ms: float) -> dict[str, float | None]:
+    """The TTFT a perfect fleet adds, in steps (p50, p99), for these arrivals in
+    front of this device: ``batch`` slots, a job taking one at the first step
+    that starts after it arrives and a slot is free (first come, first served),
+    its first token at that step's end, its slot free again ``max_new_tokens``
+    steps later. What is left is the queue's own: Poisson bursts that find
+    every slot taken."""
+    step_s = step_ms / 1000
+    free_at = [0] * batch  # a heap of the step at which each slot is free
+    added: list[float] = []
+    for at in arrivals:
+        first = max(math.ceil(at / step_s), heapq.heappop(free_at))
+        heapq.heappush(free_at, first + max_new_tokens)
+        added.append(first + 1 - at / step_s - 1)  # TTFT in steps, less the one-step floor
+    p50, p99 = percentile(added, 50), percentile(added, 99)
+    return {"added_ttft_p50_steps": None if p50 is None else round(p50, 2),
+            "added_ttft_p99_steps": None if p99 is None else round(p99, 2)}
+
+
 def run(env: BenchEnv, batch: int, max_new_tokens: int, step_ms: float, load: float,
         duration_s: float, phase: Phase) -> dict[str, Any]:
     """One gpu-sim worker at ``batch`` under Poisson arrivals at ``load`` of its
@@ -72,11 +94,11 @@ def run(env: BenchEnv, batch: int, max_new_tokens: int, step_ms: float, load: fl
     with SimWorker(env, batch, step_ms, phase, label="arrivals") as sim:
         warm = prompts[:batch]
         asyncio.run(_submit(env.redis_url, sim.namespace, warm, [0.0] * len(warm), 2))
-        sim.settled(len(warm))
+        before = sim.settled(len(warm))
         with phase(f"arrivals c={batch} at {load:g} of capacity", len(arrivals)) as tick:
             ids, behind = asyncio.run(_submit(env.redis_url, sim.namespace, prompts, arrivals,
                                               max_new_tokens, tick))
-        sim.settled(len(warm) + len(ids))
+        after = sim.settled(len(warm) + len(ids))
         records = _records(sim, ids)
         with phase(f"admission c={batch}", ADMIT_BATCHES * batch):
             admitted = _admission(env, sim, ADMIT_BATCHES * batch, len(warm) + len(ids))
@@ -84,7 +106,26 @@ def run(env: BenchEnv, batch: int, max_new_tokens: int, step_ms: float, load: fl
             "load": load, "duration_s": duration_s, "offered_jobs_per_s": round(rate, 1),
             "client_behind_s": round(behind, 4),
             **open_loop_figures(records, rate * max_new_tokens, max_new_tokens, step_ms),
+            "device": device_figures(before, after, batch),
+            "ideal_queue": ideal_queue(arrivals, batch, max_new_tokens, step_ms),
             "admission_jobs_per_s": admitted}
+
+
+def device_figures(before: dict[str, Any], after: dict[str, Any], batch: int) -> dict[str, Any]:
+    """What the device did between two settled readings (``SimWorker.settled``):
+    its steps, the share of their slots that made a token for a running job,
+    and the share of the engine thread's stepping time it stood idle."""
+    totals = dict.fromkeys(TIMES_BY_STEP, 0.0)
+    for size, times in after.items():
+        if size == ASYNC:
+            continue
+        for name in TIMES_BY_STEP:
+            totals[name] += times.get(name, 0) - before.get(size, {}).get(name, 0)
+    cycles = totals["step_s"] + totals["between_s"]
+    steps = int(totals["steps"])
+    return {"steps": steps, "async_scheduling": bool(after.get(ASYNC)),
+            "slots_used": round(totals["tokens"] / (steps * batch), 4) if steps else None,
+            "idle": round(totals["idle_s"] / cycles, 4) if cycles > 0 else None}
 
 
 def open_loop_figures(records: list[dict[str, Any]], offered_tokens_per_s: float,
@@ -97,6 +138,11 @@ def open_loop_figures(records: list[dict[str, Any]], offered_tokens_per_s: float
     goodput = tokens / span if span > 0 else 0.0
     ttft = [(r["first_token_at"] - r["created_at"]) * 1000 for r in done if r["first_token_at"]]
     p50, p99 = percentile(ttft, 50), percentile(ttft, 99)
+    # TTFT in two: waiting in the queue (submit to the worker's start), then
+    # from the start to the first token (the engine's admission, its step, the output side).
+    queued = [(r["started_at"] - r["created_at"]) * 1000 for r in done if r["started_at"]]
+    started = [(r["first_token_at"] - r["started_at"]) * 1000 for r in done
+               if r["first_token_at"] and r["started_at"]]
 
     def added_steps(ms: float | None) -> float | None:
         return None if ms is None else round(max(0.0, ms - step_ms) / step_ms, 2)
@@ -107,6 +153,10 @@ def open_loop_figures(records: list[dict[str, Any]], offered_tokens_per_s: float
             "goodput_of_offered": round(goodput / offered_tokens_per_s, 4),
             "ttft_p50_ms": p50 and round(p50, 2), "ttft_p99_ms": p99 and round(p99, 2),
             "ttft_floor_ms": step_ms,
+            "queued_p50_ms": _round(percentile(queued, 50)),
+            "queued_p99_ms": _round(percentile(queued, 99)),
+            "start_to_first_p50_ms": _round(percentile(started, 50)),
+            "start_to_first_p99_ms": _round(percentile(started, 99)),
             "added_ttft_p50_steps": added_steps(p50), "added_ttft_p99_steps": added_steps(p99)}
 
 
@@ -182,9 +232,34 @@ def lines(f: dict[str, Any]) -> list[str]:
         f"  TTFT p50 {_ms(f['ttft_p50_ms'])}, p99 {_ms(f['ttft_p99_ms'])} against the engine's "
         f"floor of {f['ttft_floor_ms']:g} ms (one step): the fleet adds "
         f"{f['added_ttft_p50_steps']} / {f['added_ttft_p99_steps']} steps (p50 / p99)",
+        f"  of it: queued (submit to start) p50 {_ms(f.get('queued_p50_ms'))}, p99 "
+        f"{_ms(f.get('queued_p99_ms'))}; start to first token p50 "
+        f"{_ms(f.get('start_to_first_p50_ms'))}, p99 {_ms(f.get('start_to_first_p99_ms'))}",
+        *_ideal_line(f.get("ideal_queue")),
+        *_device_line(f.get("device")),
         f"  the client fell behind its schedule by at most {f['client_behind_s'] * 1000:,.1f} ms; "
         f"one worker admits {_num(f['admission_jobs_per_s'])} jobs/s from a full queue",
     ]
+
+
+def _ideal_line(ideal: dict[str, Any] | None) -> list[str]:
+    if not ideal:
+        return []
+    return [f"  a perfect fleet with the same arrivals (every slot used, a job in at the next "
+            f"step) adds {ideal['added_ttft_p50_steps']} / {ideal['added_ttft_p99_steps']} "
+            "steps: the queue's own part"]
+
+
+def _device_line(device: dict[str, Any] | None) -> list[str]:
+    if not device or not device["steps"]:
+        return []
+    ahead = "one step ahead" if device["async_scheduling"] else "one step at a time"
+    return [f"  the device ({ahead}): {device['steps']:,} steps, {device['slots_used']:.3f} of "
+            f"their slots made a job's token, idle {device['idle']:.3f} of the time"]
+
+
+def _round(value: float | None) -> float | None:
+    return None if value is None else round(value, 2)
 
 
 def _ms(value: float | None) -> str:

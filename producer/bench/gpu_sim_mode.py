@@ -48,7 +48,8 @@ from tokenfleet.bench.gpu_sim import precise_sleeps
 
 Tick = Callable[[int], None]
 Phase = Callable[[str, int], AbstractContextManager[Tick]]
-TIMES = ("steps", "device_s", "step_s", "between_s")  # gpu_sim.StepTimes' fields
+TIMES = ("steps", "tokens", "device_s", "step_s", "between_s", "idle_s")  # gpu_sim.StepTimes
+ASYNC = "async"  # beside the batch sizes in a settled reading: whether the engine ran ahead
 BARE_SLEEPS = 50  # sleeps of a step's length timed alone, for the machine's part
 
 
@@ -132,11 +133,12 @@ def _settled(client: redis.Redis, heartbeat: str, jobs: int) -> dict[str, Any]:
         stats: dict[str, Any] = loads(raw) if raw else {}
         if sum(stats.get("jobs", {}).values()) < jobs:
             return None
-        return {"gpu_sim": stats["gpu_sim"]}  # truthy even when no step was counted
+        # Truthy even when no step was counted.
+        return {"gpu_sim": stats["gpu_sim"], "async": stats.get("gpu_sim_async", False)}
 
     settled: dict[str, Any] = wait_for(read, 30,
                                        f"the heartbeat of {heartbeat} to count {jobs} jobs")
-    return dict(settled["gpu_sim"])
+    return {**settled["gpu_sim"], ASYNC: settled["async"]}
 
 
 def _through(url: str, namespace: str, prompts: list[str], max_new_tokens: int,
@@ -171,23 +173,29 @@ def figures(before: dict[str, Any], after: dict[str, Any], batch: int, step_ms: 
     (``stats.gpu_sim``: ``StepTimes`` by batch size), the client's count and,
     when timed, how late a bare sleep of a step ends on this machine."""
     ideal = batch * 1000 / step_ms
-    by_batch = {size: {f: t[f] - before.get(size, {}).get(f, 0) for f in TIMES}
-                for size, t in after.items()}
+    ahead = bool(after.get(ASYNC))
+    by_batch = {size: {f: t.get(f, 0) - before.get(size, {}).get(f, 0) for f in TIMES}
+                for size, t in after.items() if size != ASYNC}
     full = by_batch.get(str(batch), {})
     steady: dict[str, Any] | None = None
     cycle = full.get("step_s", 0.0) + full.get("between_s", 0.0)
     if full.get("steps") and cycle > 0:
-        made = batch * full["steps"] / cycle
+        made = full["tokens"] / cycle
         steady = {
             "steps": full["steps"], "tokens_per_s": round(made, 1),
-            "of_ideal": round(made / ideal, 4),
+            "of_ideal": round(made / ideal, 4), "async_scheduling": ahead,
             "in_step": round(full["step_s"] / cycle, 4),
             "in_device": round(full["device_s"] / cycle, 4),
             # The device step past the sleep asked for: the OS waking the thread
             # late, and the thread waiting for the GIL another thread holds.
-            "device_late": round((full["device_s"] - full["steps"] * step_ms / 1000) / cycle, 4),
+            # Running ahead, the thread waits for the rest of a step it did not
+            # sleep through, so there is no such share.
+            "device_late": None if ahead else round(
+                (full["device_s"] - full["steps"] * step_ms / 1000) / cycle, 4),
             "around_device": round((full["step_s"] - full["device_s"]) / cycle, 4),
             "between_steps": round(full["between_s"] / cycle, 4),
+            # The device waiting for the engine thread to launch its next step.
+            "device_idle": round(full["idle_s"] / cycle, 4),
         }
         if sleep_late_s is not None:  # the same sleeps' lateness, were it the bare one's
             steady["sleep_late"] = round(full["steps"] * sleep_late_s / cycle, 4)
@@ -216,9 +224,16 @@ def lines(f: dict[str, Any]) -> Iterator[str]:
         yield (f"  engine thread at batch {f['batch']}: {steady['in_step']:.3f} of its wall time "
                f"inside step(), {steady['between_steps']:.3f} between steps (the hand-over to "
                "the output thread, waiting while it is behind)")
-        yield (f"  inside step(): {steady['in_device']:.3f} in the device step "
-               f"({steady['device_late']:.3f} of it past the sleep: waking, the GIL taken back), "
-               f"{steady['around_device']:.3f} around it (requests, ends by token id)")
+        if steady.get("async_scheduling"):
+            yield (f"  one step ahead (async scheduling): {steady['in_device']:.3f} waiting for "
+                   f"the device, {steady['around_device']:.3f} around the step (requests, ends "
+                   "by token id) while the device runs the next; the device idle "
+                   f"{steady['device_idle']:.3f} of the time")
+        else:
+            yield (f"  inside step(): {steady['in_device']:.3f} in the device step "
+                   f"({steady['device_late']:.3f} of it past the sleep: waking, the GIL taken "
+                   f"back), {steady['around_device']:.3f} around it (requests, ends by token "
+                   f"id); the device idle {steady.get('device_idle', 0.0):.3f} of the time")
         if "sleep_late" in steady:
             yield (f"  a bare sleep of {f['step_ms']:g} ms on this machine ends late by "
                    f"{steady['sleep_late']:.3f} of the same time: the machine's part, not the "
