@@ -6,9 +6,12 @@ import logging
 from collections.abc import Iterable
 from typing import Any
 
+from pydantic import ValidationError
 from redis.exceptions import RedisError
 
-from tokenfleet.shared.wire.keys import Keys, owner_tag
+from tokenfleet.shared.wire import worker_scripts
+from tokenfleet.shared.wire.keys import Keys, level_owner, owner_tag
+from tokenfleet.shared.wire.schemas import QueueEntry
 from tokenfleet.workers import limits
 from tokenfleet.workers.publisher import Publisher
 from tokenfleet.workers.sequence import Sequence
@@ -30,6 +33,43 @@ def hand_back(publisher: Publisher, seqs: Iterable[Sequence],
         log.warning("could not hand jobs back (%s); they will be reclaimed", exc)
         return 0
     return handed
+
+
+def unplace(redis: Any, keys: Keys, name: str, partitions: list[str], page: int = 500) -> int:
+    """A worker with placement by prefix that stops reading: no job is placed on
+    it from now on, and the jobs waiting unread in its own streams go to the
+    shared streams (``unplace.lua``), where any worker, and any scaler, finds
+    them. How many moved. Should Redis refuse, they stay where they are, and
+    its peers take them over once it has left (``steal.lua``)."""
+    tag, moved = owner_tag(name), 0
+    try:
+        for part in partitions:
+            redis.hdel(keys.owners(part), tag)
+            levels = sorted(m.decode() for m in redis.smembers(keys.owned_levels(part)))
+            for level in (lv for lv in levels if level_owner(lv) == tag):
+                stream, start = keys.queue(level), "-"
+                while entries := redis.xrange(stream, start, "+", count=page):
+                    start = "(" + entries[-1][0].decode()
+                    for entry_id, fields in entries:
+                        job_id = _job_of(fields)
+                        if job_id is not None:
+                            moved += worker_scripts.unplace(
+                                keys, level=level, job_id=job_id,
+                                entry_id=entry_id.decode()).run(redis)
+    except RedisError as exc:
+        log.warning("could not move the jobs placed here to the shared streams (%s); the "
+                    "other workers take them over", exc)
+    if moved:
+        log.info("moved %d job(s) placed here to the shared streams", moved)
+    return moved
+
+
+def _job_of(fields: dict[bytes, bytes]) -> str | None:
+    """The job of an entry, or None for one no job comes from (a reader dead-letters it)."""
+    try:
+        return QueueEntry.model_validate_json(fields[b"data"]).job_id
+    except (KeyError, ValueError, ValidationError):
+        return None
 
 
 def leave(redis: Any, keys: Keys, name: str, partitions: list[str]) -> None:

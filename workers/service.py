@@ -37,7 +37,7 @@ from tokenfleet.workers.engine_loop import EngineLoop
 from tokenfleet.workers.feeder import Feeder
 from tokenfleet.workers.health import Health, Phase, StatusServer
 from tokenfleet.workers.heartbeat import Heartbeat
-from tokenfleet.workers.leaving import hand_back, leave
+from tokenfleet.workers.leaving import hand_back, leave, unplace
 from tokenfleet.workers.metrics import Metrics
 from tokenfleet.workers.output_processor import OutputProcessor
 from tokenfleet.workers.output_thread import OutputThread
@@ -172,6 +172,9 @@ class Worker:
         self.stop_intake.set()
         # The feeders hand over what they have already read, then end.
         feeder_ended = all([_join(thread, grace + JOIN_S) for thread in self._feeder_threads])
+        if self.settings.affinity and feeder_ended:
+            # Nobody reads its own streams now: their waiting jobs go to the shared ones.
+            unplace(self.redis, self.keys, self.name, self.partitions)
         self.engine_loop.drain(grace)
         self.stopping.set()  # the engine loop, the heartbeat and the cancel listener end
         self.engine_loop.wake.set()

@@ -6,7 +6,7 @@ import importlib.util
 import sys
 import time
 from dataclasses import dataclass
-from typing import Any, TextIO
+from typing import Any, NamedTuple, TextIO
 
 from pydantic import ValidationError
 from redis.exceptions import ResponseError
@@ -14,7 +14,9 @@ from redis.exceptions import ResponseError
 from tokenfleet.shared.wire.client_scripts import ExpireVerdict, expire, forget_queue
 from tokenfleet.shared.redis.clock import redis_now
 from tokenfleet.shared.wire.declared import declared_queues
-from tokenfleet.shared.wire.keys import GROUP, PRIORITIES, Keys, job_model, model_of, queue_of_partition
+from tokenfleet.shared.wire.keys import (GROUP, PRIORITIES, Keys, job_model, level_owner,
+                                        level_priority, level_tenant, model_of,
+                                        queue_of_partition)
 from tokenfleet.shared.redis.liveness import live_since
 from tokenfleet.shared.wire.schemas import (
     EXPIRED_ERROR,
@@ -194,12 +196,12 @@ def repair_fleet(client: Any, page: int = 500) -> Repaired:
     for model in models:
         if r.zcount(keys.queue_workers(model), since, "+inf"):
             continue
-        for priority, tenant in level_streams(r, keys, model):
-            stream = level_stream(keys, model, priority, tenant)
+        for priority, tenant, owner in level_streams(r, keys, model):
+            stream = level_stream(keys, model, priority, tenant, owner)
             for entry in _overdue(r, stream, page, now):
                 verdict = expire(
                     keys, job_id=entry.job_id, model=model, priority=priority, tenant=tenant,
-                    now=now,
+                    owner=owner, now=now,
                     result_ttl_s=client.settings.result_ttl_s,
                     end_event=end_event(JobStatus.EXPIRED, FinishReason.DEADLINE, EXPIRED_ERROR),
                     error=EXPIRED_ERROR).run(r)
@@ -227,11 +229,23 @@ def _overdue(r: Any, stream: str, page: int, now: float) -> list[QueueEntry]:
     return found
 
 
-def level_streams(r: Any, keys: Keys, model: str) -> list[tuple[str, str]]:
-    """(priority, tenant) of each stream of a model: the default tenant's and each
-    named tenant's, at every level."""
+class LevelStream(NamedTuple):
+    """One stream of a model's queue (or partition)."""
+
+    priority: str
+    tenant: str
+    owner: str | None  # the tag of the worker whose own stream it is (placement by prefix)
+
+
+def level_streams(r: Any, keys: Keys, model: str) -> list[LevelStream]:
+    """Each stream of a model: the default tenant's and each named tenant's at
+    every level, then the workers' own streams (placement by prefix), whose
+    jobs are the queue's as much as the shared streams' are."""
     topology = QueueTopology(keys, model, 1, tuple(tenants_of(r, keys, model)))
-    return [(p, t) for _, p, t in topology.levels()]
+    owned = sorted(level.decode() for level in r.smembers(keys.owned_levels(model)))
+    return [*(LevelStream(p, t, None) for _, p, t in topology.levels()),
+            *(LevelStream(level_priority(level), level_tenant(level), level_owner(level))
+              for level in owned if level_owner(level) is not None)]
 
 
 def _queue(r: Any, keys: Any, model: str, now: float) -> dict[str, Any]:
@@ -241,8 +255,8 @@ def _queue(r: Any, keys: Any, model: str, now: float) -> dict[str, Any]:
                             "tenants": {},
                             "backlog_tokens": int(r.get(keys.backlog(model)) or 0),
                             "dead_letters": r.xlen(keys.dlq(model))}
-    for priority, tenant in level_streams(r, keys, model):
-        stream = level_stream(keys, model, priority, tenant)
+    for priority, tenant, owner in level_streams(r, keys, model):
+        stream = level_stream(keys, model, priority, tenant, owner)
         depth = r.xlen(stream)
         info["levels"][priority] += depth
         info["tenants"][tenant] = info["tenants"].get(tenant, 0) + depth

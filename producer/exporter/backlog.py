@@ -56,12 +56,13 @@ class QueueBacklog(Collector):
         floors = {d.queue: d.min_workers for d in declared_queues(r, keys)}
         models = sorted({*queue_models(r, keys), *floors})
         since = live_since(redis_now(r))
-        # Every tenant's streams of a level count (fair share keeps one per tenant).
+        # Every tenant's streams of a level count (fair share keeps one per tenant),
+        # and the workers' own (placement by prefix).
         streams = {model: level_streams(r, keys, model) for model in models}
         pipe = r.pipeline(transaction=False)
         for model in models:
-            for priority, tenant in streams[model]:
-                pipe.xlen(level_stream(keys, model, priority, tenant))
+            for priority, tenant, owner in streams[model]:
+                pipe.xlen(level_stream(keys, model, priority, tenant, owner))
             pipe.get(keys.backlog(model))
             pipe.zrangebyscore(keys.queue_workers(model), since, "+inf")
         replies = iter(pipe.execute() if models else [])
@@ -70,7 +71,7 @@ class QueueBacklog(Collector):
         workers: dict[str, set[bytes]] = {}
         for model in models:
             queue = queue_of_partition(model)  # a partition's figures are its queue's
-            for priority, _ in streams[model]:
+            for priority, _, _ in streams[model]:
                 jobs[(queue, priority)] = jobs.get((queue, priority), 0) + int(next(replies))
             tokens[queue] = tokens.get(queue, 0) + int(next(replies) or 0)
             workers.setdefault(queue, set()).update(next(replies))

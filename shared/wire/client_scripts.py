@@ -194,13 +194,14 @@ def _expire_verdict(reply: object) -> ExpireVerdict:
 
 def expire(keys: Keys, *, job_id: str, model: str, priority: str, now: float,
            result_ttl_s: int, end_event: bytes, error: str,
-           tenant: str | None = None) -> ScriptCall[ExpireVerdict]:
+           tenant: str | None = None, owner: str | None = None) -> ScriptCall[ExpireVerdict]:
     """End a job still queued at ``now`` past its deadline, and take it off its
-    queue (the stream of its level and ``tenant``)."""
+    queue (the stream of its level and ``tenant``; ``owner``'s own stream of it
+    where placement put it there)."""
     return ScriptCall(
         script("expire", keys.sharded),
         (keys.job(job_id), keys.out(job_id), keys.events(job_id),
-         level_stream(keys, model, priority, tenant), keys.backlog(model),
+         level_stream(keys, model, priority, tenant, owner), keys.backlog(model),
          keys.ends(job_id), keys.job_webhooks(model)),
         (repr(now), result_ttl_s, end_event, GROUP, error),
         _expire_verdict,

@@ -302,6 +302,18 @@ def requeue(keys: Keys, *, queue: str, job_id: str, entry_id: str, attempt: int,
     )
 
 
+def unplace(keys: Keys, *, level: str, job_id: str, entry_id: str) -> ScriptCall[bool]:
+    """Move a job waiting unread in the own stream of ``level`` (a worker's own
+    level, the caller's: it leaves) to the shared stream of that level; True
+    when moved, False when another took, ended or moved it first."""
+    return ScriptCall(
+        script("unplace"),
+        (keys.queue(level), keys.queue(shared_level(level)), keys.job(job_id)),
+        (entry_id, GROUP),
+        lambda reply: integer(reply) == 1,
+    )
+
+
 # -- fair.lua: a read shared among tenants ---------------------------------------------
 
 

@@ -214,3 +214,60 @@ def test_an_owners_entry_no_worker_wrote_breaks_neither_submits_nor_workers(
     assert all(placed.wait(j, timeout=60).status is JobStatus.SUCCEEDED for j in jobs)
     assert not {owner_of(r, keys, j) for j in jobs} & {"w0123456789", "wabcdefabcd",
                                                         "wffffffffff"}
+
+
+def test_a_stopping_owner_gives_its_waiting_jobs_to_the_shared_stream(
+        placed: FleetClient, two: tuple[Any, Any], r: redis.Redis) -> None:
+    """The last worker of a pool scaled to zero: nobody would read its own
+    stream, and a scaler counts the shared ones. Its waiting jobs move there,
+    whole, cancel where they are now, and run on the next worker."""
+    keys = placed.keys
+    owner, other, jobs = placed_on_a_paused_owner(placed, two, "red", 3)
+    other.stop(grace_s=0)
+    part = owner.partitions[0]
+    own = keys.queue(f"{part}:normal:default:{owner_tag(owner.name)}")
+    assert r.xlen(own) == 3
+    owner.stop(grace_s=0)
+    assert r.xlen(own) == 0 and r.xlen(keys.queue(part)) == 3
+    assert not r.hexists(keys.owners(part), owner_tag(owner.name))
+    assert {owner_of(r, keys, j) for j in jobs} == {None}
+    assert all(placed.status(j).status is JobStatus.QUEUED for j in jobs)
+    assert placed.cancel(jobs[0]) and r.xlen(keys.queue(part)) == 2
+    assert int(r.get(keys.backlog(part)) or 0) > 0  # the two left still count
+
+
+def test_status_the_backlog_gauge_and_repair_see_the_jobs_in_own_streams(
+        settings: Any, r: redis.Redis, pytestconfig: pytest.Config) -> None:
+    """A job placed on a worker that then dies (kill -9: it moved nothing):
+    ``tokenfleet status`` and the gauge a pool scales on count it, and once no
+    worker serves the queue, a repair ends it at its deadline."""
+    from prometheus_client import generate_latest
+
+    from tokenfleet.client.fleet import fleet_status, repair_fleet
+    from tokenfleet.exporter.backlog import registry
+    from tokenfleet.shared.redis.clock import redis_now
+
+    queue = settings.queue
+    with FleetClient(settings=settings.model_copy(update={"affinity": True})) as c:
+        keys = c.keys
+        request = GenerationRequest(prompt=prompt("red", 0), model=queue)
+        part = pick_partition(request, pytestconfig.getoption("--partitions"), 0,
+                              prefix_keys(request))
+        ghost, tag = "ghost@test", owner_tag("ghost@test")
+        # Live for a minute, as its heartbeat would say.
+        r.zadd(keys.queue_workers(part), {ghost: redis_now(r) + 60})
+        r.hset(keys.owners(part), tag, '{"worker": "ghost@test", "slots": 4}')
+        r.zadd(keys.held(part, tag), {k.key: time.time() for k in prefix_keys(request)})
+        job = c.submit(prompt("red", 1), max_new_tokens=4, deadline_s=0.5, model=queue,
+                       require_worker=False)
+        assert owner_of(r, keys, job) == tag
+        row = next(q for q in fleet_status(c)["queues"] if q["queue"] == queue)
+        assert row["depth"] == 1, row
+        text = generate_latest(registry(r, keys)).decode()
+        assert f'tokenfleet_queue_backlog{{priority="normal",queue="{queue}"}} 1.0' in text
+        r.zrem(keys.queue_workers(part), ghost)  # it died: nobody serves the queue
+        wait_until(lambda: c.status(job).status is JobStatus.EXPIRED, timeout=10,
+                   what="the deadline to pass")
+        assert repair_fleet(c).expired == 1
+        assert r.hget(keys.job(job), "status") == b"expired"
+        assert r.xlen(keys.queue(f"{part}:normal:default:{tag}")) == 0
