@@ -79,6 +79,13 @@ class Settings(BaseSettings):
         "while the engine thread ends jobs and takes requests (the gpu-sim engine; the vLLM "
         "engine, as vLLM's own async scheduling where vLLM supports it). false: one step at a "
         "time."))
+    # How long Python lets a thread hold the GIL while another waits for it. The
+    # engine thread, back from a step (the device's wait, or torch's kernels,
+    # with the GIL released), waits for it while the output and feeder threads
+    # run Python: at most this long. Python's own 5 ms is a whole GPU step.
+    gil_switch_ms: float = Field(default=0.5, gt=0, le=100, description=(
+        "Worker: the longest a thread holds Python's GIL while another waits for it "
+        "(sys.setswitchinterval), in milliseconds."))
     # The built-in engine's KV cache: "rect" (one left-padded rectangle, whole
     # prefills in steps of their own) or "paged" (blocks per sequence, one
     # packed forward per step, chunked prefill). Rect is the default by

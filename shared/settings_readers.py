@@ -34,6 +34,7 @@ READ_BY: dict[str, str] = {
     "vllm_cpu_kv_cache_bytes": WORKER,
     "gpu_sim_step_ms": WORKER,
     "async_scheduling": WORKER,
+    "gil_switch_ms": WORKER,
     "kv_cache": WORKER,
     "prefix_cache": WORKER,
     "max_step_tokens": WORKER,

@@ -6,12 +6,11 @@ import logging
 from collections.abc import Iterable
 from typing import Any
 
-from pydantic import ValidationError
 from redis.exceptions import RedisError
 
 from tokenfleet.shared.wire import worker_scripts
 from tokenfleet.shared.wire.keys import Keys, level_owner, owner_tag
-from tokenfleet.shared.wire.schemas import QueueEntry
+from tokenfleet.shared.wire.schemas import queue_entry
 from tokenfleet.workers import limits
 from tokenfleet.workers.publisher import Publisher
 from tokenfleet.workers.sequence import Sequence
@@ -51,10 +50,10 @@ def unplace(redis: Any, keys: Keys, name: str, partitions: list[str], page: int 
                 while entries := redis.xrange(stream, start, "+", count=page):
                     start = "(" + entries[-1][0].decode()
                     for entry_id, fields in entries:
-                        job_id = _job_of(fields)
-                        if job_id is not None:
+                        entry = queue_entry(fields)
+                        if entry is not None:
                             moved += worker_scripts.unplace(
-                                keys, level=level, job_id=job_id,
+                                keys, level=level, job_id=entry.job_id,
                                 entry_id=entry_id.decode()).run(redis)
     except RedisError as exc:
         log.warning("could not move the jobs placed here to the shared streams (%s); the "
@@ -62,14 +61,6 @@ def unplace(redis: Any, keys: Keys, name: str, partitions: list[str], page: int 
     if moved:
         log.info("moved %d job(s) placed here to the shared streams", moved)
     return moved
-
-
-def _job_of(fields: dict[bytes, bytes]) -> str | None:
-    """The job of an entry, or None for one no job comes from (a reader dead-letters it)."""
-    try:
-        return QueueEntry.model_validate_json(fields[b"data"]).job_id
-    except (KeyError, ValueError, ValidationError):
-        return None
 
 
 def leave(redis: Any, keys: Keys, name: str, partitions: list[str]) -> None:

@@ -49,10 +49,6 @@ log = logging.getLogger(__name__)
 # How long ``stop`` waits for a thread it told to end. An engine thread still
 # running after that may be inside a step that does not return (a hung device).
 JOIN_S = 10.0
-# How soon a thread waiting for the GIL gets it (Python's switch interval; 5 ms
-# by default, half of a 10 ms GPU step): the engine thread, back from a step
-# that released the GIL, waits this long at most while the output thread runs.
-GIL_SWITCH_S = 0.0005
 
 
 class Worker:
@@ -136,7 +132,7 @@ class Worker:
             feeder.ensure_group()
         if self.settings.metrics_port and not self.status.serving:
             self.status.serve(self.settings.metrics_port)
-        sys.setswitchinterval(min(sys.getswitchinterval(), GIL_SWITCH_S))
+        sys.setswitchinterval(self.settings.gil_switch_ms / 1000)
         self._cancel_thread.start()
         self.cancels.wait_listening()
         self.heartbeat.first_beat()

@@ -37,7 +37,7 @@ from contextlib import AbstractContextManager
 from typing import Any
 
 from tokenfleet import AsyncFleetClient
-from tokenfleet.bench.gpu_sim_mode import ASYNC, TIMES as TIMES_BY_STEP, SimWorker
+from tokenfleet.bench.gpu_sim_mode import ASYNC, TIMES as TIMES_BY_STEP, SimWorker, by_batch
 from tokenfleet.bench.modes import BenchEnv
 from tokenfleet.bench.procs import BenchError, Control
 from tokenfleet.bench.workload import make_jobs, percentile
@@ -115,12 +115,8 @@ def device_figures(before: dict[str, Any], after: dict[str, Any], batch: int) ->
     """What the device did between two settled readings (``SimWorker.settled``):
     its steps, the share of their slots that made a token for a running job,
     and the share of the engine thread's stepping time it stood idle."""
-    totals = dict.fromkeys(TIMES_BY_STEP, 0.0)
-    for size, times in after.items():
-        if size == ASYNC:
-            continue
-        for name in TIMES_BY_STEP:
-            totals[name] += times.get(name, 0) - before.get(size, {}).get(name, 0)
+    grown = by_batch(before, after).values()
+    totals = {name: sum(times[name] for times in grown) for name in TIMES_BY_STEP}
     cycles = totals["step_s"] + totals["between_s"]
     steps = int(totals["steps"])
     return {"steps": steps, "async_scheduling": bool(after.get(ASYNC)),

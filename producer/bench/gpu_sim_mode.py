@@ -166,6 +166,13 @@ def _through(url: str, namespace: str, prompts: list[str], max_new_tokens: int,
     return asyncio.run(go())
 
 
+def by_batch(before: dict[str, Any], after: dict[str, Any]) -> dict[str, dict[str, float]]:
+    """What the engine's step times (``TIMES``, by batch size) grew by between
+    two settled readings (``SimWorker.settled``)."""
+    return {size: {f: t.get(f, 0) - before.get(size, {}).get(f, 0) for f in TIMES}
+            for size, t in after.items() if size != ASYNC}
+
+
 def figures(before: dict[str, Any], after: dict[str, Any], batch: int, step_ms: float,
             jobs: int, max_new_tokens: int, tokens: int, elapsed_s: float,
             sleep_late_s: float | None = None) -> dict[str, Any]:
@@ -174,9 +181,8 @@ def figures(before: dict[str, Any], after: dict[str, Any], batch: int, step_ms: 
     when timed, how late a bare sleep of a step ends on this machine."""
     ideal = batch * 1000 / step_ms
     ahead = bool(after.get(ASYNC))
-    by_batch = {size: {f: t.get(f, 0) - before.get(size, {}).get(f, 0) for f in TIMES}
-                for size, t in after.items() if size != ASYNC}
-    full = by_batch.get(str(batch), {})
+    grown = by_batch(before, after)
+    full = grown.get(str(batch), {})
     steady: dict[str, Any] | None = None
     cycle = full.get("step_s", 0.0) + full.get("between_s", 0.0)
     if full.get("steps") and cycle > 0:
@@ -205,7 +211,7 @@ def figures(before: dict[str, Any], after: dict[str, Any], batch: int, step_ms: 
         "ideal_tokens_per_s": round(ideal, 1), "steady": steady,
         "whole_run": {"tokens": tokens, "elapsed_s": round(elapsed_s, 4),
                       "tokens_per_s": round(whole, 1), "of_ideal": round(whole / ideal, 4)},
-        "engine_by_batch": by_batch,
+        "engine_by_batch": grown,
     }
 
 

@@ -8,7 +8,6 @@ import time
 from dataclasses import dataclass
 from typing import Any, NamedTuple, TextIO
 
-from pydantic import ValidationError
 from redis.exceptions import ResponseError
 
 from tokenfleet.shared.wire.client_scripts import ExpireVerdict, expire, forget_queue
@@ -24,6 +23,7 @@ from tokenfleet.shared.wire.schemas import (
     JobState,
     JobStatus,
     QueueEntry,
+    queue_entry,
 )
 from tokenfleet.shared.wire.serialization import end_event, loads
 from tokenfleet.shared.wire.topology import QueueTopology, level_stream, tenants_of
@@ -219,11 +219,8 @@ def _overdue(r: Any, stream: str, page: int, now: float) -> list[QueueEntry]:
     start, found = "-", []
     while entries := r.xrange(stream, start, "+", count=page):
         for _id, fields in entries:
-            try:
-                entry = QueueEntry.model_validate_json(fields[b"data"])
-            except (KeyError, ValueError, ValidationError):
-                continue
-            if entry.deadline_at is not None and entry.deadline_at <= now:
+            entry = queue_entry(fields)
+            if entry is not None and entry.deadline_at is not None and entry.deadline_at <= now:
                 found.append(entry)
         start = "(" + entries[-1][0].decode()
     return found

@@ -646,6 +646,16 @@ class QueueEntry(BaseModel):
     prefixes: list[str] = Field(default_factory=list, max_length=16)
 
 
+def queue_entry(fields: dict[bytes, bytes]) -> QueueEntry | None:
+    """The entry a queue stream's entry carries (its fields as read), or None for
+    one no job comes from: the reader that takes it dead-letters it, and
+    everything else that looks at the stream passes it over."""
+    try:
+        return QueueEntry.model_validate_json(fields[b"data"])
+    except (KeyError, ValueError):  # a pydantic ValidationError is a ValueError
+        return None
+
+
 class ApiKey(BaseModel):
     """One gateway API key as stored: its tenant and limits, never the key
     itself (its record is found by the key's SHA-256). A limit left None is no

@@ -25,7 +25,7 @@ from tokenfleet.shared.wire import fleet_history
 from tokenfleet.shared.wire.declared import indexed_declared
 from tokenfleet.shared.wire.keys import DEFAULT_TENANT, job_model, partitions_of
 from tokenfleet.shared.wire.ownership import tenant_or_default
-from tokenfleet.shared.wire.schemas import JobState, QueueEntry
+from tokenfleet.shared.wire.schemas import JobState, QueueEntry, queue_entry
 from tokenfleet.shared.wire.topology import QueueTopology
 
 ROWS = 50  # the most rows a list shows
@@ -104,11 +104,9 @@ async def jobs(aio: Any, queues: list[str], tenant: str | None, *, state: str | 
     for entries in await pipe.execute(raise_on_error=False):
         if isinstance(entries, ResponseError):
             continue
-        for _entry_id, fields in entries:
-            try:
-                ids.append(QueueEntry.model_validate_json(fields[b"data"]).job_id)
-            except (KeyError, ValueError):
-                continue  # a hostile entry: the dead letters show it once a worker reads it
+        # A hostile entry is passed over: the dead letters show it once a worker reads it.
+        ids.extend(entry.job_id for _entry_id, fields in entries
+                   if (entry := queue_entry(fields)) is not None)
     found = [j for j in await asyncio.gather(*(job(aio, i, tenant) for i in ids[:ROWS * 2]))
              if j is not None]
     if state:
