@@ -128,8 +128,9 @@ def test_bench_prefix_mode_compares_the_caches_on_the_same_jobs(tmp_path: Path) 
 def test_bench_placement_mode_runs_two_fleets_on_shared_and_hot_prefixes(tmp_path: Path) -> None:
     out = tmp_path / "placement.json"
     result = bench("--modes", "placement", "--jobs", "32", "--concurrency", "8",
-                   "--max-new-tokens", "4", "--json", str(out))
+                   "--max-new-tokens", "4", "--rate", "200", "--json", str(out))
     at = json.loads(out.read_text())["placement"]["8"]
+    assert at["rate"] == 200  # the shared and hot loads' jobs arrive over time
     for load in ("shared", "hot"):
         scatter, placed = at[load]["scatter"], at[load]["placed"]
         # Scattered, no job waits in a worker's own stream; placed, the jobs of the
@@ -142,7 +143,8 @@ def test_bench_placement_mode_runs_two_fleets_on_shared_and_hot_prefixes(tmp_pat
     talks = at["conversations"]
     assert talks["scatter"]["placed_jobs"] == 0 and talks["placed"]["placed_jobs"] > 0
     assert talks["scatter"]["hit_rate"] < talks["placed"]["hit_rate"] <= talks["ceiling"] < 1
-    assert "placement by prefix, 2 workers" in result.stdout
+    assert "placement by prefix, 2 workers, batch 8, 32 jobs arriving at 200 a second" in (
+        result.stdout)
 
 
 def test_conversations_grow_turn_by_turn() -> None:

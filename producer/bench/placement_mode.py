@@ -29,6 +29,7 @@ Times are the records' (Redis's clock): TTFT is created to first token.
 from __future__ import annotations
 
 import statistics
+import time
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, ExitStack, closing
 from typing import Any
@@ -97,8 +98,12 @@ class Pair:
     def run(self, jobs: list[Job], tick: Tick) -> dict[str, Any]:
         before = self.settled()
         redis0 = sample(self.redis)
-        ids = [self.client.submit(j.prompt, max_new_tokens=j.max_new_tokens, temperature=0.0)
-               for j in jobs]
+        ids, start = [], time.monotonic()
+        for j in jobs:
+            if (early := start + j.arrival_s - time.monotonic()) > 0:
+                time.sleep(early)  # the job's arrival time (--rate), not a wait for an event
+            ids.append(self.client.submit(j.prompt, max_new_tokens=j.max_new_tokens,
+                                          temperature=0.0))
         for job_id in ids:
             self.client.wait(job_id, timeout=3600)
             tick(1)
@@ -180,9 +185,10 @@ def _rounded(value: float | None) -> float | None:
 
 
 def run(env: BenchEnv, model: str, batch: int, jobs: int, max_new_tokens: int,
-        rounds: int, steal_ms: int, phase: Phase) -> dict[str, Any]:
+        rounds: int, steal_ms: int, phase: Phase, rate: float | None = None) -> dict[str, Any]:
     """Both fleets on the shared-prefix load and on one hot prefix, ``rounds``
-    rounds of ``jobs`` jobs each, taking turns; the medians of each."""
+    rounds of ``jobs`` jobs each, taking turns; the medians of each. ``rate``:
+    those jobs arrive at this many a second (None: all at once)."""
     loads_ = {"shared": 0.0, "hot": HOT}
     runs: dict[str, dict[str, list[dict[str, Any]]]] = {
         load: {name: [] for name in FLEETS} for load in (*loads_, "conversations")}
@@ -199,7 +205,8 @@ def run(env: BenchEnv, model: str, batch: int, jobs: int, max_new_tokens: int,
                 pair.run(warm, tick)
         for r in range(rounds):
             for load, hot in loads_.items():
-                round_jobs = shared_prefix(jobs, max_new_tokens, seed=r, system_seed=0, hot=hot)
+                round_jobs = shared_prefix(jobs, max_new_tokens, rate, seed=r, system_seed=0,
+                                           hot=hot)
                 for name, pair in pairs.items():
                     with phase(f"placement {name} {load} ({r + 1}/{rounds})",
                                len(round_jobs)) as tick:
@@ -215,7 +222,8 @@ def run(env: BenchEnv, model: str, batch: int, jobs: int, max_new_tokens: int,
             for name, turns in by_turn.items():
                 runs["conversations"][name].append(_later_turns(turns))
             ceilings.append(_ceiling(model, talks))
-    out: dict[str, Any] = {"rounds": rounds, "jobs": jobs, "batch": batch, "steal_ms": steal_ms}
+    out: dict[str, Any] = {"rounds": rounds, "jobs": jobs, "batch": batch, "steal_ms": steal_ms,
+                           "rate": rate}
     for load, by_fleet in runs.items():
         out[load] = {name: _medians(rs) for name, rs in by_fleet.items()}
     out["conversations"]["ceiling"] = round(statistics.median(ceilings), 3)
@@ -252,8 +260,10 @@ def _medians(runs: list[dict[str, Any]]) -> dict[str, Any]:
 
 def lines(f: dict[str, Any]) -> Iterator[str]:
     """The figures as the bench prints them."""
-    yield (f"placement by prefix, 2 workers, batch {f['batch']}, {f['jobs']} jobs, median of "
-           f"{f['rounds']} round(s), steal after {f['steal_ms']} ms:")
+    arriving = (f"arriving at {f['rate']:g} a second" if f.get("rate")
+                else "submitted at once")
+    yield (f"placement by prefix, 2 workers, batch {f['batch']}, {f['jobs']} jobs {arriving}, "
+           f"median of {f['rounds']} round(s), steal after {f['steal_ms']} ms:")
     for name in FLEETS:
         s = f["shared"][name]
         yield (f"  shared prefixes, {name:<7}: hit rate {num(s['hit_rate'], 3)}, TTFT p50 "

@@ -245,7 +245,7 @@ def _run_modes(cfg: BenchConfig, env: BenchEnv, jobs: list[Job], probe: list[Job
         for c in levels:
             out["placement"][str(c)] = placement_mode.run(env, cfg.model, c, cfg.jobs,
                                                           cfg.max_new_tokens, cfg.repeat,
-                                                          steal_ms, ticker.phase)
+                                                          steal_ms, ticker.phase, cfg.rate)
     if "gpu-sim" in modes and cfg.arrivals == "poisson":
         for c in levels:
             out["arrivals"][str(c)] = arrivals.run(env, c, cfg.max_new_tokens, cfg.step_ms,

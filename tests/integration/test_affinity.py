@@ -14,6 +14,7 @@ in-process workers of the tiny model:
 
 from __future__ import annotations
 
+import hashlib
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -134,6 +135,30 @@ def test_jobs_of_a_prefix_run_on_the_worker_that_holds_it(
     assert all(s.status is JobStatus.SUCCEEDED for s in states)
     assert {s.worker for s in states} == {runner}
     assert {owner_of(r, keys, j) for j in jobs} == {owner_tag(runner)}
+
+
+def test_owners_that_hold_a_prefix_alike_split_the_prefixes_between_them(
+        placed: FleetClient, two: tuple[Any, Any], r: redis.Redis) -> None:
+    """Both hold every prefix and neither has work waiting (a low arrival rate):
+    each prefix's jobs go to one of them, the highest hash of prefix and owner,
+    so their caches split the prefixes rather than the first owner listed
+    taking every job."""
+    keys, tags = placed.keys, [owner_tag(w.name) for w in two]
+    texts = [f"{(f'You are the assistant of team {k}. ' * 30)[:600]}\nUser: hi.\nAssistant:"
+             for k in range(8)]
+    for text in texts:
+        for worker in two:
+            hold(r, keys, worker, text)
+    owners = []
+    for text in texts * 2:
+        job = placed.submit(text, max_new_tokens=2, temperature=0.0)
+        assert placed.wait(job, timeout=60).status is JobStatus.SUCCEEDED  # none left waiting
+        owners.append(owner_of(r, keys, job))
+    longest = [prefix_keys(GenerationRequest(prompt=t))[-1].key for t in texts]
+    assert owners[:8] == [max(tags, key=lambda tag: hashlib.sha1(f"{key}{tag}".encode())
+                              .hexdigest()) for key in longest]
+    assert owners[8:] == owners[:8]  # a prefix's jobs keep to one owner
+    assert set(owners) == set(tags)
 
 
 def test_a_job_waiting_behind_a_worker_that_takes_nothing_is_stolen(

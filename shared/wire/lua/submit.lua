@@ -33,7 +33,8 @@
 -- longest of its prefixes, scored as production-stack's router does, matched
 -- share of the prompt less the owner's load (its own streams' jobs, waiting or
 -- running, over its slots); an owner with a batch's worth there already is
--- passed over. Else (and a batch line always) to the shared stream KEYS[1].
+-- passed over; equal scores are broken by rendezvous hashing (below). Else
+-- (and a batch line always) to the shared stream KEYS[1].
 -- Returns {'ok', job id}, {'dup', id of the job the key made before},
 --         {'conflict', ''} (the key was used for another request),
 --         {'noworker', KEYS[9]} (KEYS[9]: '' for a queue never served, or not
@@ -140,12 +141,19 @@ if place and not submitted.batch then
     local busy = fit and (load[tag] or 0) / info.slots or 1
     if busy < 1 then
       for j = #place.prefix, 1, -1 do
-        if redis.call('ZSCORE', place.held .. tag, place.prefix[j][2]) then
+        local key = place.prefix[j][2]
+        if redis.call('ZSCORE', place.held .. tag, key) then
           local score = place.prefix[j][1] / place.plen - busy
-          -- Live: its heartbeat's score (asked only of an owner that would win).
-          if not best or score > best[2] then
+          -- Equal scores (owners that hold it, equally loaded: at a low arrival
+          -- rate, none) go to the highest hash of prefix and owner (rendezvous
+          -- hashing): each prefix to one of them, the prefixes spread over them,
+          -- so their caches split the load's prefixes instead of the owner
+          -- listed first taking every job. Live: its heartbeat's score (asked
+          -- only of an owner that would win).
+          if not best or score > best[2] or (score == best[2]
+              and redis.sha1hex(key .. tag) > redis.sha1hex(best[3] .. best[1])) then
             local seen = redis.call('ZSCORE', KEYS[5], info.worker)
-            if seen and tonumber(seen) >= place.since then best = {tag, score} end
+            if seen and tonumber(seen) >= place.since then best = {tag, score, key} end
           end
           break
         end
