@@ -176,6 +176,31 @@ def test_a_job_waiting_behind_a_worker_that_takes_nothing_is_stolen(
                and s.started_at - s.created_at >= 0.3 for s in states)
 
 
+def test_a_loaded_owner_leaves_the_rest_of_its_prefixs_jobs_to_an_idle_peer(
+        placed: FleetClient, two: tuple[Any, Any], r: redis.Redis) -> None:
+    """Production-stack's score: an owner that does not hold the prefix scores
+    its load alone. Once the holder's load outweighs what its cache saves, its
+    prefix's jobs go to the shared stream, where the idle peer takes them at
+    once, rather than waiting in the holder's stream for the steal time."""
+    keys = placed.keys
+    owner, other, jobs = placed_on_a_paused_owner(placed, two, "red", 16)  # 16 slots each
+    owners = [owner_of(r, keys, j) for j in jobs]
+    placed_count = owners.count(owner_tag(owner.name))
+    assert 8 <= placed_count < 16
+    assert owners[:placed_count] == [owner_tag(owner.name)] * placed_count
+    # The first of the rest to the shared stream; once the peer has started one,
+    # it holds the prefix too, and the next may be placed on it.
+    assert owners[placed_count] is None
+    assert set(owners[placed_count:]) <= {None, owner_tag(other.name)}
+    states = [placed.wait(j, timeout=60) for j in jobs]
+    assert all(s.status is JobStatus.SUCCEEDED for s in states)
+    assert {s.worker for s in states[:placed_count]} == {other.name}  # stolen from the owner
+    # The rest did not wait for the steal time (a blocking read the owner had in
+    # flight as it was paused may take the first of them: it runs there).
+    assert all(s.started_at is not None and s.created_at is not None
+               and s.started_at - s.created_at < 0.3 for s in states[placed_count:])
+
+
 def test_a_departed_owners_waiting_jobs_are_taken_over(
         placed: FleetClient, two: tuple[Any, Any], r: redis.Redis) -> None:
     keys = placed.keys

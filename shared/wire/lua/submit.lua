@@ -33,8 +33,10 @@
 -- longest of its prefixes, scored as production-stack's router does, matched
 -- share of the prompt less the owner's load (its own streams' jobs, waiting or
 -- running, over its slots); an owner with a batch's worth there already is
--- passed over; equal scores are broken by rendezvous hashing (below). Else
--- (and a batch line always) to the shared stream KEYS[1].
+-- passed over; equal scores are broken by rendezvous hashing (below). A job
+-- whose best owner scores no more than the least loaded owner would without the
+-- prefix (its load alone), and a batch line always, go to the shared stream
+-- KEYS[1].
 -- Returns {'ok', job id}, {'dup', id of the job the key made before},
 --         {'conflict', ''} (the key was used for another request),
 --         {'noworker', KEYS[9]} (KEYS[9]: '' for a queue never served, or not
@@ -131,7 +133,7 @@ end
 local stream, owner = KEYS[1], nil
 local place = submitted.place
 if place and not submitted.batch then
-  local best
+  local best, least = nil, 1
   local owners = redis.call('HGETALL', KEYS[10])
   for i = 1, #owners, 2 do
     local tag, ok, info = owners[i], pcall(cjson.decode, owners[i + 1])
@@ -139,6 +141,7 @@ if place and not submitted.batch then
     local fit = ok and type(info) == 'table' and type(info.worker) == 'string'
       and type(info.slots) == 'number' and info.slots >= 1
     local busy = fit and (load[tag] or 0) / info.slots or 1
+    least = math.min(least, busy)
     if busy < 1 then
       for j = #place.prefix, 1, -1 do
         local key = place.prefix[j][2]
@@ -160,7 +163,11 @@ if place and not submitted.batch then
       end
     end
   end
-  if best then
+  -- An owner that does not hold the prefix scores its load alone (0 matched):
+  -- the best holder must beat the least loaded owner so, or the job goes to the
+  -- shared stream, where that one takes it. Else an owner that ran the first
+  -- turn of many conversations would draw every later turn while a peer idles.
+  if best and best[2] > -least then
     owner = best[1]
     stream = submitted.qhead .. ':' .. place.level .. ':' .. owner
     local level = string.match(KEYS[1], '{(.-)}') .. ':' .. place.level .. ':' .. owner
