@@ -233,7 +233,9 @@ def _batch_view(record: BatchRecord, now: float) -> dict[str, Any]:
     counts = b.request_counts
     done = counts.completed + counts.failed
     ended = b.completed_at or b.failed_at or b.cancelled_at or b.expired_at
-    took = (ended or now) - b.in_progress_at if b.in_progress_at else 0.0
+    # The object's times are whole seconds: a batch that ended within the second
+    # it started ran under one, and its rate is given over one (at least that).
+    took = max(1.0, (ended or now) - b.in_progress_at) if b.in_progress_at else 0.0
     eta = None
     if took > 0 and 0 < done < counts.total and not b.is_ended:
         eta = round((counts.total - done) / (done / took), 1)
