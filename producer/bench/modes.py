@@ -39,7 +39,8 @@ from tokenfleet.bench.procs import (
 )
 from tokenfleet.bench.redis_cost import cost, sample
 from tokenfleet.bench.taps import EventTap, ResultTap
-from tokenfleet.bench.workload import Job, Trace, occupancy_from_stats, step_counts, summarize
+from tokenfleet.bench.workload import (Job, Trace, arrive, occupancy_from_stats, step_counts,
+                                       summarize)
 from tokenfleet.workers.output_processor import step
 
 Tick = Callable[[int], None]
@@ -248,8 +249,7 @@ class FleetSession:
         clock = time.perf_counter
         t0 = clock()
         for i, job in enumerate(jobs):
-            if job.arrival_s:
-                time.sleep(max(0.0, t0 + job.arrival_s - clock()))
+            arrive(job, t0)
             self._one_done.clear()
             trace.submitted[i] = clock()
             ids[i] = self.client.submit(job.prompt, max_new_tokens=job.max_new_tokens,
@@ -392,8 +392,7 @@ class NaiveSession:
         clock = time.perf_counter
         t0 = clock()
         for i, job in enumerate(jobs):
-            if job.arrival_s:
-                time.sleep(max(0.0, t0 + job.arrival_s - clock()))
+            arrive(job, t0)
             trace.submitted[i] = clock()
             ids[i] = self.app.send_task(task, args=[job.prompt, job.max_new_tokens]).id.encode()
         deadline = time.monotonic() + timeout

@@ -41,7 +41,7 @@ from tokenfleet.bench.figures import num
 from tokenfleet.bench.modes import BenchEnv
 from tokenfleet.bench.procs import CeleryProc, wait_for
 from tokenfleet.bench.redis_cost import cost, sample
-from tokenfleet.bench.workload import Job, conversations, percentile, shared_prefix
+from tokenfleet.bench.workload import Job, arrive, conversations, percentile, shared_prefix
 from tokenfleet.shared.settings import get_settings
 from tokenfleet.shared.wire.keys import Keys, owner_tag
 from tokenfleet.shared.wire.serialization import loads
@@ -98,10 +98,9 @@ class Pair:
     def run(self, jobs: list[Job], tick: Tick) -> dict[str, Any]:
         before = self.settled()
         redis0 = sample(self.redis)
-        ids, start = [], time.monotonic()
+        ids, t0 = [], time.perf_counter()
         for j in jobs:
-            if (early := start + j.arrival_s - time.monotonic()) > 0:
-                time.sleep(early)  # the job's arrival time (--rate), not a wait for an event
+            arrive(j, t0)  # --rate
             ids.append(self.client.submit(j.prompt, max_new_tokens=j.max_new_tokens,
                                           temperature=0.0))
         for job_id in ids:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import random
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,6 +26,13 @@ class Job:
     prompt: str
     max_new_tokens: int
     arrival_s: float  # after the start of the run; 0 for all at once
+
+
+def arrive(job: Job, t0: float) -> None:
+    """Sleep until ``job``'s arrival, ``t0`` (``time.perf_counter``) being the
+    run's start: the schedule an open-loop load keeps, not a wait for an event."""
+    if job.arrival_s:
+        time.sleep(max(0.0, t0 + job.arrival_s - time.perf_counter()))
 
 
 WORKLOADS = ("uniform", "mixed", "shared-prefix")
